@@ -1,0 +1,272 @@
+"""One Prefect flow per stage. A stage is the unit that runs on one work pool.
+
+Stages hand data to each other through the object store (publish uploads, training stages
+download and verify) and through model folders; each writes `lineage.json` beside its outputs.
+Every flow takes the params file and `--set` overrides, validates them before any work, and
+saves the resolved configuration beside its outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+
+from moe.config import Config, load_config
+from tasks.data import build_sql_sets, build_tokenizer, commit_folder, tokenize_corpus
+from tasks.evaluation import evaluate_perplexity, evaluate_sql
+from tasks.report import StageRecord, cost_ledger, plot_training, publish_artifacts, write_json
+from tasks.storage import download_dataset, publish_dataset
+from tasks.tracking import wandb_run
+from tasks.training import finetune_model, pretrain_model
+
+log = logging.getLogger(__name__)
+
+PUBLISHED = Path("data/published")
+MODELS = Path("models")
+REPORTS = Path("reports")
+TRAIN_STAGES = ("pretrain", "finetune_sql", "finetune_domain")
+
+
+def _receipt() -> dict[str, Any]:
+    path = PUBLISHED / "receipt.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: run the publish stage first (moe-pipeline stage publish)"
+        )
+    return json.loads(path.read_text())
+
+
+def _load(params_file: str | None, overrides: list[str] | None) -> Config:
+    return load_config(params_file, overrides or [])
+
+
+@flow(name="prepare", log_prints=True)
+def prepare(params_file: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Tokenize the corpus into memmap token files and generate the SQL pair sets (CPU)."""
+    cfg = _load(params_file, overrides)
+    out = Path(cfg.data.out_dir)
+    record = StageRecord(cfg, "prepare", out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tok = build_tokenizer(cfg, tmp)
+    meta = tokenize_corpus(cfg, tmp, tok)
+    sql = build_sql_sets(cfg, tmp)
+    commit_folder(tmp, out)
+    summary = {
+        "documents": meta["documents"],
+        "train_tokens": meta["splits"]["train"]["tokens"],
+        "val_tokens": meta["splits"]["val"]["tokens"],
+        "vocab_size": meta["vocab_size"],
+        "skipped_undecodable": meta["skipped_undecodable"],
+        "tokens_per_s": meta["tokens_per_s"],
+        **{f"sql_{k}": v for k, v in sql.items()},
+    }
+    record.write(inputs={}, outputs={"prepared": out}, metrics=summary)
+    publish_artifacts("prepare", summary)
+    return summary
+
+
+@flow(name="publish", log_prints=True)
+def publish(params_file: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Archive the prepared data with zstd and upload it with a sha256 manifest (CPU)."""
+    cfg = _load(params_file, overrides)
+    prepared = Path(cfg.data.out_dir)
+    if not (prepared / "meta.json").is_file():
+        raise FileNotFoundError(
+            f"{prepared}/meta.json is missing: run the prepare stage first (moe-pipeline stage prepare)"
+        )
+    record = StageRecord(cfg, "publish", PUBLISHED)
+    work = Path(".cache/publish")
+    published = publish_dataset(cfg, prepared, work)
+    shutil.rmtree(work, ignore_errors=True)
+    write_json(PUBLISHED / "receipt.json", published.to_dict())
+    log.info(
+        "published %s/%s to %s: %d -> %d bytes; token files alone compress to %.1f%% of their size",
+        published.name,
+        published.version,
+        published.uri,
+        published.raw_bytes,
+        published.archive_bytes,
+        100 * published.token_archive_ratio,
+    )
+    record.write(
+        inputs={"prepared": prepared},
+        outputs={"receipt": PUBLISHED / "receipt.json"},
+        metrics=published.to_dict(),
+    )
+    publish_artifacts("publish", published.to_dict())
+    return published.to_dict()
+
+
+def _train_summary(stage: str, result: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"stage": stage, **asdict(result), **(extra or {})}
+
+
+@flow(name="pretrain", log_prints=True)
+def pretrain(params_file: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Download and verify the published data, then pretrain the MoE model (GPU)."""
+    cfg = _load(params_file, overrides)
+    receipt = _receipt()
+    out = MODELS / "pretrain"
+    record = StageRecord(cfg, "pretrain", out)
+    data_dir = download_dataset(cfg, receipt)
+    with wandb_run(cfg, "pretrain") as (log_fn, run_id):
+        result = pretrain_model(cfg, data_dir, out, log_fn)
+    summary = _train_summary("pretrain", result, {"dataset_version": receipt["version"]})
+    write_json(REPORTS / "pretrain.json", summary)
+    record.write(
+        inputs={"receipt": PUBLISHED / "receipt.json"},
+        outputs={"model": out / "model.safetensors"},
+        metrics=summary,
+        wandb_run_id=run_id,
+        compute_s=result.wall_s,
+    )
+    publish_artifacts("pretrain", summary)
+    return summary
+
+
+def _finetune(
+    stage: str, pairs_file: str, init: str, params_file: str | None, overrides: list[str] | None
+) -> dict[str, Any]:
+    cfg = _load(params_file, overrides)
+    receipt = _receipt()
+    out, init_dir = MODELS / stage, MODELS / init
+    if not (init_dir / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"{init_dir}/model.safetensors is missing: run the {init} stage first"
+        )
+    record = StageRecord(cfg, stage, out)
+    data_dir = download_dataset(cfg, receipt)
+    with wandb_run(cfg, stage) as (log_fn, run_id):
+        result = finetune_model(cfg, stage, data_dir, pairs_file, init_dir, out, log_fn)
+    summary = _train_summary(stage, result)
+    write_json(REPORTS / f"{stage}.json", summary)
+    record.write(
+        inputs={
+            "receipt": PUBLISHED / "receipt.json",
+            "init_model": init_dir / "model.safetensors",
+        },
+        outputs={"model": out / "model.safetensors"},
+        metrics=summary,
+        wandb_run_id=run_id,
+        compute_s=result.wall_s,
+    )
+    publish_artifacts(stage, summary)
+    return summary
+
+
+@flow(name="finetune_sql", log_prints=True)
+def finetune_sql(
+    params_file: str | None = None, overrides: list[str] | None = None
+) -> dict[str, Any]:
+    """Stage one of finetuning: the generic SQL pairs, from the pretrained model (GPU)."""
+    return _finetune("finetune_sql", "generic.jsonl", "pretrain", params_file, overrides)
+
+
+@flow(name="finetune_domain", log_prints=True)
+def finetune_domain(
+    params_file: str | None = None, overrides: list[str] | None = None
+) -> dict[str, Any]:
+    """Stage two of finetuning: the target-domain pairs, from the SQL model (GPU)."""
+    return _finetune(
+        "finetune_domain", "domain_train.jsonl", "finetune_sql", params_file, overrides
+    )
+
+
+@flow(name="evaluate", log_prints=True)
+def evaluate(params_file: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Perplexity of every stage's model, SQL accuracy of the finetuned ones, the bill."""
+    cfg = _load(params_file, overrides)
+    receipt = _receipt()
+    out = REPORTS / "evaluate"
+    record = StageRecord(cfg, "evaluate", out)
+    data_dir = download_dataset(cfg, receipt)
+    metrics: dict[str, Any] = {
+        "dataset_version": receipt["version"],
+        "token_archive_ratio": receipt["token_archive_ratio"],
+    }
+    for stage in TRAIN_STAGES:
+        metrics[stage] = {"val": evaluate_perplexity(cfg, data_dir, MODELS / stage)}
+    for stage in ("finetune_sql", "finetune_domain"):
+        metrics[stage]["sql"] = evaluate_sql(cfg, data_dir, MODELS / stage)
+    plot = plot_training(
+        {s: MODELS / s / "metrics.jsonl" for s in TRAIN_STAGES}, out / "training_loss.png"
+    )
+
+    records = [json.loads(p.read_text()) for p in _lineage_files(cfg)]
+    own = record.write(
+        inputs={s: MODELS / s / "model.safetensors" for s in TRAIN_STAGES},
+        outputs={"metrics": REPORTS / "metrics.json"},
+        metrics={k: v for k, v in metrics.items() if not isinstance(v, dict)},
+    )
+    pre = json.loads((MODELS / "pretrain" / "lineage.json").read_text())
+    shares = {
+        s: json.loads((REPORTS / f"{s}.json").read_text()).get("expert_share") for s in TRAIN_STAGES
+    }
+    ledger = cost_ledger(cfg, [*records, own], shares)
+    write_json(REPORTS / "cost.json", ledger)
+    metrics["cost_total"] = ledger["total"]
+    write_json(REPORTS / "metrics.json", metrics)
+    lines = [
+        "# Run report",
+        "",
+        f"Dataset {receipt['name']}/{receipt['version']}, code {pre['code']['commit'][:12]}",
+        "",
+        "| stage | pool | wall s | cost |",
+        "|---|---|---|---|",
+        *(
+            f"| {s} | {v['pool']} | {v['wall_s']:.1f} | {v['cost']:.5f} |"
+            for s, v in ledger["by_stage"].items()
+        ),
+        "",
+        f"Total {ledger['total']:.5f} {ledger['currency']}",
+        "",
+        "| model | val perplexity | SQL execution accuracy |",
+        "|---|---|---|",
+        *(
+            f"| {s} | {metrics[s]['val']['perplexity']:.2f} | {metrics[s].get('sql', {}).get('execution_accuracy', float('nan')):.3f} |"
+            for s in TRAIN_STAGES
+        ),
+    ]
+    if plot:
+        lines += ["", f"![training loss]({plot.name})"]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    publish_artifacts(
+        "evaluate",
+        {
+            "cost_total": ledger["total"],
+            **{f"{s}_ppl": round(metrics[s]["val"]["perplexity"], 3) for s in TRAIN_STAGES},
+        },
+    )
+    return metrics
+
+
+def _lineage_files(cfg: Config) -> list[Path]:
+    paths = [
+        Path(cfg.data.out_dir) / "lineage.json",
+        PUBLISHED / "lineage.json",
+        *(MODELS / s / "lineage.json" for s in TRAIN_STAGES),
+    ]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"lineage records missing: {', '.join(missing)}; run the earlier stages first"
+        )
+    return paths
+
+
+STAGE_FLOWS = {
+    "prepare": prepare,
+    "publish": publish,
+    "pretrain": pretrain,
+    "finetune_sql": finetune_sql,
+    "finetune_domain": finetune_domain,
+    "evaluate": evaluate,
+}

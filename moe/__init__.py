@@ -1,0 +1,1 @@
+"""Mixture-of-Experts language models: the pure library (no Prefect, no DVC)."""

@@ -1,0 +1,672 @@
+"""Typed configuration: `params.yaml` -> dataclasses, with errors a user can act on.
+
+One source of every knob. The dataclass defaults below *are* the embedded default (a tiny
+model that runs the whole pipeline on a 2-core CPU in a few minutes); `params.yaml` repeats
+them so that DVC can track each key. Unknown keys, wrong types and invalid values are all
+collected and reported together, each with its key path, the offending value, what is allowed
+and (when read from a file) the line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+STAGES = ("prepare", "publish", "pretrain", "finetune_sql", "finetune_domain", "evaluate")
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems; `str()` lists each on its own line."""
+
+    def __init__(self, problems: list[str], source: str = "params") -> None:
+        self.problems = problems
+        self.source = source
+        super().__init__(
+            f"{source}: {len(problems)} problem(s) in the configuration:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class DataConfig:
+    # "stdlib" = the Python standard library's sources on this machine; otherwise a local
+    # text/JSONL/Parquet file or folder.
+    source: str = "stdlib"
+    text_field: str = "text"
+    max_bytes: int = 4_000_000  # cap on corpus size read (0 = no cap)
+    val_fraction: float = 0.05  # fraction of documents held out for validation
+    seed: int = 1337
+    out_dir: str = "data/prepared"
+    sql_generic_pairs: int = 10_000  # seed 000 §7: ~10k generic text-to-SQL pairs
+    sql_domain_train_pairs: int = 500  # seed 000 §7: ~500 target-domain pairs
+    sql_domain_test_pairs: int = 200
+
+    def check(self, p: _Problems) -> None:
+        p.require(self.max_bytes >= 0, "max_bytes", self.max_bytes, "must be >= 0")
+        p.require(
+            0.0 < self.val_fraction < 0.5, "val_fraction", self.val_fraction, "must be in (0, 0.5)"
+        )
+        p.require(
+            self.sql_generic_pairs >= 1, "sql_generic_pairs", self.sql_generic_pairs, "must be >= 1"
+        )
+        p.require(
+            self.sql_domain_train_pairs >= 1,
+            "sql_domain_train_pairs",
+            self.sql_domain_train_pairs,
+            "must be >= 1",
+        )
+        p.require(
+            self.sql_domain_test_pairs >= 1,
+            "sql_domain_test_pairs",
+            self.sql_domain_test_pairs,
+            "must be >= 1",
+        )
+        p.require(bool(self.text_field), "text_field", self.text_field, "must not be empty")
+
+
+@dataclass
+class TokenizerConfig:
+    vocab_size: int = 4096
+    min_frequency: int = 2
+    path: str = ""  # an existing tokenizer.json to use instead of training one
+
+    def check(self, p: _Problems) -> None:
+        p.require(
+            256 < self.vocab_size <= 1 << 20,
+            "vocab_size",
+            self.vocab_size,
+            "must be in (256, 1048576]",
+        )
+        p.require(self.min_frequency >= 1, "min_frequency", self.min_frequency, "must be >= 1")
+        if self.path:
+            p.require(
+                Path(self.path).is_file(), "path", self.path, "must name an existing tokenizer.json"
+            )
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 128
+    seq_len: int = 128
+    moe_every: int = 1  # an MoE feed-forward in every Nth block (1 = every block)
+    dense_hidden: int = 512  # feed-forward width of the non-MoE blocks
+    tie_embeddings: bool = True
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def check(self, p: _Problems) -> None:
+        for name in ("n_layer", "n_head", "d_model", "seq_len", "moe_every", "dense_hidden"):
+            p.require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        if self.n_head >= 1 and self.d_model >= 1:
+            p.require(
+                self.d_model % self.n_head == 0,
+                "d_model",
+                self.d_model,
+                f"must be divisible by n_head ({self.n_head})",
+            )
+            p.require(
+                (self.d_model // self.n_head) % 2 == 0,
+                "d_model",
+                self.d_model,
+                "d_model / n_head must be even (rotary positions)",
+            )
+        p.require(self.rope_theta > 0, "rope_theta", self.rope_theta, "must be > 0")
+        p.require(self.norm_eps > 0, "norm_eps", self.norm_eps, "must be > 0")
+        p.require(self.init_std > 0, "init_std", self.init_std, "must be > 0")
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 256
+    # Tokens an expert takes per batch = capacity_factor * tokens * top_k / num_experts;
+    # 0 = dropless (every routed token is computed).
+    capacity_factor: float = 0.0
+    renormalize: bool = True  # renormalise the kept top-k weights to sum to 1
+    aux_loss_coef: float = 0.01  # Switch/GShard load-balancing loss
+    z_loss_coef: float = 0.001  # ST-MoE router z-loss
+    router_lr_mult: float = 3.0  # seed 004: gate learning rate 3-5x the base rate
+    shared_expert: bool = False
+
+    def check(self, p: _Problems) -> None:
+        p.require(self.num_experts >= 1, "num_experts", self.num_experts, "must be >= 1")
+        p.require(self.top_k >= 1, "top_k", self.top_k, "must be >= 1")
+        p.require(
+            self.top_k <= self.num_experts,
+            "top_k",
+            self.top_k,
+            f"must be <= moe.num_experts ({self.num_experts})",
+        )
+        p.require(self.expert_hidden >= 1, "expert_hidden", self.expert_hidden, "must be >= 1")
+        p.require(
+            self.capacity_factor >= 0,
+            "capacity_factor",
+            self.capacity_factor,
+            "must be >= 0 (0 = dropless)",
+        )
+        p.require(self.aux_loss_coef >= 0, "aux_loss_coef", self.aux_loss_coef, "must be >= 0")
+        p.require(self.z_loss_coef >= 0, "z_loss_coef", self.z_loss_coef, "must be >= 0")
+        p.require(self.router_lr_mult > 0, "router_lr_mult", self.router_lr_mult, "must be > 0")
+
+
+@dataclass
+class TrainConfig:
+    """Pretraining: warm-up + cosine decay."""
+
+    max_steps: int = 300
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max_norm; seed 000 uses 2.0 under bf16
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    device: str = "auto"
+    seed: int = 1337
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+
+    def check(self, p: _Problems) -> None:
+        _check_optim(self, p)
+        p.require(self.min_lr >= 0, "min_lr", self.min_lr, "must be >= 0")
+        p.require(self.min_lr <= self.lr, "min_lr", self.min_lr, f"must be <= lr ({self.lr})")
+        p.require(self.eval_batches >= 1, "eval_batches", self.eval_batches, "must be >= 1")
+        p.require(self.eval_every >= 1, "eval_every", self.eval_every, "must be >= 1")
+
+
+@dataclass
+class FinetuneConfig:
+    """Supervised finetuning on prompt -> SQL pairs: linear decay, loss on response tokens."""
+
+    max_steps: int = 150
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 5e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    device: str = "auto"
+    seed: int = 1337
+    log_every: int = 10
+    checkpoint_every: int = 50
+    max_len: int = 128  # prompt + response tokens; longer pairs are truncated from the left
+    focus_weight: float = 2.0  # loss weight of focus tokens (seed 000 §7.2)
+    focus_tokens: list[str] = field(
+        default_factory=lambda: ["SELECT", "WHERE", "JOIN", "GROUP", "ORDER", "COUNT", "LIMIT"]
+    )
+
+    def check(self, p: _Problems) -> None:
+        _check_optim(self, p)
+        p.require(self.max_len >= 8, "max_len", self.max_len, "must be >= 8")
+        p.require(self.focus_weight > 0, "focus_weight", self.focus_weight, "must be > 0")
+
+
+def _check_optim(c: TrainConfig | FinetuneConfig, p: _Problems) -> None:
+    p.require(c.max_steps >= 1, "max_steps", c.max_steps, "must be >= 1")
+    p.require(c.batch_size >= 1, "batch_size", c.batch_size, "must be >= 1")
+    p.require(c.grad_accum >= 1, "grad_accum", c.grad_accum, "must be >= 1")
+    p.require(c.lr > 0, "lr", c.lr, "must be > 0")
+    p.require(c.warmup_steps >= 0, "warmup_steps", c.warmup_steps, "must be >= 0")
+    p.require(c.weight_decay >= 0, "weight_decay", c.weight_decay, "must be >= 0")
+    p.require(0 <= c.beta1 < 1, "beta1", c.beta1, "must be in [0, 1)")
+    p.require(0 <= c.beta2 < 1, "beta2", c.beta2, "must be in [0, 1)")
+    p.require(c.grad_clip >= 0, "grad_clip", c.grad_clip, "must be >= 0 (0 = no clipping)")
+    p.require(c.log_every >= 1, "log_every", c.log_every, "must be >= 1")
+    p.require(c.checkpoint_every >= 1, "checkpoint_every", c.checkpoint_every, "must be >= 1")
+    p.require(
+        c.device == "auto" or c.device == "cpu" or c.device.startswith("cuda"),
+        "device",
+        c.device,
+        "must be auto, cpu, cuda or cuda:N",
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    keep_last: int = 3  # seed 001: keep the last 3
+
+    def check(self, p: _Problems) -> None:
+        p.require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1")
+
+
+@dataclass
+class StorageConfig:
+    backend: Literal["local", "s3"] = "local"
+    root: str = "store"  # local backend: the object store folder
+    bucket: str = ""  # s3 backend
+    prefix: str = "moe-pipeline"
+    endpoint_url: str = ""  # s3 backend: e.g. a MinIO or moto server; empty = AWS
+    region: str = "us-east-1"
+    dataset_name: str = "stdlib-code"
+    zstd_level: int = 10
+    zstd_threads: int = -1  # -1 = all cores
+    cache_dir: str = ".cache/datasets"  # where training stages download published data
+
+    def check(self, p: _Problems) -> None:
+        p.require(1 <= self.zstd_level <= 22, "zstd_level", self.zstd_level, "must be in [1, 22]")
+        p.require(self.zstd_threads >= -1, "zstd_threads", self.zstd_threads, "must be >= -1")
+        if self.backend == "s3":
+            p.require(
+                len(self.bucket) >= 3,
+                "bucket",
+                self.bucket,
+                "the s3 backend needs a bucket name (3+ characters)",
+            )
+        p.require(
+            bool(self.dataset_name) and "/" not in self.dataset_name,
+            "dataset_name",
+            self.dataset_name,
+            "must be a non-empty name without '/'",
+        )
+
+
+@dataclass
+class PoolSpec:
+    price_per_hour: float = 0.0  # USD per hour of one machine of this pool
+    gpu: str = ""  # e.g. "H100"; empty = CPU only
+    type: Literal["process", "docker", "kubernetes"] = "process"
+
+    def check(self, p: _Problems) -> None:
+        p.require(self.price_per_hour >= 0, "price_per_hour", self.price_per_hour, "must be >= 0")
+
+
+def _default_pools() -> dict[str, PoolSpec]:
+    # Prices: seed 000's Modal-style rates (A100 $1.10/h, H100 $3.20/h); a cheap CPU box and a
+    # community RTX 4090 at typical rental prices.
+    return {
+        "cpu": PoolSpec(price_per_hour=0.10),
+        "gpu-4090": PoolSpec(price_per_hour=0.45, gpu="RTX 4090"),
+        "gpu-a100": PoolSpec(price_per_hour=1.10, gpu="A100"),
+        "gpu-h100": PoolSpec(price_per_hour=3.20, gpu="H100"),
+    }
+
+
+def _default_stage_pools() -> dict[str, str]:
+    return {
+        "prepare": "cpu",
+        "publish": "cpu",
+        "pretrain": "gpu-h100",
+        "finetune_sql": "gpu-a100",
+        "finetune_domain": "gpu-4090",
+        "evaluate": "gpu-4090",
+    }
+
+
+@dataclass
+class PoolsConfig:
+    definitions: dict[str, PoolSpec] = field(default_factory=_default_pools)
+    stages: dict[str, str] = field(default_factory=_default_stage_pools)
+
+    def check(self, p: _Problems) -> None:
+        for name, spec in self.definitions.items():
+            with p.section(f"definitions.{name}"):
+                spec.check(p)
+        for stage, pool in self.stages.items():
+            p.require(
+                stage in STAGES,
+                f"stages.{stage}",
+                stage,
+                f"is not a stage; stages are {', '.join(STAGES)}",
+            )
+            p.require(
+                pool in self.definitions,
+                f"stages.{stage}",
+                pool,
+                f"is not a pool defined under pools.definitions ({', '.join(sorted(self.definitions))})",
+            )
+        missing = [s for s in STAGES if s not in self.stages]
+        p.require(
+            not missing,
+            "stages",
+            sorted(self.stages),
+            f"must name a pool for every stage; missing: {', '.join(missing)}",
+        )
+
+
+@dataclass
+class CostConfig:
+    currency: str = "USD"
+    budget: float = 5.0  # for the whole pipeline; 0 = no budget
+    alert_fraction: float = 0.8  # warn when spend passes this fraction of the budget
+    storage_per_gb_month: float = 0.023
+    egress_per_gb: float = 0.09
+
+    def check(self, p: _Problems) -> None:
+        p.require(self.budget >= 0, "budget", self.budget, "must be >= 0 (0 = no budget)")
+        p.require(
+            0 < self.alert_fraction <= 1, "alert_fraction", self.alert_fraction, "must be in (0, 1]"
+        )
+        p.require(
+            self.storage_per_gb_month >= 0,
+            "storage_per_gb_month",
+            self.storage_per_gb_month,
+            "must be >= 0",
+        )
+        p.require(self.egress_per_gb >= 0, "egress_per_gb", self.egress_per_gb, "must be >= 0")
+
+
+@dataclass
+class WandbConfig:
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "moe-pipeline"
+    entity: str = ""
+    dir: str = "wandb"
+
+    def check(self, p: _Problems) -> None:
+        p.require(bool(self.project), "project", self.project, "must not be empty")
+
+
+@dataclass
+class EvaluateConfig:
+    max_examples: int = 100  # held-out domain pairs to generate SQL for
+    max_new_tokens: int = 48
+    val_batches: int = 16
+
+    def check(self, p: _Problems) -> None:
+        p.require(self.max_examples >= 1, "max_examples", self.max_examples, "must be >= 1")
+        p.require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
+        p.require(self.val_batches >= 1, "val_batches", self.val_batches, "must be >= 1")
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    finetune_sql: FinetuneConfig = field(default_factory=FinetuneConfig)
+    finetune_domain: FinetuneConfig = field(
+        default_factory=lambda: FinetuneConfig(
+            max_steps=60, lr=2e-4, warmup_steps=5, checkpoint_every=30
+        )
+    )
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    pools: PoolsConfig = field(default_factory=PoolsConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self, *sections: str) -> str:
+        """sha256 of the named sections (all when none), stable across key order."""
+        d = self.to_dict()
+        picked = {k: d[k] for k in (sections or d)}
+        return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()
+
+    def dump(self, path: Path) -> None:
+        """Save the resolved configuration (beside every output)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+# --------------------------------------------------------------------------- loading
+
+
+_FROM_SET = -1  # line marker: the value came from a --set override
+
+
+class _Problems:
+    """Collects problems with their key paths; `section()` nests the path."""
+
+    def __init__(self, lines: dict[str, int] | None = None, filename: str = "") -> None:
+        self.items: list[str] = []
+        self.prefix: list[str] = []
+        self.lines = lines or {}
+        self.filename = filename
+
+    def section(self, name: str) -> _Section:
+        return _Section(self, name)
+
+    def add(self, key: str, value: Any, why: str) -> None:
+        path = ".".join([*self.prefix, key]) if key else ".".join(self.prefix)
+        where = ""
+        line = self.lines.get(path)
+        if line is None:  # fall back to the nearest enclosing key with a known line
+            parts = path.split(".")
+            while parts and line is None:
+                parts.pop()
+                line = self.lines.get(".".join(parts))
+        if line == _FROM_SET:
+            where = " (from --set)"
+        elif line is not None and self.filename:
+            where = f" ({self.filename}, line {line})"
+        self.items.append(f"{path} = {value!r}: {why}{where}")
+
+    def require(self, ok: bool, key: str, value: Any, why: str) -> None:
+        if not ok:
+            self.add(key, value, why)
+
+
+class _Section:
+    def __init__(self, problems: _Problems, name: str) -> None:
+        self.problems, self.name = problems, name
+
+    def __enter__(self) -> None:
+        self.problems.prefix.append(self.name)
+
+    def __exit__(self, *exc: object) -> None:
+        self.problems.prefix.pop()
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (list, dict):
+        return str(tp).replace("typing.", "")
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, str(tp)
+    )
+
+
+def _convert(value: Any, tp: Any, p: _Problems, key: str) -> Any:
+    """Convert a YAML value to `tp`, recording a problem (and returning None) on mismatch."""
+    origin = get_origin(tp)
+    bad = object()
+    out: Any = bad
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            with p.section(key):
+                return _build(tp, value, p)
+    elif origin is Literal:
+        if value in get_args(tp):
+            out = value
+    elif origin is list:
+        (item_tp,) = get_args(tp)
+        if isinstance(value, list):
+            items = [_convert(v, item_tp, p, f"{key}[{i}]") for i, v in enumerate(value)]
+            return items
+    elif origin is dict:
+        _, val_tp = get_args(tp)
+        if isinstance(value, dict):
+            with p.section(key):
+                return {str(k): _convert(v, val_tp, p, str(k)) for k, v in value.items()}
+    elif tp is bool:
+        if isinstance(value, bool):
+            out = value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            out = value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out = float(value)
+        elif isinstance(value, str):
+            # PyYAML reads "3e-4" (no dot) as a string; accept any float() literal.
+            try:
+                out = float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            out = value
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out = str(value)
+    if out is bad:
+        p.add(key, value, f"expected {_type_name(tp)}")
+        return None
+    return out
+
+
+def _build(cls: type, raw: dict[str, Any], p: _Problems) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in names:
+            p.add(str(key), value, f"unknown key; allowed keys here: {', '.join(sorted(names))}")
+            continue
+        converted = _convert(value, hints[key], p, key)
+        if converted is not None:
+            kwargs[key] = converted
+    obj = cls(**kwargs)
+    return obj
+
+
+def _yaml_lines(text: str) -> dict[str, int]:
+    """Map each dotted key path of a YAML mapping to its 1-based line number."""
+    lines: dict[str, int] = {}
+
+    def walk(node: yaml.Node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                path = f"{prefix}.{k.value}" if prefix else str(k.value)
+                lines[path] = k.start_mark.line + 1
+                walk(v, path)
+
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return lines
+    if root is not None:
+        walk(root, "")
+    return lines
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`train.lr=3e-4` -> (["train", "lr"], 3e-4). The value is parsed as YAML."""
+    if "=" not in item:
+        raise ConfigError(
+            [f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=3e-4"], "--set"
+        )
+    key, _, text = item.partition("=")
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError([f"--set {item!r}: the key must be a dotted path like train.lr"], "--set")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError([f"--set {item!r}: the value is not valid YAML ({e})"], "--set") from e
+    return key.split("."), value
+
+
+def _apply_override(raw: dict[str, Any], path: list[str], value: Any) -> None:
+    node = raw
+    for part in path[:-1]:
+        nxt = node.get(part)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[part] = nxt
+        node = nxt
+    node[path[-1]] = value
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def from_dict(
+    raw: dict[str, Any], lines: dict[str, int] | None = None, source: str = "params"
+) -> Config:
+    """Build and validate a Config from a nested mapping (missing keys take their defaults)."""
+    p = _Problems(lines, source)
+    # Layer what the user wrote over the defaults, so that `--set pools.stages.pretrain=cpu`
+    # changes one entry of a mapping instead of replacing the whole mapping.
+    cfg = _build(Config, _deep_merge(Config().to_dict(), raw), p)
+    for f in dataclasses.fields(Config):
+        section = getattr(cfg, f.name)
+        with p.section(f.name):
+            section.check(p)
+    if p.items:
+        raise ConfigError(p.items, source)
+    return cfg
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
+    """Load `path` (default: ./params.yaml if it exists, else the embedded default) + overrides.
+
+    Raises ConfigError naming every bad key; touches nothing on disk.
+    """
+    raw: dict[str, Any] = {}
+    lines: dict[str, int] = {}
+    source = "embedded default"
+    if path is None and Path("params.yaml").is_file():
+        path = "params.yaml"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(
+                [
+                    f"file not found: {path} (give an existing params file, or none for the embedded default)"
+                ],
+                source,
+            )
+        text = path.read_text()
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError([f"not valid YAML: {e}"], source) from e
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(
+                [f"the top level must be a mapping of sections, got {type(loaded).__name__}"],
+                source,
+            )
+        raw, lines = loaded, _yaml_lines(text)
+    for item in overrides:
+        keys, value = parse_override(item)
+        _apply_override(raw, keys, value)
+        lines[".".join(keys)] = _FROM_SET
+    return from_dict(raw, lines, source)
+
+
+def default_yaml() -> str:
+    """The embedded default as YAML (what `params.yaml` ships with)."""
+    return yaml.safe_dump(Config().to_dict(), sort_keys=False)

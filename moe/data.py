@@ -1,0 +1,328 @@
+"""Corpus ingestion, the memmap token store, and a resumable batch sampler.
+
+A split is three files, as in nanoGPT's `prepare.py` plus what a user needs to trust it:
+`NAME.bin` (token ids, uint16 when the vocabulary fits, else uint32), `NAME.idx.npy`
+(document start offsets, uint64) and the shared `meta.json` (dtype, vocabulary size, token
+and document counts, tokenizer and source hashes). Writing streams: memory stays bounded by
+one batch of documents, whatever the corpus size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import sysconfig
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+TEXT_SUFFIXES = {".txt", ".md", ".py", ".sql", ".rst"}
+TABLE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+# --------------------------------------------------------------------------- corpus
+
+
+@dataclass
+class CorpusStats:
+    documents: int = 0
+    bytes: int = 0
+    skipped_undecodable: int = 0
+    skipped_files: list[str] = field(default_factory=list)
+    sha256: str = ""  # over the documents read, in order
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _stdlib_documents(stats: CorpusStats) -> Iterator[str]:
+    """The Python standard library's own sources (every machine with Python has them)."""
+    root = stdlib_root()
+    files = sorted(
+        p
+        for p in root.rglob("*.py")
+        if "site-packages" not in p.parts and "dist-packages" not in p.parts
+    )
+    if not files:
+        raise FileNotFoundError(f"no .py files under the standard library folder {root}")
+    for p in files:
+        try:
+            text = p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            # e.g. test/encoded_modules/ holds Latin-1 and Shift-JIS sources on purpose.
+            stats.skipped_undecodable += 1
+            stats.skipped_files.append(str(p.relative_to(root)))
+            continue
+        yield text
+
+
+def _file_documents(source: Path, text_field: str, stats: CorpusStats) -> Iterator[str]:
+    files = sorted(f for f in source.rglob("*") if f.is_file()) if source.is_dir() else [source]
+    for f in files:
+        suffix = f.suffix.lower()
+        if suffix in TABLE_SUFFIXES:
+            yield from _hf_documents(TABLE_SUFFIXES[suffix], str(f), text_field)
+        elif suffix in TEXT_SUFFIXES:
+            try:
+                yield f.read_bytes().decode("utf-8")
+            except UnicodeDecodeError:
+                stats.skipped_undecodable += 1
+                stats.skipped_files.append(str(f))
+        elif not source.is_dir():
+            raise ValueError(
+                f"data.source {source}: unsupported file type {suffix!r}; use .txt/.md/.py, .jsonl/.json or .parquet"
+            )
+
+
+def _hf_documents(
+    builder: str, data_files: str | None, text_field: str, hub_id: str | None = None
+) -> Iterator[str]:
+    """Rows of a Hugging Face `datasets` source; one document per row's text field."""
+    import datasets  # heavy import, only when needed
+
+    datasets.disable_progress_bars()
+    try:
+        if hub_id is not None:
+            ds = datasets.load_dataset(hub_id, split="train", streaming=True)
+        else:
+            ds = datasets.load_dataset(
+                builder, data_files=data_files, split="train", streaming=True
+            )
+    except Exception as e:  # noqa: BLE001 - datasets raises many types; we re-raise with context
+        offline = (
+            os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
+        )
+        hint = (
+            " (the Hugging Face Hub is offline here: set HF_HUB_OFFLINE=0 where it is reachable)"
+            if offline
+            else ""
+        )
+        raise RuntimeError(
+            f"data.source {hub_id or data_files}: could not load the dataset{hint}: {e}"
+        ) from e
+    for i, row in enumerate(ds):
+        if text_field not in row:
+            raise KeyError(
+                f"data.text_field {text_field!r} is not a column of {hub_id or data_files} (row {i} has {sorted(row)})"
+            )
+        text = row[text_field]
+        if isinstance(text, str) and text:
+            yield text
+
+
+def iter_documents(
+    source: str, text_field: str, max_bytes: int, stats: CorpusStats
+) -> Iterator[str]:
+    """Documents of `source` ("stdlib", a local file/folder, or a hub dataset id), capped."""
+    if source == "stdlib":
+        it = _stdlib_documents(stats)
+    elif Path(source).exists():
+        it = _file_documents(Path(source), text_field, stats)
+    elif "/" in source and not source.startswith((".", "/")):
+        it = _hf_documents("", None, text_field, hub_id=source)
+    else:
+        raise FileNotFoundError(
+            f"data.source {source!r}: no such file or folder (and not a hub id like owner/name)"
+        )
+    h = hashlib.sha256()
+    for text in it:
+        n = len(text.encode("utf-8"))
+        if max_bytes and stats.bytes + n > max_bytes and stats.documents:
+            break
+        h.update(text.encode("utf-8"))
+        h.update(b"\0")
+        stats.documents += 1
+        stats.bytes += n
+        stats.sha256 = h.hexdigest()
+        yield text
+
+
+# --------------------------------------------------------------------------- token store
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+class TokenWriter:
+    """Appends documents' token ids to NAME.bin and their offsets to NAME.idx.npy."""
+
+    def __init__(self, out_dir: Path, name: str, dtype: np.dtype) -> None:
+        self.path = out_dir / f"{name}.bin"
+        self.idx_path = out_dir / f"{name}.idx.npy"
+        self.dtype = dtype
+        self._f = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self.offsets: list[int] = []
+        self.tokens = 0
+
+    def add(self, ids: list[int]) -> None:
+        self.offsets.append(self.tokens)
+        np.asarray(ids, dtype=self.dtype).tofile(self._f)
+        self.tokens += len(ids)
+
+    def close(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        np.save(self.idx_path, np.asarray(self.offsets, dtype=np.uint64))
+
+
+def write_token_store(
+    docs: Iterator[str],
+    encode_batch: Callable[[list[str]], list[list[int]]],
+    eot_id: int,
+    vocab_size: int,
+    out_dir: Path,
+    val_fraction: float,
+    seed: int,
+    batch_docs: int = 256,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, dict[str, int]]:
+    """Tokenize `docs` into train/val memmaps, splitting by document. Returns counts per split."""
+    dtype = token_dtype(vocab_size)
+    writers = {name: TokenWriter(out_dir, name, dtype) for name in ("train", "val")}
+    rng = random.Random(seed)
+    batch: list[str] = []
+
+    def flush() -> None:
+        # encode_batch runs on all cores (the tokenizers library's Rust thread pool).
+        for ids in encode_batch(batch):
+            split = "val" if rng.random() < val_fraction else "train"
+            writers[split].add([*ids, eot_id])
+        if progress:
+            progress(len(batch))
+        batch.clear()
+
+    for doc in docs:
+        batch.append(doc)
+        if len(batch) >= batch_docs:
+            flush()
+    if batch:
+        flush()
+    for w in writers.values():
+        w.close()
+    counts = {
+        name: {"tokens": w.tokens, "documents": len(w.offsets)} for name, w in writers.items()
+    }
+    for name, c in counts.items():
+        if c["tokens"] == 0:
+            raise ValueError(
+                f"the {name} split is empty: the corpus is too small for data.val_fraction={val_fraction}"
+            )
+    return counts
+
+
+class TokenStore:
+    """Read side: a memmap of one split, verified against meta.json."""
+
+    def __init__(self, data_dir: str | Path, split: str) -> None:
+        data_dir = Path(data_dir)
+        meta_path = data_dir / "meta.json"
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"{meta_path} is missing: run the prepare stage first")
+        self.meta = json.loads(meta_path.read_text())
+        self.dtype = np.dtype(self.meta["dtype"])
+        self.path = data_dir / f"{split}.bin"
+        # np.memmap, re-created per access would leak (nanoGPT issue #244); one per store.
+        self.tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
+        expected = self.meta["splits"][split]["tokens"]
+        if len(self.tokens) != expected:
+            raise ValueError(
+                f"{self.path}: {len(self.tokens)} tokens, meta.json says {expected}: the data is damaged"
+            )
+        self.vocab_size = int(self.meta["vocab_size"])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class BatchSampler:
+    """Random windows of seq_len + 1 tokens, a pure function of (seed, step, micro).
+
+    There is no hidden position: a checkpoint's step *is* the sampler state, so a resumed run
+    sees the very batches an uninterrupted one would.
+    """
+
+    def __init__(self, store: TokenStore, batch_size: int, seq_len: int, seed: int) -> None:
+        if len(store) <= seq_len + 1:
+            raise ValueError(
+                f"{store.path}: {len(store)} tokens is too few for model.seq_len={seq_len}"
+            )
+        self.store, self.batch_size, self.seq_len, self.seed = store, batch_size, seq_len, seed
+
+    def batch_at(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor, None]:
+        rng = np.random.default_rng([self.seed, micro, step])
+        starts = rng.integers(0, len(self.store) - self.seq_len - 1, size=self.batch_size)
+        rows = np.stack(
+            [self.store.tokens[s : s + self.seq_len + 1].astype(np.int64) for s in starts]
+        )
+        t = torch.from_numpy(rows)
+        return t[:, :-1], t[:, 1:], None
+
+
+@dataclass
+class SFTExample:
+    prompt: list[int]
+    response: list[int]
+
+
+class SFTBatches:
+    """Prompt -> response batches: loss on response tokens only, focus tokens weighted.
+
+    Sequences longer than max_len lose tokens from the left (the prompt's start), so the
+    response is always whole. Padding is on the right and masked out.
+    """
+
+    def __init__(
+        self,
+        examples: list[SFTExample],
+        batch_size: int,
+        max_len: int,
+        seed: int,
+        pad_id: int,
+        focus_ids: set[int] | None = None,
+        focus_weight: float = 1.0,
+    ) -> None:
+        if not examples:
+            raise ValueError("no finetuning examples")
+        self.examples, self.batch_size, self.max_len, self.seed = (
+            examples,
+            batch_size,
+            max_len,
+            seed,
+        )
+        self.pad_id = pad_id
+        self.focus = torch.tensor(sorted(focus_ids or ()), dtype=torch.int64)
+        self.focus_weight = focus_weight
+
+    def encode(self, ex: SFTExample) -> tuple[list[int], list[int]]:
+        ids = (ex.prompt + ex.response)[-(self.max_len + 1) :]
+        n_resp = min(len(ex.response), len(ids) - 1)
+        targets = [-100] * (len(ids) - 1 - n_resp) + ids[len(ids) - n_resp :]
+        return ids[:-1], targets
+
+    def batch_at(
+        self, step: int, micro: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rng = np.random.default_rng([self.seed, micro, step])
+        picks = rng.integers(0, len(self.examples), size=self.batch_size)
+        rows = [self.encode(self.examples[i]) for i in picks]
+        width = max(len(x) for x, _ in rows)
+        x = torch.full((len(rows), width), self.pad_id, dtype=torch.int64)
+        y = torch.full((len(rows), width), -100, dtype=torch.int64)
+        for r, (ids, targets) in enumerate(rows):
+            x[r, : len(ids)] = torch.tensor(ids)
+            y[r, : len(targets)] = torch.tensor(targets)
+        w = torch.ones_like(y, dtype=torch.float32)
+        if self.focus.numel():
+            w[torch.isin(y, self.focus)] = self.focus_weight
+        return x, y, w

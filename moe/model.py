@@ -1,0 +1,237 @@
+"""Decoder-only transformer with Mixture-of-Experts feed-forward blocks.
+
+Shape suffixes: B batch, S sequence, D model width, H heads, Dh head width, V vocabulary,
+T = B*S flattened tokens, E experts.
+
+RMSNorm, rotary positions, causal attention through scaled_dot_product_attention, and a
+SwiGLU feed-forward that is an MoE layer in every `moe_every`-th block (dense otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moe.config import ModelConfig, MoEConfig
+from moe.experts import GroupedExperts
+from moe.routing import Router
+
+
+@dataclass
+class MoEAux:
+    """What the MoE layers report from one forward pass."""
+
+    aux_loss: torch.Tensor  # sum over MoE layers, unscaled
+    z_loss: torch.Tensor
+    tokens_per_expert: list[torch.Tensor] = field(default_factory=list)  # per MoE layer, (E,)
+    dropped_fraction: list[torch.Tensor] = field(default_factory=list)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(
+            x.dtype
+        ) * self.weight
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles_SF = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles_SF.cos(), angles_SF.sin()
+
+
+def apply_rotary(x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
+    S = x_BHSDh.shape[-2]
+    x1, x2 = x_BHSDh.float().chunk(2, dim=-1)
+    cos, sin = cos_SF[:S], sin_SF[:S]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x_BHSDh.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        q, k, v = self.qkv(x_BSD).split(D, dim=-1)
+        q, k, v = (
+            t.view(B, S, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v)
+        )  # (B, H, S, Dh)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, S, D))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(d_model, hidden, bias=False)
+        self.w3 = nn.Linear(d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoELayer(nn.Module):
+    def __init__(self, d_model: int, mcfg: MoEConfig) -> None:
+        super().__init__()
+        self.router = Router(
+            d_model, mcfg.num_experts, mcfg.top_k, mcfg.renormalize, mcfg.capacity_factor
+        )
+        self.experts = GroupedExperts(mcfg.num_experts, d_model, mcfg.expert_hidden)
+        self.shared = SwiGLU(d_model, mcfg.expert_hidden) if mcfg.shared_expert else None
+
+    def forward(self, x_BSD: torch.Tensor, aux: MoEAux) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(B * S, D)
+        r = self.router(x_TD)
+        y_TD = self.experts(x_TD, r.experts_TK, r.weights_TK, r.keep_TK)
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
+        aux.aux_loss = aux.aux_loss + r.aux_loss
+        aux.z_loss = aux.z_loss + r.z_loss
+        aux.tokens_per_expert.append(r.tokens_per_expert_E)
+        aux.dropped_fraction.append(r.dropped_fraction)
+        return y_TD.view(B, S, D)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, mcfg: MoEConfig, use_moe: bool) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn: MoELayer | SwiGLU = (
+            MoELayer(cfg.d_model, mcfg) if use_moe else SwiGLU(cfg.d_model, cfg.dense_hidden)
+        )
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, aux: MoEAux
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin)
+        h = self.norm2(x)
+        return x + (self.ffn(h, aux) if isinstance(self.ffn, MoELayer) else self.ffn(h))
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, mcfg: MoEConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.cfg, self.mcfg, self.vocab_size = cfg, mcfg, vocab_size
+        self.embed = nn.Embedding(vocab_size, cfg.d_model)
+        # Blocks moe_every-1, 2*moe_every-1, ... are MoE (every block when moe_every == 1).
+        self.blocks = nn.ModuleList(
+            Block(cfg, mcfg, use_moe=(i % cfg.moe_every == cfg.moe_every - 1))
+            for i in range(cfg.n_layer)
+        )
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rotary_tables(cfg.seq_len, cfg.d_model // cfg.n_head, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @property
+    def moe_layers(self) -> list[MoELayer]:
+        return [b.ffn for b in self.blocks if isinstance(b.ffn, MoELayer)]
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                continue  # norms
+            nn.init.normal_(p, mean=0.0, std=std)
+            # GPT-2: scale the residual-output projections by 1/sqrt(2 * n_layer).
+            if name.endswith(("proj.weight", "w2.weight", "w2_EFD")):
+                with torch.no_grad():
+                    p.mul_(1.0 / math.sqrt(2 * self.cfg.n_layer))
+
+    def forward(
+        self,
+        idx_BS: torch.Tensor,
+        targets_BS: torch.Tensor | None = None,
+        loss_weight_BS: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, MoEAux]:
+        """Logits (B, S, V); the mean cross-entropy over targets != -100, weighted per token
+        when loss_weight_BS is given; and the MoE auxiliaries."""
+        B, S = idx_BS.shape
+        if S > self.cfg.seq_len:
+            raise ValueError(
+                f"sequence of {S} tokens is longer than model.seq_len={self.cfg.seq_len}"
+            )
+        zero = torch.zeros((), device=idx_BS.device)
+        aux = MoEAux(aux_loss=zero, z_loss=zero)
+        x = self.embed(idx_BS)
+        for block in self.blocks:
+            x = block(x, self.rope_cos, self.rope_sin, aux)
+        logits_BSV = self.lm_head(self.norm(x))
+        loss = None
+        if targets_BS is not None:
+            ce = F.cross_entropy(
+                logits_BSV.float().view(-1, logits_BSV.size(-1)),
+                targets_BS.reshape(-1),
+                ignore_index=-100,
+                reduction="none",
+            )
+            mask = (targets_BS.reshape(-1) != -100).float()
+            w = mask if loss_weight_BS is None else mask * loss_weight_BS.reshape(-1).float()
+            loss = (ce * w).sum() / w.sum().clamp_min(1e-8)
+        return logits_BSV, loss, aux
+
+    def num_params(self, active_only: bool = False) -> int:
+        """Parameter count; active_only counts top_k of num_experts experts per MoE layer."""
+        total = sum(p.numel() for p in self.parameters())
+        if active_only:
+            for layer in self.moe_layers:
+                per_expert = sum(p[0].numel() for p in layer.experts.parameters())
+                total -= per_expert * (self.mcfg.num_experts - self.mcfg.top_k)
+        return total
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 * active params + attention (PaLM appendix B)."""
+        c = self.cfg
+        return 6.0 * self.num_params(active_only=True) + 12.0 * c.n_layer * c.d_model * c.seq_len
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        stop_ids: set[int] | None = None,
+        top_p: float = 0.0,
+    ) -> list[int]:
+        """Greedy decoding (top_p = 0) or nucleus sampling; stops at any id in stop_ids."""
+        device = self.embed.weight.device
+        ids = list(prompt)
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            ctx = torch.tensor([ids[-self.cfg.seq_len :]], device=device)
+            logits = self(ctx)[0][0, -1].float()
+            if top_p > 0:
+                probs = logits.softmax(-1)
+                sorted_p, sorted_i = probs.sort(descending=True)
+                keep = sorted_p.cumsum(0) - sorted_p < top_p
+                choice = torch.multinomial(sorted_p * keep, 1)
+                nxt = int(sorted_i[choice])
+            else:
+                nxt = int(logits.argmax())
+            if stop_ids and nxt in stop_ids:
+                break
+            ids.append(nxt)
+            out.append(nxt)
+        return out

@@ -1,0 +1,383 @@
+"""The trainer: AdamW with parameter groups, schedules, accumulation, bf16, clipping, resume.
+
+One loop for pretraining (warm-up + cosine) and finetuning (warm-up + linear decay). A batch
+source is anything with `batch_at(step, micro) -> (x, y, loss_weight | None)`, a pure function
+of its arguments, so the data position is just the step and resume is exact: training killed
+at any step and resumed ends with bit-identical weights on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import torch
+
+from moe.checkpoint import (
+    CheckpointStore,
+    flatten_optimizer,
+    load_model_tensors,
+    model_tensors,
+    unflatten_optimizer,
+)
+from moe.config import FinetuneConfig, TrainConfig
+from moe.model import MoETransformer
+from moe.stats import ExpertLoad, summarize
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+class BatchSource(Protocol):
+    def batch_at(self, step: int, micro: int = 0) -> Batch: ...
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"train.device={name!r} but CUDA is not available on this machine; use auto or cpu"
+        )
+    return torch.device(name)
+
+
+def autocast_dtype(device: torch.device, dtype: str) -> torch.dtype | None:
+    """bf16 autocast on CUDA by default; on CPU only when asked (`dtype: bfloat16`)."""
+    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def build_optimizer(
+    model: MoETransformer, cfg: TrainConfig | FinetuneConfig, router_lr_mult: float
+) -> torch.optim.AdamW:
+    """AdamW groups: decayed matrices, undecayed norms/biases, and the routers at a higher lr."""
+    decay, no_decay, router = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if ".router." in name:
+            router.append(p)
+        elif p.dim() < 2:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay, "lr_mult": 1.0, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "lr_mult": 1.0, "name": "no_decay"},
+        # seed 004: gate learning rate 3-5x the base rate; no decay on the router.
+        {"params": router, "weight_decay": 0.0, "lr_mult": router_lr_mult, "name": "router"},
+    ]
+    groups = [g for g in groups if g["params"]]
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False, foreach=False
+    )
+
+
+def lr_at(
+    step: int,
+    max_steps: int,
+    lr: float,
+    warmup: int,
+    min_lr: float,
+    schedule: Literal["cosine", "linear"],
+) -> float:
+    if warmup and step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, max_steps - warmup)
+    if schedule == "cosine":
+        return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+    return lr + (min_lr - lr) * min(1.0, progress)
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    resumed_from: int | None
+    train_loss: float
+    val_loss: float | None
+    tokens: int
+    wall_s: float
+    stop_reason: str
+    checkpoint: str
+    tokens_per_s: float
+    expert_share: list[list[float]] = field(default_factory=list)
+    expert_cv: float = 0.0
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda{i}"] = s
+    np_state = np.random.get_state()
+    tensors["numpy_keys"] = torch.from_numpy(np_state[1].astype(np.int64))
+    meta = {
+        "numpy": [np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": random.getstate(),
+    }
+    return tensors, meta
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    if torch.cuda.is_available():
+        states = [tensors[k] for k in sorted(k for k in tensors if k.startswith("cuda"))]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+    name, pos, has_gauss, cached = meta["numpy"]
+    np.random.set_state(
+        (name, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached)
+    )
+    v, internal, g = meta["python"]
+    random.setstate((v, tuple(internal), g))
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: MoETransformer,
+        cfg: TrainConfig | FinetuneConfig,
+        batches: BatchSource,
+        store: CheckpointStore,
+        *,
+        fingerprint: str,
+        schedule: Literal["cosine", "linear"],
+        min_lr: float = 0.0,
+        aux_loss_coef: float = 0.0,
+        z_loss_coef: float = 0.0,
+        router_lr_mult: float = 1.0,
+        val_batches: BatchSource | None = None,
+        eval_every: int = 0,
+        eval_batches: int = 0,
+        price_per_hour: float = 0.0,
+        log_fn: Callable[[dict[str, Any]], None] | None = None,
+        metrics_path: Path | None = None,
+        stop_after: int | None = None,
+    ) -> None:
+        self.device = resolve_device(cfg.device)
+        self.model = model.to(self.device)
+        self.cfg, self.batches, self.store = cfg, batches, store
+        self.fingerprint, self.schedule, self.min_lr = fingerprint, schedule, min_lr
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.val_batches, self.eval_every, self.eval_batches = val_batches, eval_every, eval_batches
+        self.price_per_hour = price_per_hour
+        self.log_fn = log_fn or (lambda row: None)
+        self.metrics_path = metrics_path
+        self.stop_after = stop_after  # testing aid: return after this many steps (simulates a kill)
+        self.amp_dtype = autocast_dtype(self.device, cfg.dtype)
+        self.optimizer = build_optimizer(model, cfg, router_lr_mult)
+        self.load = ExpertLoad(len(model.moe_layers), model.mcfg.num_experts)
+        self.step = 0
+        self.elapsed_s = 0.0
+        self.tokens = 0
+        self.best_val: float | None = None
+
+    # ------------------------------------------------------------------ state
+
+    def _save(self, val_loss: float | None) -> Path:
+        opt_tensors, opt_rest = flatten_optimizer(self.optimizer.state_dict())
+        rng_tensors, rng_meta = _rng_state()
+        state = {
+            "step": self.step,
+            "fingerprint": self.fingerprint,
+            "optimizer": opt_rest,
+            "rng": rng_meta,
+            "elapsed_s": self.elapsed_s,
+            "tokens": self.tokens,
+            "val_loss": val_loss,
+            "best_val": self.best_val,
+            "expert_counts_total": self.load.total_LE.tolist(),
+        }
+        return self.store.save(
+            self.step, model_tensors(self.model), opt_tensors, rng_tensors, state
+        )
+
+    def _try_resume(self) -> int | None:
+        path = self.store.latest_valid()
+        if path is None:
+            return None
+        ckpt = self.store.load(path)
+        if ckpt.state.get("fingerprint") != self.fingerprint:
+            log.warning(
+                "checkpoints in %s come from other inputs or params; starting fresh (DVC's cache keeps the old outputs)",
+                self.store.root,
+            )
+            self.store.clear()
+            return None
+        load_model_tensors(self.model, ckpt.model)
+        self.optimizer.load_state_dict(unflatten_optimizer(ckpt.optimizer, ckpt.state["optimizer"]))
+        _set_rng_state(ckpt.rng, ckpt.state["rng"])
+        self.step = ckpt.step
+        self.elapsed_s = float(ckpt.state["elapsed_s"])
+        self.tokens = int(ckpt.state["tokens"])
+        self.best_val = ckpt.state.get("best_val")
+        self.load.total_LE = torch.tensor(ckpt.state["expert_counts_total"], dtype=torch.float64)
+        log.info("resumed from %s (step %d)", path, self.step)
+        if self.metrics_path and self.metrics_path.is_file():
+            rows = [
+                r
+                for r in self.metrics_path.read_text().splitlines()
+                if r and json.loads(r)["step"] <= self.step
+            ]
+            self.metrics_path.write_text("".join(r + "\n" for r in rows))
+        return self.step
+
+    # ------------------------------------------------------------------ loop
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if self.val_batches is None or not self.eval_batches:
+            return None
+        self.model.eval()
+        losses = []
+        for i in range(self.eval_batches):
+            x, y, w = self.val_batches.batch_at(0, i)
+            with self._autocast():
+                _, loss, _ = self.model(
+                    x.to(self.device), y.to(self.device), None if w is None else w.to(self.device)
+                )
+            losses.append(float(loss))
+        self.model.train()
+        return sum(losses) / len(losses)
+
+    def _emit(self, row: dict[str, Any]) -> None:
+        self.log_fn(row)
+        if self.metrics_path:
+            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def fit(self) -> TrainResult:
+        cfg = self.cfg
+        resumed = self._try_resume()
+        if resumed is None and self.metrics_path and self.metrics_path.is_file():
+            self.metrics_path.unlink()  # a fresh run starts a fresh log
+        self.model.train()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        window_loss, window_tokens, window_t0 = 0.0, 0, time.perf_counter()
+        last_loss = float("nan")
+        val_loss: float | None = None
+        stop_reason = "max_steps"
+        steps_this_run = 0
+        while self.step < cfg.max_steps:
+            t_step = time.perf_counter()
+            lr = lr_at(
+                self.step, cfg.max_steps, cfg.lr, cfg.warmup_steps, self.min_lr, self.schedule
+            )
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr * g["lr_mult"]
+            loss_sum = 0.0
+            for micro in range(cfg.grad_accum):
+                x, y, w = self.batches.batch_at(self.step, micro)
+                x, y = x.to(self.device), y.to(self.device)
+                with self._autocast():
+                    _, loss, aux = self.model(x, y, None if w is None else w.to(self.device))
+                    total = loss + self.aux_loss_coef * aux.aux_loss + self.z_loss_coef * aux.z_loss
+                (total / cfg.grad_accum).backward()
+                loss_sum += float(loss.detach())
+                self.load.add(aux.tokens_per_expert)
+                self.tokens += int((y != -100).sum())
+                window_tokens += int(x.numel())
+            clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+            if not math.isfinite(grad_norm):
+                raise FloatingPointError(
+                    f"non-finite gradient norm at step {self.step}: lower the learning rate or raise grad_clip"
+                )
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            steps_this_run += 1
+            last_loss = loss_sum / cfg.grad_accum
+            window_loss += last_loss
+            self.elapsed_s += time.perf_counter() - t_step
+
+            if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
+                dt = time.perf_counter() - window_t0
+                stats = self.load.window()
+                row = {
+                    "step": self.step,
+                    "loss": window_loss / max(1, (self.step - 1) % cfg.log_every + 1),
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": window_tokens / max(dt, 1e-9),
+                    "expert_cv": stats["cv"],
+                    "expert_max_vio": stats["max_vio"],
+                    "expert_utilisation": stats["utilisation"],
+                    "dropped_fraction": float(torch.stack(aux.dropped_fraction).mean())
+                    if aux.dropped_fraction
+                    else 0.0,
+                    "cost": self.elapsed_s / 3600 * self.price_per_hour,
+                    "expert_share": stats["share"],
+                }
+                self._emit(row)
+                log.info(
+                    "step %d/%d loss %.4f lr %.2e grad_norm %.3f %.0f tok/s expert CV %.3f",
+                    self.step,
+                    cfg.max_steps,
+                    row["loss"],
+                    lr,
+                    grad_norm,
+                    row["tokens_per_s"],
+                    stats["cv"],
+                )
+                window_loss, window_tokens, window_t0 = 0.0, 0, time.perf_counter()
+
+            if self.eval_every and (self.step % self.eval_every == 0 or self.step == cfg.max_steps):
+                val_loss = self.evaluate()
+                if val_loss is not None:
+                    self.best_val = (
+                        val_loss if self.best_val is None else min(self.best_val, val_loss)
+                    )
+                    self._emit(
+                        {
+                            "step": self.step,
+                            "val_loss": val_loss,
+                            "val_ppl": math.exp(min(val_loss, 50)),
+                        }
+                    )
+                    log.info(
+                        "step %d val loss %.4f (ppl %.1f)",
+                        self.step,
+                        val_loss,
+                        math.exp(min(val_loss, 50)),
+                    )
+
+            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.max_steps:
+                self._save(val_loss)
+            if self.stop_after is not None and steps_this_run >= self.stop_after:
+                stop_reason = "stop_after"
+                break
+
+        path = self.store.latest_valid()
+        total = summarize(self.load.total_LE)
+        return TrainResult(
+            steps=self.step,
+            resumed_from=resumed,
+            train_loss=last_loss,
+            val_loss=val_loss if val_loss is not None else self.evaluate(),
+            tokens=self.tokens,
+            wall_s=self.elapsed_s,
+            stop_reason=stop_reason,
+            checkpoint=str(path) if path else "",
+            tokens_per_s=self.tokens / max(self.elapsed_s, 1e-9),
+            expert_share=total["share"],  # type: ignore[arg-type]
+            expert_cv=float(total["cv"]),  # type: ignore[arg-type]
+        )

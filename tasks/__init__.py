@@ -1,0 +1,25 @@
+"""Prefect tasks around the `moe` library: retries, storage, tracking, lineage, cost."""
+
+import logging
+import os
+
+# Offline-friendly defaults, set before Prefect, W&B or Hugging Face read their settings.
+# setdefault: whatever the user configured wins.
+_DEFAULTS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "DVC_NO_ANALYTICS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "WANDB_SILENT": "true",
+    # the first ephemeral start migrates a fresh database: ~15 s on 2 cores, more under load
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "moe,tasks,flows",
+}
+for _k, _v in _DEFAULTS.items():
+    os.environ.setdefault(_k, _v)
+
+# Prefect forwards these loggers (PREFECT_LOGGING_EXTRA_LOGGERS); let their INFO lines through.
+for _name in ("moe", "tasks", "flows"):
+    logging.getLogger(_name).setLevel(logging.INFO)

@@ -1,0 +1,135 @@
+"""Prepare: corpus -> tokenizer -> memmap token files, and the SQL pair sets.
+
+Everything is written into a temporary folder and moved into place only when complete, so a
+failed or interrupted prepare leaves the previous prepared data untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NONE
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from moe.config import Config
+from moe.data import CorpusStats, iter_documents, write_token_store
+from moe.sql import generate_sql_sets
+from moe.tokenizer import EOT, load_tokenizer, tokenizer_hash, train_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@task(name="train-tokenizer", cache_policy=NONE, retries=1)
+def build_tokenizer(cfg: Config, work: Path) -> Path:
+    out = work / "tokenizer.json"
+    if cfg.tokenizer.path:
+        load_tokenizer(cfg.tokenizer.path)  # validates special tokens
+        shutil.copyfile(cfg.tokenizer.path, out)
+        return out
+    stats = CorpusStats()
+    t0 = time.perf_counter()
+    tok = train_tokenizer(
+        iter_documents(cfg.data.source, cfg.data.text_field, cfg.data.max_bytes, stats),
+        cfg.tokenizer.vocab_size,
+        cfg.tokenizer.min_frequency,
+    )
+    tok.save(str(out))
+    log.info(
+        "trained a %d-token BPE on %d documents (%.1f MB) in %.1fs",
+        tok.get_vocab_size(),
+        stats.documents,
+        stats.bytes / 1e6,
+        time.perf_counter() - t0,
+    )
+    return out
+
+
+@task(name="tokenize-corpus", cache_policy=NONE, retries=1)
+def tokenize_corpus(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, Any]:
+    tok = load_tokenizer(tokenizer_path)
+    eot = tok.token_to_id(EOT)
+    stats = CorpusStats()
+    t0 = time.perf_counter()
+    docs = iter_documents(cfg.data.source, cfg.data.text_field, cfg.data.max_bytes, stats)
+
+    def encode_batch(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in tok.encode_batch(texts)]
+
+    with Progress(
+        TextColumn("tokenizing"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("documents"),
+        TimeElapsedColumn(),
+        disable=not os.isatty(2),
+    ) as bar:
+        job = bar.add_task("tokenize", total=None)
+        splits = write_token_store(
+            docs,
+            encode_batch,
+            eot,
+            tok.get_vocab_size(),
+            work,
+            cfg.data.val_fraction,
+            cfg.data.seed,
+            progress=lambda n: bar.advance(job, n),
+        )
+    seconds = time.perf_counter() - t0
+    total_tokens = sum(s["tokens"] for s in splits.values())
+    meta = {
+        "dtype": "uint16" if tok.get_vocab_size() <= 1 << 16 else "uint32",
+        "vocab_size": tok.get_vocab_size(),
+        "eot_id": eot,
+        "splits": splits,
+        "documents": stats.documents,
+        "source": cfg.data.source,
+        "source_bytes": stats.bytes,
+        "source_sha256": stats.sha256,
+        "skipped_undecodable": stats.skipped_undecodable,
+        "skipped_files": stats.skipped_files,
+        "tokenizer_sha256": tokenizer_hash(tokenizer_path),
+        "tokens_per_s": round(total_tokens / max(seconds, 1e-9)),
+    }
+    (work / "meta.json").write_text(json.dumps(meta, indent=1))
+    if stats.skipped_undecodable:
+        log.warning(
+            "skipped %d undecodable (non-UTF-8) files: %s",
+            stats.skipped_undecodable,
+            ", ".join(stats.skipped_files[:5]),
+        )
+    log.info(
+        "tokenized %d documents into %d tokens (%d train / %d val) at %.0f tokens/s",
+        stats.documents,
+        total_tokens,
+        splits["train"]["tokens"],
+        splits["val"]["tokens"],
+        meta["tokens_per_s"],
+    )
+    return meta
+
+
+@task(name="generate-sql-pairs", cache_policy=NONE, retries=1)
+def build_sql_sets(cfg: Config, work: Path) -> dict[str, int]:
+    d = cfg.data
+    counts = generate_sql_sets(
+        work / "sql", d.sql_generic_pairs, d.sql_domain_train_pairs, d.sql_domain_test_pairs, d.seed
+    )
+    log.info("SQL pairs that execute on sqlite: %s", counts)
+    return counts
+
+
+def commit_folder(tmp: Path, final: Path) -> None:
+    """Replace `final` with the complete `tmp` folder (old copy removed only after)."""
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)

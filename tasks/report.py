@@ -1,0 +1,232 @@
+"""Lineage records, the cost ledger, plots and Prefect artifacts.
+
+Every stage writes `lineage.json` beside its outputs: input and output content hashes, the
+resolved params, the code commit, the Prefect flow-run id, the W&B run id, the pool, wall time
+and cost. The evaluate stage sums those records into the bill (`reports/cost.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from moe.checkpoint import sha256_file
+from moe.config import Config
+
+log = logging.getLogger(__name__)
+
+SECRET_ENV = (
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "WANDB_API_KEY",
+)
+
+
+def scrub(text: str) -> str:
+    """Replace the value of any secret environment variable that leaked into `text`."""
+    for name in SECRET_ENV:
+        value = os.environ.get(name)
+        if value and len(value) >= 4:
+            text = text.replace(value, f"<{name}>")
+    return text
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Atomic JSON write with secrets scrubbed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(scrub(json.dumps(data, indent=1, sort_keys=True, default=str)) + "\n")
+    os.replace(tmp, path)
+
+
+def content_hash(path: Path) -> str:
+    """sha256 of a file, or of a folder's (relative path, sha256) list."""
+    if path.is_file():
+        return sha256_file(path)
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        if p.is_file() and p.name not in ("lineage.json", "params.yaml"):
+            h.update(f"{p.relative_to(path)}\0{sha256_file(p)}\n".encode())
+    return h.hexdigest()
+
+
+def code_version() -> dict[str, Any]:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--", "moe", "tasks", "flows"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+        )
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": "unknown", "dirty": None}
+    return {"commit": commit, "dirty": dirty}
+
+
+def flow_run_id() -> str | None:
+    try:
+        from prefect.runtime import flow_run
+
+        return str(flow_run.id) if flow_run.id else None
+    except Exception:  # noqa: BLE001 - outside a flow run
+        return None
+
+
+class StageRecord:
+    """Times a stage and writes its lineage record (with its cost) beside its outputs."""
+
+    def __init__(self, cfg: Config, stage: str, out_dir: Path) -> None:
+        self.cfg, self.stage, self.out_dir = cfg, stage, out_dir
+        self.pool = cfg.pools.stages[stage]
+        self.price_per_hour = cfg.pools.definitions[self.pool].price_per_hour
+        self.t0 = time.time()
+
+    def write(
+        self,
+        inputs: dict[str, Path],
+        outputs: dict[str, Path],
+        metrics: dict[str, Any] | None = None,
+        wandb_run_id: str | None = None,
+        compute_s: float | None = None,
+    ) -> dict[str, Any]:
+        wall_s = time.time() - self.t0
+        billed_s = wall_s if compute_s is None else max(wall_s, compute_s)
+        record = {
+            "stage": self.stage,
+            "inputs": {k: {"path": str(p), "sha256": content_hash(p)} for k, p in inputs.items()},
+            "outputs": {k: {"path": str(p), "sha256": content_hash(p)} for k, p in outputs.items()},
+            "params": self.cfg.to_dict(),
+            "code": code_version(),
+            "flow_run_id": flow_run_id(),
+            "wandb_run_id": wandb_run_id,
+            "pool": self.pool,
+            "price_per_hour": self.price_per_hour,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.t0)),
+            "wall_s": round(wall_s, 3),
+            # NOTE: priced at the pool's rate for the time this run took on *this* machine;
+            # on the pool's GPU the same stage is faster, so this is an upper bound there.
+            "cost": round(billed_s / 3600 * self.price_per_hour, 6),
+            "currency": self.cfg.cost.currency,
+            "metrics": metrics or {},
+        }
+        self.cfg.dump(self.out_dir / "params.yaml")
+        write_json(self.out_dir / "lineage.json", record)
+        return record
+
+
+def cost_ledger(
+    cfg: Config,
+    records: list[dict[str, Any]],
+    expert_shares: dict[str, list[list[float]] | None] | None = None,
+) -> dict[str, Any]:
+    """Sum stage records into a bill per stage, per pool and per expert, with a budget check.
+
+    Per expert (seed 002's view): each training stage's cost is split over experts by the
+    share of routed tokens each took in that stage, averaged over MoE layers. NOTE: this
+    attributes attention and dense compute to experts in proportion too; it answers "which
+    experts is the money flowing through", not "what did the expert FLOPs cost".
+    """
+    by_stage = {
+        r["stage"]: {"pool": r["pool"], "wall_s": r["wall_s"], "cost": r["cost"]} for r in records
+    }
+    by_pool: dict[str, float] = {}
+    for r in records:
+        by_pool[r["pool"]] = round(by_pool.get(r["pool"], 0.0) + r["cost"], 6)
+    total = round(sum(r["cost"] for r in records), 6)
+    ledger: dict[str, Any] = {
+        "currency": cfg.cost.currency,
+        "total": total,
+        "by_stage": by_stage,
+        "by_pool": by_pool,
+        "budget": cfg.cost.budget,
+    }
+    if cfg.cost.budget > 0:
+        used = total / cfg.cost.budget
+        ledger["budget_used"] = round(used, 4)
+        ledger["budget_alert"] = used >= cfg.cost.alert_fraction
+        if ledger["budget_alert"]:
+            log.warning(
+                "spend %.4f %s is %.0f%% of the budget %.2f",
+                total,
+                cfg.cost.currency,
+                100 * used,
+                cfg.cost.budget,
+            )
+    by_expert: dict[str, float] = {}
+    for stage, share in (expert_shares or {}).items():
+        if not share or stage not in by_stage:
+            continue
+        for e in range(len(share[0])):
+            frac = sum(layer[e] for layer in share) / len(share)
+            key = f"expert_{e}"
+            by_expert[key] = round(by_expert.get(key, 0.0) + frac * by_stage[stage]["cost"], 6)
+    if by_expert:
+        ledger["by_expert"] = by_expert
+    return ledger
+
+
+def publish_artifacts(stage: str, summary: dict[str, Any]) -> None:
+    """A Prefect markdown artifact with the stage summary (visible in the UI)."""
+    try:
+        from prefect.artifacts import create_markdown_artifact
+
+        rows = "\n".join(
+            f"| {k} | {v} |" for k, v in summary.items() if not isinstance(v, (dict, list))
+        )
+        create_markdown_artifact(
+            key=f"{stage.replace('_', '-')}-summary",
+            markdown=scrub(f"# {stage}\n\n| field | value |\n|---|---|\n{rows}\n"),
+            description=f"Summary of the {stage} stage",
+        )
+    except Exception as e:  # noqa: BLE001 - an artifact must never fail a stage
+        log.warning("could not create the Prefect artifact for %s: %s", stage, e)
+
+
+def plot_training(metrics_files: dict[str, Path], out: Path) -> Path | None:
+    """Loss curves of every training stage in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(
+        1, len(metrics_files), figsize=(5 * len(metrics_files), 3.5), squeeze=False
+    )
+    drawn = False
+    for ax, (stage, path) in zip(axes[0], metrics_files.items(), strict=True):
+        if not path.is_file():
+            continue
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+        train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+        val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+        if train:
+            ax.plot(*zip(*train, strict=True), label="train")
+            drawn = True
+        if val:
+            ax.plot(*zip(*val, strict=True), "o-", label="val")
+        ax.set_title(stage)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend()
+    if not drawn:
+        plt.close(fig)
+        return None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

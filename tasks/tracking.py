@@ -1,0 +1,56 @@
+"""Weights & Biases: offline by default; the run id is kept for lineage.
+
+Offline runs land in `WANDB_DIR/wandb/offline-run-*` for a later `wandb sync`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from moe.config import Config
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def wandb_run(
+    cfg: Config, stage: str, group: str | None = None
+) -> Iterator[tuple[Callable[[dict[str, Any]], None], str | None]]:
+    """Yields (log_fn, run_id). With wandb.mode disabled, log_fn does nothing and run_id is None."""
+    if cfg.wandb.mode == "disabled":
+        yield (lambda row: None), None
+        return
+    import wandb
+
+    Path(cfg.wandb.dir).mkdir(parents=True, exist_ok=True)
+    run = wandb.init(
+        project=cfg.wandb.project,
+        entity=cfg.wandb.entity or None,
+        mode=cfg.wandb.mode,
+        dir=cfg.wandb.dir,
+        job_type=stage,
+        group=group,
+        config=cfg.to_dict(),
+        reinit="finish_previous",
+        settings=wandb.Settings(silent=True, console="off"),
+    )
+
+    def log_fn(row: dict[str, Any]) -> None:
+        data = {k: v for k, v in row.items() if k not in ("step", "expert_share")}
+        share = row.get("expert_share")
+        if share:
+            # Per-expert load: a histogram of the last layer's shares and a value per expert.
+            for layer, values in enumerate(share):
+                for e, v in enumerate(values):
+                    data[f"expert_load/layer{layer}/expert{e}"] = v
+            data["expert_load/histogram"] = wandb.Histogram([v for layer in share for v in layer])
+        run.log(data, step=int(row["step"]))
+
+    try:
+        yield log_fn, run.id
+    finally:
+        run.finish()

@@ -1,0 +1,167 @@
+"""Training tasks: pretrain on the memmap tokens, finetune on SQL pairs.
+
+A retry of either task resumes from its newest valid checkpoint (the trainer looks for one
+before it starts), so a machine that dies costs at most `checkpoint_every` steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from prefect import task
+from prefect.cache_policies import NONE
+from prefect.tasks import exponential_backoff
+from safetensors.torch import load_file, save_file
+
+from moe.checkpoint import CheckpointStore, load_model_tensors, model_tensors, sha256_file
+from moe.config import Config, FinetuneConfig, ModelConfig, MoEConfig
+from moe.data import BatchSampler, SFTBatches, SFTExample, TokenStore
+from moe.model import MoETransformer
+from moe.sql import load_pairs, prompt_text, response_text
+from moe.tokenizer import EOT, PAD, load_tokenizer
+from moe.train import Trainer, TrainResult
+
+log = logging.getLogger(__name__)
+
+TRAIN_RETRIES = dict(
+    retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=5), retry_jitter_factor=0.5
+)
+
+
+def save_model(model: MoETransformer, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(model_tensors(model), str(out_dir / "model.safetensors"))
+    spec = {"model": asdict(model.cfg), "moe": asdict(model.mcfg), "vocab_size": model.vocab_size}
+    (out_dir / "model.json").write_text(json.dumps(spec, indent=1))
+    return out_dir / "model.safetensors"
+
+
+def load_model(model_dir: Path) -> MoETransformer:
+    spec_path = model_dir / "model.json"
+    if not spec_path.is_file():
+        raise FileNotFoundError(
+            f"{spec_path} is missing: run the stage that writes {model_dir} first"
+        )
+    spec = json.loads(spec_path.read_text())
+    model = MoETransformer(
+        ModelConfig(**spec["model"]), MoEConfig(**spec["moe"]), spec["vocab_size"]
+    )
+    load_model_tensors(model, load_file(str(model_dir / "model.safetensors")))
+    return model
+
+
+def _price(cfg: Config, stage: str) -> float:
+    return cfg.pools.definitions[cfg.pools.stages[stage]].price_per_hour
+
+
+@task(name="pretrain-model", cache_policy=NONE, **TRAIN_RETRIES)
+def pretrain_model(
+    cfg: Config, data_dir: Path, out_dir: Path, log_fn: Callable[[dict[str, Any]], None]
+) -> TrainResult:
+    train_store, val_store = TokenStore(data_dir, "train"), TokenStore(data_dir, "val")
+    torch.manual_seed(cfg.train.seed)
+    model = MoETransformer(cfg.model, cfg.moe, train_store.vocab_size)
+    log.info(
+        "model: %.2fM parameters, %.2fM active per token",
+        model.num_params() / 1e6,
+        model.num_params(active_only=True) / 1e6,
+    )
+    t = cfg.train
+    trainer = Trainer(
+        model,
+        t,
+        BatchSampler(train_store, t.batch_size, cfg.model.seq_len, t.seed),
+        CheckpointStore(out_dir / "checkpoints", cfg.checkpoint.keep_last),
+        fingerprint=cfg.fingerprint("model", "moe", "train")
+        + ":"
+        + sha256_file(data_dir / "meta.json"),
+        schedule="cosine",
+        min_lr=t.min_lr,
+        aux_loss_coef=cfg.moe.aux_loss_coef,
+        z_loss_coef=cfg.moe.z_loss_coef,
+        router_lr_mult=cfg.moe.router_lr_mult,
+        val_batches=BatchSampler(val_store, t.batch_size, cfg.model.seq_len, t.seed + 1),
+        eval_every=t.eval_every,
+        eval_batches=t.eval_batches,
+        price_per_hour=_price(cfg, "pretrain"),
+        log_fn=log_fn,
+        metrics_path=out_dir / "metrics.jsonl",
+    )
+    result = trainer.fit()
+    save_model(trainer.model.to("cpu"), out_dir)
+    return result
+
+
+def sft_examples(path: Path, tok: Any) -> list[SFTExample]:
+    eot = tok.token_to_id(EOT)
+    return [
+        SFTExample(tok.encode(prompt_text(p)).ids, [*tok.encode(response_text(p)).ids, eot])
+        for p in load_pairs(path)
+    ]
+
+
+def focus_token_ids(tok: Any, words: list[str]) -> set[int]:
+    """Token ids of the focus words, with and without a leading space. A word the tokenizer
+    splits contributes all of its pieces (seed 000 §7.2 weights whole keywords)."""
+    ids: set[int] = set()
+    for w in words:
+        for variant in (w, " " + w):
+            ids.update(tok.encode(variant).ids)
+    return ids
+
+
+@task(name="finetune-model", cache_policy=NONE, **TRAIN_RETRIES)
+def finetune_model(
+    cfg: Config,
+    stage: str,
+    data_dir: Path,
+    pairs_file: str,
+    init_dir: Path,
+    out_dir: Path,
+    log_fn: Callable[[dict[str, Any]], None],
+) -> TrainResult:
+    f: FinetuneConfig = getattr(cfg, stage)
+    tok = load_tokenizer(data_dir / "tokenizer.json")
+    examples = sft_examples(data_dir / "sql" / pairs_file, tok)
+    model = load_model(init_dir)
+    if f.max_len > model.cfg.seq_len:
+        raise ValueError(
+            f"{stage}.max_len={f.max_len} exceeds the model's seq_len={model.cfg.seq_len}"
+        )
+    batches = SFTBatches(
+        examples,
+        f.batch_size,
+        f.max_len,
+        f.seed,
+        tok.token_to_id(PAD),
+        focus_token_ids(tok, f.focus_tokens),
+        f.focus_weight,
+    )
+    trainer = Trainer(
+        model,
+        f,
+        batches,
+        CheckpointStore(out_dir / "checkpoints", cfg.checkpoint.keep_last),
+        fingerprint=cfg.fingerprint(stage)
+        + ":"
+        + sha256_file(init_dir / "model.safetensors")
+        + ":"
+        + sha256_file(data_dir / "meta.json"),
+        schedule="linear",
+        min_lr=0.0,
+        aux_loss_coef=model.mcfg.aux_loss_coef,
+        z_loss_coef=model.mcfg.z_loss_coef,
+        router_lr_mult=model.mcfg.router_lr_mult,
+        price_per_hour=_price(cfg, stage),
+        log_fn=log_fn,
+        metrics_path=out_dir / "metrics.jsonl",
+    )
+    result = trainer.fit()
+    save_model(trainer.model.to("cpu"), out_dir)
+    return result
