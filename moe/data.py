@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import sysconfig
@@ -190,14 +191,22 @@ def write_token_store(
     """Tokenize `docs` into train/val memmaps, splitting by document. Returns counts per split."""
     dtype = token_dtype(vocab_size)
     writers = {name: TokenWriter(out_dir, name, dtype) for name in ("train", "val")}
-    rng = random.Random(seed)
+    # Systematic sampling with a seeded offset: document i is held out when the running count
+    # i * val_fraction + u crosses an integer. Exactly floor-or-ceil(n * val_fraction) documents
+    # are held out, spread evenly over the corpus, without knowing n in advance.
+    u = random.Random(seed).random()
+    index = 0
     batch: list[str] = []
 
     def flush() -> None:
+        nonlocal index
         # encode_batch runs on all cores (the tokenizers library's Rust thread pool).
         for ids in encode_batch(batch):
-            split = "val" if rng.random() < val_fraction else "train"
-            writers[split].add([*ids, eot_id])
+            held_out = math.floor((index + 1) * val_fraction + u) > math.floor(
+                index * val_fraction + u
+            )
+            writers["val" if held_out else "train"].add([*ids, eot_id])
+            index += 1
         if progress:
             progress(len(batch))
         batch.clear()

@@ -16,6 +16,7 @@ _DEFAULTS = {
     # the first ephemeral start migrates a fresh database: ~15 s on 2 cores, more under load
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
     "PREFECT_LOGGING_EXTRA_LOGGERS": "moe,tasks,flows",
+    "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
 }
 for _k, _v in _DEFAULTS.items():
     os.environ.setdefault(_k, _v)

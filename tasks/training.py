@@ -56,6 +56,32 @@ def load_model(model_dir: Path) -> MoETransformer:
     return model
 
 
+def write_metrics_csv(out_dir: Path) -> Path:
+    """metrics.jsonl -> metrics.csv of the per-step training rows (for `dvc plots`)."""
+    import csv
+
+    cols = [
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "expert_cv",
+        "expert_max_vio",
+        "dropped_fraction",
+        "cost",
+    ]
+    src, dest = out_dir / "metrics.jsonl", out_dir / "metrics.csv"
+    rows = (
+        [json.loads(line) for line in src.read_text().splitlines() if line] if src.is_file() else []
+    )
+    with open(dest, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(r for r in rows if "loss" in r)
+    return dest
+
+
 def _price(cfg: Config, stage: str) -> float:
     return cfg.pools.definitions[cfg.pools.stages[stage]].price_per_hour
 
@@ -95,6 +121,7 @@ def pretrain_model(
     )
     result = trainer.fit()
     save_model(trainer.model.to("cpu"), out_dir)
+    write_metrics_csv(out_dir)
     return result
 
 
@@ -164,4 +191,5 @@ def finetune_model(
     )
     result = trainer.fit()
     save_model(trainer.model.to("cpu"), out_dir)
+    write_metrics_csv(out_dir)
     return result

@@ -1,0 +1,147 @@
+"""Shared fixtures. Servers a test needs (moto S3) are started here on 127.0.0.1 and stopped."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Offline hygiene for every test (before Prefect, botocore or W&B read their settings).
+os.environ.update(
+    {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "DVC_NO_ANALYTICS": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+    }
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[str]:
+    """A real S3 API (moto's server mode) on 127.0.0.1; yields its endpoint URL."""
+    port = free_port()
+    exe = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen(
+        [str(exe), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            break
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("moto_server did not start") from None
+            time.sleep(0.2)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def tiny_params() -> dict:
+    """A configuration small enough to run the whole pipeline in about a minute on 2 cores."""
+    return {
+        "data": {
+            "max_bytes": 600_000,
+            "val_fraction": 0.1,
+            "sql_generic_pairs": 400,
+            "sql_domain_train_pairs": 60,
+            "sql_domain_test_pairs": 20,
+        },
+        "tokenizer": {"vocab_size": 512},
+        "model": {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 64, "dense_hidden": 128},
+        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 64},
+        "train": {
+            "max_steps": 12,
+            "batch_size": 8,
+            "checkpoint_every": 6,
+            "eval_every": 6,
+            "eval_batches": 2,
+            "log_every": 4,
+            "warmup_steps": 2,
+        },
+        "finetune_sql": {
+            "max_steps": 6,
+            "batch_size": 8,
+            "checkpoint_every": 3,
+            "log_every": 3,
+            "max_len": 64,
+        },
+        "finetune_domain": {
+            "max_steps": 6,
+            "batch_size": 8,
+            "checkpoint_every": 3,
+            "log_every": 3,
+            "max_len": 64,
+        },
+        "evaluate": {"max_examples": 4, "max_new_tokens": 16, "val_batches": 2},
+        "wandb": {"mode": "disabled"},
+    }
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A real `prefect server` on 127.0.0.1 with its own database; yields the env to reach it."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "false",
+    }
+    env.pop("PREFECT_API_URL", None)
+    exe = Path(sys.executable).with_name("prefect")
+    log = open(home / "server.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [str(exe), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    api = f"http://127.0.0.1:{port}/api"
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{api}/health", timeout=2)
+            break
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError(
+                    f"prefect server did not start; see {home / 'server.log'}"
+                ) from None
+            time.sleep(0.5)
+    yield {"PREFECT_HOME": str(home), "PREFECT_API_URL": api}
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()

@@ -1,0 +1,132 @@
+"""Contract of moe/config.py and `moe-pipeline params check`: one source of configuration;
+every bad key, type or value is named with its path, exits 2, and touches nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moe.config import Config, ConfigError, default_yaml, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, data: dict) -> Path:
+    p = tmp_path / "params.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_shipped_params_equal_embedded_default() -> None:
+    # params.yaml lists every knob (so DVC can track them) and repeats the embedded default.
+    assert load_config(ROOT / "params.yaml") == Config()
+    assert yaml.safe_load((ROOT / "params.yaml").read_text()) == yaml.safe_load(default_yaml())
+
+
+def test_override_parses_scientific_notation_and_nested_dicts() -> None:
+    cfg = load_config(ROOT / "params.yaml", ["train.lr=3e-4", "pools.stages.pretrain=cpu"])
+    assert cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.pools.stages["pretrain"] == "cpu"
+    assert cfg.pools.stages["evaluate"] == "gpu-4090"  # one entry changed, the others kept
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "fragment"),
+    [
+        ({"train": {"lrr": 0.1}}, "train.lrr", "unknown key"),
+        ({"bogus": {}}, "bogus", "unknown key"),
+        ({"moe": {"num_experts": 4, "top_k": 5}}, "moe.top_k", "must be <= moe.num_experts (4)"),
+        ({"train": {"lr": 0.0}}, "train.lr", "must be > 0"),
+        ({"train": {"lr": -1e-3, "min_lr": 0.0}}, "train.lr", "must be > 0"),
+        ({"train": {"max_steps": 0}}, "train.max_steps", "must be >= 1"),
+        ({"train": {"lr": "fast"}}, "train.lr", "expected a number"),
+        ({"train": {"max_steps": 1.5}}, "train.max_steps", "expected an integer"),
+        ({"model": {"tie_embeddings": "yes"}}, "model.tie_embeddings", "expected true or false"),
+        ({"train": {"dtype": "fp8"}}, "train.dtype", "one of"),
+        (
+            {"pools": {"stages": {"pretrain": "gpu-b200"}}},
+            "pools.stages.pretrain",
+            "not a pool defined",
+        ),
+        ({"storage": {"backend": "s3"}}, "storage.bucket", "needs a bucket"),
+    ],
+)
+def test_bad_values_are_named(tmp_path: Path, data: dict, key: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, data))
+    lines = [p for p in err.value.problems if p.startswith(key + " ")]
+    assert lines, err.value.problems
+    assert fragment in lines[0]
+    assert "params.yaml, line" in lines[0]  # the file and line are named
+
+
+def test_all_problems_reported_together(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, {"train": {"lr": 0, "max_steps": 0}, "moe": {"top_k": 99}}))
+    paths = {p.split(" ")[0] for p in err.value.problems}
+    assert {"train.lr", "train.max_steps", "moe.top_k"} <= paths
+
+
+def test_override_errors_say_they_came_from_set() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.max_steps=abc"])
+    assert "train.max_steps = 'abc': expected an integer (from --set)" in str(err.value)
+    with pytest.raises(ConfigError):
+        load_config(None, ["no_equals_sign"])
+
+
+def test_not_a_mapping_and_missing_file(tmp_path: Path) -> None:
+    p = tmp_path / "p.yaml"
+    p.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"train": {"unknown_knob": 1}}, "train.unknown_knob"),
+        ({"moe": {"num_experts": 2, "top_k": 3}}, "moe.top_k"),
+        ({"train": {"lr": -0.1, "min_lr": 0.0}}, "train.lr"),
+        ({"train": {"batch_size": "many"}}, "train.batch_size"),
+    ],
+)
+def test_cli_check_exits_2_naming_the_key(tmp_path: Path, data: dict, key: str) -> None:
+    r = _cli("params", "check", str(write(tmp_path, data)), cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert key in r.stderr
+
+
+def test_cli_stage_with_bad_params_touches_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "data" / "prepared"
+    out.mkdir(parents=True)
+    (out / "meta.json").write_text("{}")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    write(tmp_path, {"data": {"val_fraction": 2.0}})
+    r = _cli("stage", "prepare", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "data.val_fraction" in r.stderr
+    assert (out / "meta.json").read_text() == "{}"
+    after = {p for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == set(before) | {tmp_path / "params.yaml"}
+
+
+def test_cli_check_ok(tmp_path: Path) -> None:
+    r = _cli("params", "check", str(ROOT / "params.yaml"), cwd=tmp_path)
+    assert r.returncode == 0 and "OK" in r.stdout

@@ -1,0 +1,157 @@
+"""Contract of moe/data.py, moe/tokenizer.py and moe/sql.py: token stores round-trip with
+their meta, splits are by document, batches are a pure function of (seed, step), SFT batches
+put the loss on responses only, and every SQL pair runs on its database."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moe.data import (
+    BatchSampler,
+    CorpusStats,
+    SFTBatches,
+    SFTExample,
+    TokenStore,
+    iter_documents,
+    token_dtype,
+    write_token_store,
+)
+from moe.sql import execution_match, generate_sql_sets, load_pairs
+from moe.tokenizer import EOT, load_tokenizer, train_tokenizer
+
+
+def _store(
+    tmp_path: Path, docs: list[list[int]], vocab: int = 100, val_fraction: float = 0.25
+) -> dict:
+    counts = write_token_store(
+        iter(map(str, range(len(docs)))),
+        lambda batch: [docs[int(b)] for b in batch],
+        0,
+        vocab,
+        tmp_path,
+        val_fraction,
+        seed=1,
+        batch_docs=3,
+    )
+    meta = {"dtype": str(token_dtype(vocab)), "vocab_size": vocab, "splits": counts}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    return counts
+
+
+def test_token_store_round_trip_and_split_by_document(tmp_path: Path) -> None:
+    docs = [[i + 1] * (i + 2) for i in range(20)]
+    counts = _store(tmp_path, docs)
+    assert counts["val"]["documents"] == 5  # exactly 25% of 20 documents, systematic sample
+    assert counts["train"]["documents"] + counts["val"]["documents"] == 20
+    train, val = TokenStore(tmp_path, "train"), TokenStore(tmp_path, "val")
+    all_tokens = np.concatenate([train.tokens, val.tokens])
+    assert sorted(all_tokens.tolist()) == sorted(sum(([*d, 0] for d in docs), []))
+    idx = np.load(tmp_path / "val.idx.npy")
+    assert len(idx) == 5 and idx[0] == 0
+    # each held-out document is whole: its tokens are one value followed by the EOT 0
+    first_doc = val.tokens[idx[0] : idx[1]]
+    assert len(set(first_doc[:-1].tolist())) == 1 and first_doc[-1] == 0
+
+
+def test_dtype_follows_vocabulary() -> None:
+    assert token_dtype(65536) == np.uint16
+    assert token_dtype(65537) == np.uint32
+
+
+def test_damaged_store_is_refused(tmp_path: Path) -> None:
+    _store(tmp_path, [[1, 2, 3]] * 8)
+    with open(tmp_path / "train.bin", "ab") as f:
+        f.write(b"\x00\x00")
+    with pytest.raises(ValueError, match="damaged"):
+        TokenStore(tmp_path, "train")
+
+
+def test_batches_are_a_pure_function_of_step(tmp_path: Path) -> None:
+    _store(tmp_path, [list(range(1, 50))] * 8)
+    s1 = BatchSampler(TokenStore(tmp_path, "train"), 4, 8, seed=3)
+    s2 = BatchSampler(TokenStore(tmp_path, "train"), 4, 8, seed=3)
+    x1, y1, _ = s1.batch_at(7)
+    x2, y2, _ = s2.batch_at(7)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert torch.equal(x1[:, 1:], y1[:, :-1])  # targets are inputs shifted by one
+    assert not torch.equal(s1.batch_at(8)[0], x1)
+    assert not torch.equal(s1.batch_at(7, micro=1)[0], x1)
+
+
+def test_sft_batches_mask_prompt_and_weight_focus_tokens() -> None:
+    ex = SFTExample(prompt=[5, 6, 7], response=[8, 9, 1])
+    b = SFTBatches(
+        [ex], batch_size=2, max_len=16, seed=0, pad_id=2, focus_ids={9}, focus_weight=3.0
+    )
+    x, y, w = b.batch_at(0)
+    assert x[0].tolist() == [5, 6, 7, 8, 9]
+    assert y[0].tolist() == [-100, -100, 8, 9, 1]  # loss on the response (and its end token) only
+    assert w[0].tolist() == [1.0, 1.0, 1.0, 3.0, 1.0]
+    # too long: the prompt loses tokens from the left, the response stays whole
+    long = SFTBatches([SFTExample(list(range(10, 30)), [8, 9, 1])], 1, 6, 0, 2)
+    x, y, _ = long.batch_at(0)
+    assert x.shape[1] == 6 and y[0, -3:].tolist() == [8, 9, 1]
+
+
+def test_stdlib_corpus_skips_undecodable_and_caps() -> None:
+    stats = CorpusStats()
+    docs = list(iter_documents("stdlib", "text", 300_000, stats))
+    assert 0 < stats.bytes <= 300_000 and stats.documents == len(docs)
+    assert stats.sha256
+
+
+def test_local_jsonl_corpus_through_datasets(tmp_path: Path) -> None:
+    f = tmp_path / "c.jsonl"
+    f.write_text("\n".join(json.dumps({"body": f"doc {i}"}) for i in range(5)))
+    docs = list(iter_documents(str(f), "body", 0, CorpusStats()))
+    assert docs == [f"doc {i}" for i in range(5)]
+    with pytest.raises(KeyError, match="text_field"):
+        list(iter_documents(str(f), "text", 0, CorpusStats()))
+
+
+def test_missing_source_and_offline_hub_fail_clearly() -> None:
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        list(iter_documents("./nope.txt", "text", 0, CorpusStats()))
+    with pytest.raises(RuntimeError, match="offline"):
+        list(iter_documents("someone/some-dataset", "text", 0, CorpusStats()))
+
+
+def test_tokenizer_trains_locally_and_round_trips(tmp_path: Path) -> None:
+    tok = train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, vocab_size=300)
+    tok.save(str(tmp_path / "t.json"))
+    tok = load_tokenizer(tmp_path / "t.json")
+    text = "def g(y):\n    return y\n"
+    assert tok.decode(tok.encode(text).ids) == text
+    assert tok.token_to_id(EOT) is not None
+
+
+def test_sql_pairs_all_execute_and_splits_do_not_overlap(tmp_path: Path) -> None:
+    counts = generate_sql_sets(tmp_path, generic=300, domain_train=50, domain_test=20, seed=0)
+    assert counts == {"generic": 300, "domain_train": 50, "domain_test": 20}
+    sets = {n: load_pairs(tmp_path / f"{n}.jsonl") for n in counts}
+    for pairs in sets.values():
+        for p in pairs:
+            con = sqlite3.connect(tmp_path / "dbs" / p.db)
+            con.execute(p.sql).fetchall()
+            con.close()
+    assert not {p.sql for p in sets["domain_train"]} & {p.sql for p in sets["domain_test"]}
+    assert {p.db for p in sets["domain_test"]} == {"domain.sqlite"}
+    assert "domain.sqlite" not in {p.db for p in sets["generic"]}
+    keywords = " ".join(p.sql for p in sets["generic"])
+    for kw in ("WHERE", "JOIN", "GROUP BY", "ORDER BY", "LIMIT", "COUNT", "AVG"):
+        assert kw in keywords
+
+
+def test_execution_match(tmp_path: Path) -> None:
+    generate_sql_sets(tmp_path, 10, 5, 2, seed=0)
+    db = tmp_path / "dbs" / "domain.sqlite"
+    gold = "SELECT id FROM doctor WHERE age > 40"
+    assert execution_match(db, "select id from doctor where 40 < age", gold)
+    assert not execution_match(db, "SELECT id FROM doctor", gold)
+    assert not execution_match(db, "SELEC nonsense", gold)
