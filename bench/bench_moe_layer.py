@@ -61,9 +61,13 @@ def main() -> None:
             times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     flops = 3 * 2 * a.tokens * a.top_k * 3 * a.d_model * a.hidden  # fwd+bwd, 3 projections
-    print(f"device={device} dtype={a.dtype} tokens={a.tokens} d_model={a.d_model} hidden={a.hidden} experts={a.experts} top_k={a.top_k}")
+    print(
+        f"device={device} dtype={a.dtype} tokens={a.tokens} d_model={a.d_model} hidden={a.hidden} experts={a.experts} top_k={a.top_k}"
+    )
     for k, v in med.items():
-        print(f"{k:8s} median {v * 1e3:8.2f} ms  {flops / v / 1e9:7.1f} GFLOP/s  {a.tokens / v:10.0f} tokens/s")
+        print(
+            f"{k:8s} median {v * 1e3:8.2f} ms  {flops / v / 1e9:7.1f} GFLOP/s  {a.tokens / v:10.0f} tokens/s"
+        )
     print(f"ratio loop/grouped (speed-up of grouped dispatch): {med['loop'] / med['grouped']:.2f}x")
 
 
