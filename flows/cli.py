@@ -12,8 +12,9 @@ from pathlib import Path
 
 import flows  # noqa: F401 - offline defaults before Prefect is imported
 from moe.config import STAGES, ConfigError, load_config
+from moe.errors import InputError
 
-EXIT_CONFIG = 2
+EXIT_CONFIG = 2  # bad configuration or input: nothing was run or written
 
 
 def _add_params(p: argparse.ArgumentParser) -> None:
@@ -93,16 +94,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
 
-    if args.command == "stage":
-        from flows.stages import STAGE_FLOWS
+    try:
+        if args.command == "stage":
+            from flows.stages import STAGE_FLOWS
 
-        STAGE_FLOWS[args.name](args.params, args.overrides)
-        _where(args.name)
-    elif args.command == "run":
-        from flows.pipeline import pipeline
+            STAGE_FLOWS[args.name](args.params, args.overrides)
+            _where(args.name)
+        elif args.command == "run":
+            from flows.pipeline import pipeline
 
-        pipeline(args.params, args.overrides, args.stages)
-        _where("evaluate" if not args.stages or "evaluate" in args.stages else args.stages[-1])
+            pipeline(args.params, args.overrides, args.stages)
+            _where("evaluate" if not args.stages or "evaluate" in args.stages else args.stages[-1])
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     return 0
 
 
@@ -126,8 +131,11 @@ def _digest(root: Path) -> int:
         if path is not None:
             print(f"{weights_digest(CheckpointStore(candidate).load(path).model)}  {path}")
             return 0
-    print(f"error: no valid checkpoint under {root}", file=sys.stderr)
-    return 1
+    print(
+        f"error: no valid checkpoint under {root} (nor under {root / 'checkpoints'})",
+        file=sys.stderr,
+    )
+    return EXIT_CONFIG
 
 
 if __name__ == "__main__":

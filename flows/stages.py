@@ -18,6 +18,7 @@ from typing import Any
 from prefect import flow
 
 from moe.config import Config, load_config
+from moe.errors import InputError
 from tasks.data import build_sql_sets, build_tokenizer, commit_folder, tokenize_corpus
 from tasks.evaluation import evaluate_perplexity, evaluate_sql
 from tasks.report import StageRecord, cost_ledger, plot_training, publish_artifacts, write_json
@@ -36,7 +37,7 @@ TRAIN_STAGES = ("pretrain", "finetune_sql", "finetune_domain")
 def _receipt() -> dict[str, Any]:
     path = PUBLISHED / "receipt.json"
     if not path.is_file():
-        raise FileNotFoundError(
+        raise InputError(
             f"{path} is missing: run the publish stage first (moe-pipeline stage publish)"
         )
     return json.loads(path.read_text())
@@ -79,7 +80,7 @@ def publish(params_file: str | None = None, overrides: list[str] | None = None) 
     cfg = _load(params_file, overrides)
     prepared = Path(cfg.data.out_dir)
     if not (prepared / "meta.json").is_file():
-        raise FileNotFoundError(
+        raise InputError(
             f"{prepared}/meta.json is missing: run the prepare stage first (moe-pipeline stage prepare)"
         )
     record = StageRecord(cfg, "publish", PUBLISHED)
@@ -139,9 +140,7 @@ def _finetune(
     receipt = _receipt()
     out, init_dir = MODELS / stage, MODELS / init
     if not (init_dir / "model.safetensors").is_file():
-        raise FileNotFoundError(
-            f"{init_dir}/model.safetensors is missing: run the {init} stage first"
-        )
+        raise InputError(f"{init_dir}/model.safetensors is missing: run the {init} stage first")
     record = StageRecord(cfg, stage, out)
     data_dir = download_dataset(cfg, receipt)
     with wandb_run(cfg, stage) as (log_fn, run_id):
@@ -256,7 +255,7 @@ def _lineage_files(cfg: Config) -> list[Path]:
     ]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
-        raise FileNotFoundError(
+        raise InputError(
             f"lineage records missing: {', '.join(missing)}; run the earlier stages first"
         )
     return paths

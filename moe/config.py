@@ -19,10 +19,12 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from moe.errors import InputError
+
 STAGES = ("prepare", "publish", "pretrain", "finetune_sql", "finetune_domain", "evaluate")
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """One or more configuration problems; `str()` lists each on its own line."""
 
     def __init__(self, problems: list[str], source: str = "params") -> None:
@@ -164,6 +166,31 @@ class MoEConfig:
 
 
 @dataclass
+class EarlyStopConfig:
+    """Seed 000 §6.1: composite score, lr-scaled patience, cost-aware stop."""
+
+    patience: int = 0  # evaluations without improvement before stopping, at the initial lr; 0 = off
+    min_delta: float = 0.001  # an improvement smaller than this does not count
+    util_weight: float = 0.5  # composite = val_loss + util_weight * (1 - expert utilisation)
+    value_per_loss: float = (
+        0.0  # currency value of lowering val loss by 1.0; 0 = no cost-aware stop
+    )
+    trend_window: int = 3  # evaluations fitted to project the remaining improvement
+
+    def check(self, p: _Problems) -> None:
+        p.require(self.patience >= 0, "patience", self.patience, "must be >= 0 (0 = off)")
+        p.require(self.min_delta >= 0, "min_delta", self.min_delta, "must be >= 0")
+        p.require(self.util_weight >= 0, "util_weight", self.util_weight, "must be >= 0")
+        p.require(
+            self.value_per_loss >= 0,
+            "value_per_loss",
+            self.value_per_loss,
+            "must be >= 0 (0 = off)",
+        )
+        p.require(self.trend_window >= 2, "trend_window", self.trend_window, "must be >= 2")
+
+
+@dataclass
 class TrainConfig:
     """Pretraining: warm-up + cosine decay."""
 
@@ -184,9 +211,12 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 8
     checkpoint_every: int = 100
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
     def check(self, p: _Problems) -> None:
         _check_optim(self, p)
+        with p.section("early_stop"):
+            self.early_stop.check(p)
         p.require(self.min_lr >= 0, "min_lr", self.min_lr, "must be >= 0")
         p.require(self.min_lr <= self.lr, "min_lr", self.min_lr, f"must be <= lr ({self.lr})")
         p.require(self.eval_batches >= 1, "eval_batches", self.eval_batches, "must be >= 1")

@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe.errors import InputError
+
 log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".sql", ".rst"}
@@ -79,7 +81,7 @@ def _file_documents(source: Path, text_field: str, stats: CorpusStats) -> Iterat
                 stats.skipped_undecodable += 1
                 stats.skipped_files.append(str(f))
         elif not source.is_dir():
-            raise ValueError(
+            raise InputError(
                 f"data.source {source}: unsupported file type {suffix!r}; use .txt/.md/.py, .jsonl/.json or .parquet"
             )
 
@@ -107,12 +109,12 @@ def _hf_documents(
             if offline
             else ""
         )
-        raise RuntimeError(
+        raise InputError(
             f"data.source {hub_id or data_files}: could not load the dataset{hint}: {e}"
         ) from e
     for i, row in enumerate(ds):
         if text_field not in row:
-            raise KeyError(
+            raise InputError(
                 f"data.text_field {text_field!r} is not a column of {hub_id or data_files} (row {i} has {sorted(row)})"
             )
         text = row[text_field]
@@ -131,7 +133,7 @@ def iter_documents(
     elif "/" in source and not source.startswith((".", "/")):
         it = _hf_documents("", None, text_field, hub_id=source)
     else:
-        raise FileNotFoundError(
+        raise InputError(
             f"data.source {source!r}: no such file or folder (and not a hub id like owner/name)"
         )
     h = hashlib.sha256()
@@ -145,6 +147,11 @@ def iter_documents(
         stats.bytes += n
         stats.sha256 = h.hexdigest()
         yield text
+    if stats.documents == 0:
+        raise InputError(
+            f"data.source {source!r}: no documents with decodable text"
+            f" ({stats.skipped_undecodable} undecodable file(s) skipped)"
+        )
 
 
 # --------------------------------------------------------------------------- token store
@@ -224,7 +231,7 @@ def write_token_store(
     }
     for name, c in counts.items():
         if c["tokens"] == 0:
-            raise ValueError(
+            raise InputError(
                 f"the {name} split is empty: the corpus is too small for data.val_fraction={val_fraction}"
             )
     return counts
@@ -237,7 +244,7 @@ class TokenStore:
         data_dir = Path(data_dir)
         meta_path = data_dir / "meta.json"
         if not meta_path.is_file():
-            raise FileNotFoundError(f"{meta_path} is missing: run the prepare stage first")
+            raise InputError(f"{meta_path} is missing: run the prepare stage first")
         self.meta = json.loads(meta_path.read_text())
         self.dtype = np.dtype(self.meta["dtype"])
         self.path = data_dir / f"{split}.bin"
@@ -245,7 +252,7 @@ class TokenStore:
         self.tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
         expected = self.meta["splits"][split]["tokens"]
         if len(self.tokens) != expected:
-            raise ValueError(
+            raise InputError(
                 f"{self.path}: {len(self.tokens)} tokens, meta.json says {expected}: the data is damaged"
             )
         self.vocab_size = int(self.meta["vocab_size"])
@@ -263,7 +270,7 @@ class BatchSampler:
 
     def __init__(self, store: TokenStore, batch_size: int, seq_len: int, seed: int) -> None:
         if len(store) <= seq_len + 1:
-            raise ValueError(
+            raise InputError(
                 f"{store.path}: {len(store)} tokens is too few for model.seq_len={seq_len}"
             )
         self.store, self.batch_size, self.seq_len, self.seed = store, batch_size, seq_len, seed
@@ -302,7 +309,7 @@ class SFTBatches:
         focus_weight: float = 1.0,
     ) -> None:
         if not examples:
-            raise ValueError("no finetuning examples")
+            raise InputError("no finetuning examples")
         self.examples, self.batch_size, self.max_len, self.seed = (
             examples,
             batch_size,

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe.errors import InputError
+
 # A theme: a parent table (name, category, numbers) and a child table that references it.
 # (table, plural, category column, its values, number columns with ranges)
 _Table = tuple[str, str, str, list[str], list[tuple[str, int, int]]]
@@ -453,13 +455,23 @@ def generate_sql_sets(
 
 
 def load_pairs(path: Path) -> list[SqlPair]:
+    """Read a JSONL pair set; a bad line or an empty set is an InputError naming the file."""
+    if not path.is_file():
+        raise InputError(f"{path}: SQL pair file not found; run the prepare stage first")
     pairs = []
     for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
         try:
             d = json.loads(line)
-            pairs.append(SqlPair(d["question"], d["sql"], d["db"], d["schema"]))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{path}, line {i}: not a SQL pair ({e})") from e
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}, line {i}: not valid JSON ({e.msg})") from e
+        missing = [k for k in ("question", "sql", "db", "schema") if not isinstance(d.get(k), str)]
+        if missing:
+            raise InputError(f"{path}, line {i}: missing or non-text field(s) {', '.join(missing)}")
+        pairs.append(SqlPair(d["question"], d["sql"], d["db"], d["schema"]))
+    if not pairs:
+        raise InputError(f"{path}: no SQL pairs in the file")
     return pairs
 
 

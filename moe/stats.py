@@ -9,7 +9,10 @@ class ExpertLoad:
     """Accumulates tokens_per_expert per MoE layer over a window of steps."""
 
     def __init__(self, num_layers: int, num_experts: int) -> None:
-        self.counts_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self.counts_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64)  # since window()
+        self.since_eval_LE = torch.zeros(
+            num_layers, num_experts, dtype=torch.float64
+        )  # since eval_window()
         self.total_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64)
 
     def add(self, tokens_per_expert: list[torch.Tensor]) -> None:
@@ -17,12 +20,19 @@ class ExpertLoad:
             return
         batch_LE = torch.stack([t.detach().to("cpu", torch.float64) for t in tokens_per_expert])
         self.counts_LE += batch_LE
+        self.since_eval_LE += batch_LE
         self.total_LE += batch_LE
 
     def window(self) -> dict[str, float | list[list[float]]]:
         """Summary of the counts since the last call, then reset the window."""
         out = summarize(self.counts_LE)
         self.counts_LE.zero_()
+        return out
+
+    def eval_window(self) -> dict[str, float | list[list[float]]]:
+        """Summary of the counts since the last evaluation, then reset (for early stopping)."""
+        out = summarize(self.since_eval_LE)
+        self.since_eval_LE.zero_()
         return out
 
 

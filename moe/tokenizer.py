@@ -8,6 +8,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from moe.errors import InputError
+
 EOT = "<|endoftext|>"
 PAD = "<|pad|>"
 SPECIAL_TOKENS = [EOT, PAD]
@@ -31,11 +33,14 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"tokenizer file not found: {path}")
-    tok = Tokenizer.from_file(str(path))
+        raise InputError(f"tokenizer file not found: {path}")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
+        raise InputError(f"{path}: not a tokenizers JSON file ({e})") from e
     for special in SPECIAL_TOKENS:
         if tok.token_to_id(special) is None:
-            raise ValueError(
+            raise InputError(
                 f"{path}: tokenizer lacks the special token {special!r}; add it or train one"
             )
     return tok

@@ -30,6 +30,7 @@ from moe.checkpoint import (
     unflatten_optimizer,
 )
 from moe.config import FinetuneConfig, TrainConfig
+from moe.early_stop import EarlyStopper
 from moe.model import MoETransformer
 from moe.stats import ExpertLoad, summarize
 
@@ -183,6 +184,10 @@ class Trainer:
         self.elapsed_s = 0.0
         self.tokens = 0
         self.best_val: float | None = None
+        early = getattr(cfg, "early_stop", None)
+        self.stopper = (
+            EarlyStopper(early, cfg.lr) if early is not None and val_batches is not None else None
+        )
 
     # ------------------------------------------------------------------ state
 
@@ -199,6 +204,7 @@ class Trainer:
             "val_loss": val_loss,
             "best_val": self.best_val,
             "expert_counts_total": self.load.total_LE.tolist(),
+            "early_stop": self.stopper.state_dict() if self.stopper else None,
         }
         return self.store.save(
             self.step, model_tensors(self.model), opt_tensors, rng_tensors, state
@@ -224,6 +230,8 @@ class Trainer:
         self.tokens = int(ckpt.state["tokens"])
         self.best_val = ckpt.state.get("best_val")
         self.load.total_LE = torch.tensor(ckpt.state["expert_counts_total"], dtype=torch.float64)
+        if self.stopper and ckpt.state.get("early_stop"):
+            self.stopper.load_state_dict(ckpt.state["early_stop"])
         log.info("resumed from %s (step %d)", path, self.step)
         if self.metrics_path and self.metrics_path.is_file():
             rows = [
@@ -263,6 +271,28 @@ class Trainer:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+
+    def _validate(self) -> float | None:
+        val_loss = self.evaluate()
+        if val_loss is None:
+            return None
+        self.best_val = val_loss if self.best_val is None else min(self.best_val, val_loss)
+        ppl = math.exp(min(val_loss, 50))
+        self._emit({"step": self.step, "val_loss": val_loss, "val_ppl": ppl})
+        log.info("step %d val loss %.4f (ppl %.1f)", self.step, val_loss, ppl)
+        return val_loss
+
+    def _early_stop(self, val_loss: float, lr: float) -> str | None:
+        if self.stopper is None:
+            return None
+        util = float(self.load.eval_window()["utilisation"])
+        cost_per_step = self.elapsed_s / max(self.step, 1) / 3600 * self.price_per_hour
+        steps_left = self.cfg.max_steps - self.step
+        reason = self.stopper.update(self.step, val_loss, util, lr, cost_per_step, steps_left)
+        if reason:
+            log.warning("early stop at step %d: %s", self.step, reason)
+            self._emit({"step": self.step, "early_stop": reason})
+        return reason
 
     def fit(self) -> TrainResult:
         cfg = self.cfg
@@ -340,28 +370,16 @@ class Trainer:
                 )
                 window_loss, window_tokens, window_t0 = 0.0, 0, time.perf_counter()
 
+            early_reason = None
             if self.eval_every and (self.step % self.eval_every == 0 or self.step == cfg.max_steps):
-                val_loss = self.evaluate()
+                val_loss = self._validate()
                 if val_loss is not None:
-                    self.best_val = (
-                        val_loss if self.best_val is None else min(self.best_val, val_loss)
-                    )
-                    self._emit(
-                        {
-                            "step": self.step,
-                            "val_loss": val_loss,
-                            "val_ppl": math.exp(min(val_loss, 50)),
-                        }
-                    )
-                    log.info(
-                        "step %d val loss %.4f (ppl %.1f)",
-                        self.step,
-                        val_loss,
-                        math.exp(min(val_loss, 50)),
-                    )
-
-            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.max_steps:
+                    early_reason = self._early_stop(val_loss, lr)
+            if early_reason or self.step % cfg.checkpoint_every == 0 or self.step == cfg.max_steps:
                 self._save(val_loss)
+            if early_reason:
+                stop_reason = early_reason
+                break
             if self.stop_after is not None and steps_this_run >= self.stop_after:
                 stop_reason = "stop_after"
                 break

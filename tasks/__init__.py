@@ -24,3 +24,16 @@ for _k, _v in _DEFAULTS.items():
 # Prefect forwards these loggers (PREFECT_LOGGING_EXTRA_LOGGERS); let their INFO lines through.
 for _name in ("moe", "tasks", "flows"):
     logging.getLogger(_name).setLevel(logging.INFO)
+
+
+def retry_unless_input_error(task: object, task_run: object, state: object) -> bool:
+    """Prefect retry condition: retry failures, but not bad input (a retry cannot fix it)."""
+    from moe.errors import InputError
+
+    try:
+        state.result()  # type: ignore[attr-defined]
+    except InputError:
+        return False
+    except Exception:  # noqa: BLE001 - any other failure is worth a retry
+        return True
+    return True

@@ -22,11 +22,17 @@ from moe.config import Config
 from moe.data import CorpusStats, iter_documents, write_token_store
 from moe.sql import generate_sql_sets
 from moe.tokenizer import EOT, load_tokenizer, tokenizer_hash, train_tokenizer
+from tasks import retry_unless_input_error
 
 log = logging.getLogger(__name__)
 
 
-@task(name="train-tokenizer", cache_policy=NONE, retries=1)
+@task(
+    name="train-tokenizer",
+    cache_policy=NONE,
+    retries=1,
+    retry_condition_fn=retry_unless_input_error,
+)
 def build_tokenizer(cfg: Config, work: Path) -> Path:
     out = work / "tokenizer.json"
     if cfg.tokenizer.path:
@@ -51,7 +57,12 @@ def build_tokenizer(cfg: Config, work: Path) -> Path:
     return out
 
 
-@task(name="tokenize-corpus", cache_policy=NONE, retries=1)
+@task(
+    name="tokenize-corpus",
+    cache_policy=NONE,
+    retries=1,
+    retry_condition_fn=retry_unless_input_error,
+)
 def tokenize_corpus(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, Any]:
     tok = load_tokenizer(tokenizer_path)
     eot = tok.token_to_id(EOT)
@@ -115,7 +126,12 @@ def tokenize_corpus(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, 
     return meta
 
 
-@task(name="generate-sql-pairs", cache_policy=NONE, retries=1)
+@task(
+    name="generate-sql-pairs",
+    cache_policy=NONE,
+    retries=1,
+    retry_condition_fn=retry_unless_input_error,
+)
 def build_sql_sets(cfg: Config, work: Path) -> dict[str, int]:
     d = cfg.data
     counts = generate_sql_sets(

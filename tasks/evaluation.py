@@ -14,12 +14,18 @@ from moe.data import BatchSampler, TokenStore
 from moe.evaluate import perplexity, sql_accuracy
 from moe.sql import load_pairs
 from moe.tokenizer import EOT, load_tokenizer
+from tasks import retry_unless_input_error
 from tasks.training import load_model
 
 log = logging.getLogger(__name__)
 
 
-@task(name="evaluate-perplexity", cache_policy=NONE, retries=1)
+@task(
+    name="evaluate-perplexity",
+    cache_policy=NONE,
+    retries=1,
+    retry_condition_fn=retry_unless_input_error,
+)
 def evaluate_perplexity(cfg: Config, data_dir: Path, model_dir: Path) -> dict[str, float]:
     model = load_model(model_dir)
     sampler = BatchSampler(
@@ -30,7 +36,9 @@ def evaluate_perplexity(cfg: Config, data_dir: Path, model_dir: Path) -> dict[st
     return out
 
 
-@task(name="evaluate-sql", cache_policy=NONE, retries=1)
+@task(
+    name="evaluate-sql", cache_policy=NONE, retries=1, retry_condition_fn=retry_unless_input_error
+)
 def evaluate_sql(cfg: Config, data_dir: Path, model_dir: Path) -> dict[str, Any]:
     model = load_model(model_dir)
     tok = load_tokenizer(data_dir / "tokenizer.json")

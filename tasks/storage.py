@@ -28,11 +28,16 @@ from prefect.tasks import exponential_backoff
 
 from moe.checkpoint import sha256_file
 from moe.config import Config, StorageConfig
+from moe.errors import InputError
+from tasks import retry_unless_input_error
 
 log = logging.getLogger(__name__)
 
 RETRIES = dict(
-    retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_jitter_factor=0.5
+    retries=3,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    retry_jitter_factor=0.5,
+    retry_condition_fn=retry_unless_input_error,
 )
 
 
@@ -70,7 +75,7 @@ class LocalObjectStore:
     def get(self, key: str, local: Path) -> None:
         src = self._path(key)
         if not src.is_file():
-            raise FileNotFoundError(f"{self.uri}/{key} does not exist: run the publish stage first")
+            raise InputError(f"{self.uri}/{key} does not exist: run the publish stage first")
         shutil.copyfile(src, local)
 
     def exists(self, key: str) -> bool:
@@ -203,7 +208,7 @@ def publish_dataset(cfg: Config, prepared: Path, work: Path) -> Published:
     s = cfg.storage
     files = _file_manifest(prepared)
     if "meta.json" not in files:
-        raise FileNotFoundError(f"{prepared}/meta.json is missing: run the prepare stage first")
+        raise InputError(f"{prepared}/meta.json is missing: run the prepare stage first")
     version = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
     base = f"datasets/{s.dataset_name}/{version}"
     store = open_store(s)

@@ -22,15 +22,20 @@ from safetensors.torch import load_file, save_file
 from moe.checkpoint import CheckpointStore, load_model_tensors, model_tensors, sha256_file
 from moe.config import Config, FinetuneConfig, ModelConfig, MoEConfig
 from moe.data import BatchSampler, SFTBatches, SFTExample, TokenStore
+from moe.errors import InputError
 from moe.model import MoETransformer
 from moe.sql import load_pairs, prompt_text, response_text
 from moe.tokenizer import EOT, PAD, load_tokenizer
 from moe.train import Trainer, TrainResult
+from tasks import retry_unless_input_error
 
 log = logging.getLogger(__name__)
 
 TRAIN_RETRIES = dict(
-    retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=5), retry_jitter_factor=0.5
+    retries=2,
+    retry_delay_seconds=exponential_backoff(backoff_factor=5),
+    retry_jitter_factor=0.5,
+    retry_condition_fn=retry_unless_input_error,
 )
 
 
@@ -45,9 +50,7 @@ def save_model(model: MoETransformer, out_dir: Path) -> Path:
 def load_model(model_dir: Path) -> MoETransformer:
     spec_path = model_dir / "model.json"
     if not spec_path.is_file():
-        raise FileNotFoundError(
-            f"{spec_path} is missing: run the stage that writes {model_dir} first"
-        )
+        raise InputError(f"{spec_path} is missing: run the stage that writes {model_dir} first")
     spec = json.loads(spec_path.read_text())
     model = MoETransformer(
         ModelConfig(**spec["model"]), MoEConfig(**spec["moe"]), spec["vocab_size"]
@@ -158,8 +161,8 @@ def finetune_model(
     examples = sft_examples(data_dir / "sql" / pairs_file, tok)
     model = load_model(init_dir)
     if f.max_len > model.cfg.seq_len:
-        raise ValueError(
-            f"{stage}.max_len={f.max_len} exceeds the model's seq_len={model.cfg.seq_len}"
+        raise InputError(
+            f"{stage}.max_len={f.max_len} exceeds the model's seq_len={model.cfg.seq_len}: lower it"
         )
     batches = SFTBatches(
         examples,

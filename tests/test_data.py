@@ -22,6 +22,7 @@ from moe.data import (
     token_dtype,
     write_token_store,
 )
+from moe.errors import InputError
 from moe.sql import execution_match, generate_sql_sets, load_pairs
 from moe.tokenizer import EOT, load_tokenizer, train_tokenizer
 
@@ -111,14 +112,14 @@ def test_local_jsonl_corpus_through_datasets(tmp_path: Path) -> None:
     f.write_text("\n".join(json.dumps({"body": f"doc {i}"}) for i in range(5)))
     docs = list(iter_documents(str(f), "body", 0, CorpusStats()))
     assert docs == [f"doc {i}" for i in range(5)]
-    with pytest.raises(KeyError, match="text_field"):
+    with pytest.raises(InputError, match="text_field"):
         list(iter_documents(str(f), "text", 0, CorpusStats()))
 
 
 def test_missing_source_and_offline_hub_fail_clearly() -> None:
-    with pytest.raises(FileNotFoundError, match="no such file"):
+    with pytest.raises(InputError, match="no such file"):
         list(iter_documents("./nope.txt", "text", 0, CorpusStats()))
-    with pytest.raises(RuntimeError, match="offline"):
+    with pytest.raises(InputError, match="offline"):
         list(iter_documents("someone/some-dataset", "text", 0, CorpusStats()))
 
 

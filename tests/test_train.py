@@ -123,3 +123,62 @@ def test_schedules() -> None:
     assert lr_at(9, 100, 1.0, 10, 0.1, "cosine") == 1.0
     assert abs(lr_at(100, 100, 1.0, 10, 0.1, "cosine") - 0.1) < 1e-9
     assert abs(lr_at(55, 100, 1.0, 10, 0.0, "linear") - 0.5) < 1e-9
+
+
+# ----------------------------------------------------------------- early stopping (seed 000 §6.1)
+
+from moe.config import EarlyStopConfig  # noqa: E402
+from moe.early_stop import EarlyStopper  # noqa: E402
+
+
+def test_patience_stops_on_a_plateau_and_scales_with_lr() -> None:
+    stop = EarlyStopper(
+        EarlyStopConfig(patience=4, min_delta=0.01, util_weight=0.0), initial_lr=1.0
+    )
+    assert stop.update(1, 3.0, 1.0, lr=1.0, cost_per_step=0, steps_left=100) is None
+    for step in (2, 3, 4):
+        assert (
+            stop.update(step, 3.0, 1.0, lr=1.0, cost_per_step=0, steps_left=100) is None
+        )  # 3 bad < patience 4
+    reason = stop.update(5, 3.0, 1.0, lr=1.0, cost_per_step=0, steps_left=100)
+    assert reason and reason.startswith("patience")
+    # At half the initial lr the patience halves: two bad evaluations are enough.
+    late = EarlyStopper(EarlyStopConfig(patience=4, util_weight=0.0), initial_lr=1.0)
+    late.update(1, 3.0, 1.0, lr=0.5, cost_per_step=0, steps_left=100)
+    assert late.update(2, 3.0, 1.0, lr=0.5, cost_per_step=0, steps_left=100) is None
+    assert late.update(3, 3.0, 1.0, lr=0.5, cost_per_step=0, steps_left=100).startswith("patience")
+    assert late.patience(1e-9) == 1  # floor: never zero
+
+
+def test_composite_counts_expert_utilisation() -> None:
+    stop = EarlyStopper(EarlyStopConfig(patience=1, util_weight=1.0), initial_lr=1.0)
+    stop.update(1, 3.0, utilisation=1.0, lr=1.0, cost_per_step=0, steps_left=10)
+    # Loss improved by 0.2 but half the experts starved: the composite got worse -> stop.
+    assert stop.update(2, 2.8, utilisation=0.5, lr=1.0, cost_per_step=0, steps_left=10).startswith(
+        "patience"
+    )
+
+
+def test_cost_aware_stop_when_remaining_cost_exceeds_expected_gain() -> None:
+    cfg = EarlyStopConfig(patience=0, value_per_loss=10.0, trend_window=3)
+    stop = EarlyStopper(cfg, initial_lr=1.0)
+    # Improving 0.001 loss/step: 1000 steps left promise 1.0 loss = 10.0 of value.
+    for step, loss in ((100, 3.2), (200, 3.1), (300, 3.0)):
+        reason = stop.update(step, loss, 1.0, lr=1.0, cost_per_step=0.005, steps_left=1000)
+    assert reason is None  # remaining cost 5.0 < value 10.0
+    stop = EarlyStopper(cfg, initial_lr=1.0)
+    for step, loss in ((100, 3.2), (200, 3.1), (300, 3.0)):
+        reason = stop.update(step, loss, 1.0, lr=1.0, cost_per_step=0.02, steps_left=1000)
+    assert reason and reason.startswith("cost")  # remaining cost 20.0 > value 10.0
+
+
+def test_early_stop_in_training_is_recorded_and_checkpointed(tmp_path: Path) -> None:
+    data = _data(tmp_path / "data")
+    t = _trainer(data, tmp_path / "e", 30, lr=1e-2)
+    # A plateau threshold no real run meets: stop at the second evaluation.
+    t.stopper = EarlyStopper(EarlyStopConfig(patience=1, min_delta=100.0), initial_lr=1e-2)
+    result = t.fit()
+    assert result.stop_reason.startswith("patience") and result.steps == 10
+    assert CheckpointStore(tmp_path / "e").latest_valid().name == "step_00000010"
+    rows = [json.loads(r) for r in (tmp_path / "e.jsonl").read_text().splitlines()]
+    assert rows[-1]["early_stop"].startswith("patience")
