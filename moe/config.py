@@ -47,6 +47,7 @@ class DataConfig:
     text_field: str = "text"
     max_bytes: int = 4_000_000  # cap on corpus size read (0 = no cap)
     val_fraction: float = 0.05  # fraction of documents held out for validation
+    replay_fraction: float = 0.05  # held back from pretraining for finetune replay (seed 000 §7.1)
     seed: int = 1337
     out_dir: str = "data/prepared"
     sql_generic_pairs: int = 10_000  # seed 000 §7: ~10k generic text-to-SQL pairs
@@ -57,6 +58,12 @@ class DataConfig:
         p.require(self.max_bytes >= 0, "max_bytes", self.max_bytes, "must be >= 0")
         p.require(
             0.0 < self.val_fraction < 0.5, "val_fraction", self.val_fraction, "must be in (0, 0.5)"
+        )
+        p.require(
+            0.0 <= self.replay_fraction < 0.5,
+            "replay_fraction",
+            self.replay_fraction,
+            "must be in [0, 0.5) (0 = no replay split)",
         )
         p.require(
             self.sql_generic_pairs >= 1, "sql_generic_pairs", self.sql_generic_pairs, "must be >= 1"
@@ -242,6 +249,9 @@ class FinetuneConfig:
     log_every: int = 10
     checkpoint_every: int = 50
     max_len: int = 128  # prompt + response tokens; longer pairs are truncated from the left
+    # Rows of held-back pretraining text added to each batch, as a fraction of batch_size
+    # (seed 000 §7.1; needs data.replay_fraction > 0). Keeps the model from forgetting.
+    replay_ratio: float = 0.125
     focus_weight: float = 2.0  # loss weight of focus tokens (seed 000 §7.2)
     focus_tokens: list[str] = field(
         default_factory=lambda: ["SELECT", "WHERE", "JOIN", "GROUP", "ORDER", "COUNT", "LIMIT"]
@@ -251,6 +261,9 @@ class FinetuneConfig:
         _check_optim(self, p)
         p.require(self.max_len >= 8, "max_len", self.max_len, "must be >= 8")
         p.require(self.focus_weight > 0, "focus_weight", self.focus_weight, "must be > 0")
+        p.require(
+            0 <= self.replay_ratio <= 4, "replay_ratio", self.replay_ratio, "must be in [0, 4]"
+        )
 
 
 def _check_optim(c: TrainConfig | FinetuneConfig, p: _Problems) -> None:
@@ -650,6 +663,20 @@ def from_dict(
         section = getattr(cfg, f.name)
         with p.section(f.name):
             section.check(p)
+    for stage in ("finetune_sql", "finetune_domain"):
+        ft = getattr(cfg, stage)
+        p.require(
+            ft.replay_ratio == 0 or cfg.data.replay_fraction > 0,
+            f"{stage}.replay_ratio",
+            ft.replay_ratio,
+            "needs a replay split: set data.replay_fraction > 0, or replay_ratio to 0",
+        )
+        p.require(
+            ft.max_len <= cfg.model.seq_len,
+            f"{stage}.max_len",
+            ft.max_len,
+            f"must be <= model.seq_len ({cfg.model.seq_len})",
+        )
     if p.items:
         raise ConfigError(p.items, source)
     return cfg

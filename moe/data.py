@@ -190,29 +190,36 @@ def write_token_store(
     eot_id: int,
     vocab_size: int,
     out_dir: Path,
-    val_fraction: float,
+    holdout: dict[str, float],
     seed: int,
     batch_docs: int = 256,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, dict[str, int]]:
-    """Tokenize `docs` into train/val memmaps, splitting by document. Returns counts per split."""
+    """Tokenize `docs` into a `train` memmap and one memmap per held-out split (e.g.
+    {"val": 0.05, "replay": 0.05}), splitting by document. Returns counts per split."""
     dtype = token_dtype(vocab_size)
-    writers = {name: TokenWriter(out_dir, name, dtype) for name in ("train", "val")}
-    # Systematic sampling with a seeded offset: document i is held out when the running count
-    # i * val_fraction + u crosses an integer. Exactly floor-or-ceil(n * val_fraction) documents
-    # are held out, spread evenly over the corpus, without knowing n in advance.
-    u = random.Random(seed).random()
+    fractions = {name: f for name, f in holdout.items() if f > 0}
+    writers = {name: TokenWriter(out_dir, name, dtype) for name in ("train", *fractions)}
+    # Systematic sampling with a seeded offset per split: document i goes to split s when the
+    # running count i * f_s + u_s crosses an integer, so each split gets floor-or-ceil(n * f_s)
+    # documents spread evenly over the corpus, in one pass without knowing n. A document picked
+    # by two splits goes to the first one listed.
+    rng = random.Random(seed)
+    offsets = {name: rng.random() for name in fractions}
     index = 0
     batch: list[str] = []
+
+    def split_of(i: int) -> str:
+        for name, f in fractions.items():
+            if math.floor((i + 1) * f + offsets[name]) > math.floor(i * f + offsets[name]):
+                return name
+        return "train"
 
     def flush() -> None:
         nonlocal index
         # encode_batch runs on all cores (the tokenizers library's Rust thread pool).
         for ids in encode_batch(batch):
-            held_out = math.floor((index + 1) * val_fraction + u) > math.floor(
-                index * val_fraction + u
-            )
-            writers["val" if held_out else "train"].add([*ids, eot_id])
+            writers[split_of(index)].add([*ids, eot_id])
             index += 1
         if progress:
             progress(len(batch))
@@ -232,7 +239,8 @@ def write_token_store(
     for name, c in counts.items():
         if c["tokens"] == 0:
             raise InputError(
-                f"the {name} split is empty: the corpus is too small for data.val_fraction={val_fraction}"
+                f"the {name} split is empty: {index} documents are too few for the held-out"
+                f" fractions {fractions}; give a larger corpus (data.max_bytes) or smaller fractions"
             )
     return counts
 
@@ -342,3 +350,27 @@ class SFTBatches:
         if self.focus.numel():
             w[torch.isin(y, self.focus)] = self.focus_weight
         return x, y, w
+
+
+class MixedBatches:
+    """SFT batches plus `replay.batch_size` rows of held-back pretraining windows (seed 000
+    §7.1), padded to one width: the replay rows carry loss on every token."""
+
+    def __init__(self, sft: SFTBatches, replay: BatchSampler) -> None:
+        self.sft, self.replay = sft, replay
+
+    def batch_at(
+        self, step: int, micro: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, y, w = self.sft.batch_at(step, micro)
+        rx, ry, _ = self.replay.batch_at(step, micro)
+        width = max(x.shape[1], rx.shape[1])
+
+        def pad(t: torch.Tensor, value: float) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+        return (
+            torch.cat([pad(x, self.sft.pad_id), pad(rx, self.sft.pad_id)]),
+            torch.cat([pad(y, -100), pad(ry, -100)]),
+            torch.cat([pad(w, 1.0), torch.ones(rx.shape[0], width)]),
+        )

@@ -88,7 +88,7 @@ def tokenize_corpus(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, 
             eot,
             tok.get_vocab_size(),
             work,
-            cfg.data.val_fraction,
+            {"val": cfg.data.val_fraction, "replay": cfg.data.replay_fraction},
             cfg.data.seed,
             progress=lambda n: bar.advance(job, n),
         )

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from moe.checkpoint import CheckpointStore, load_model_tensors, model_tensors, sha256_file
 from moe.config import Config, FinetuneConfig, ModelConfig, MoEConfig
-from moe.data import BatchSampler, SFTBatches, SFTExample, TokenStore
+from moe.data import BatchSampler, MixedBatches, SFTBatches, SFTExample, TokenStore
 from moe.errors import InputError
 from moe.model import MoETransformer
 from moe.sql import load_pairs, prompt_text, response_text
@@ -173,6 +173,10 @@ def finetune_model(
         focus_token_ids(tok, f.focus_tokens),
         f.focus_weight,
     )
+    if f.replay_ratio > 0:
+        rows = max(1, round(f.batch_size * f.replay_ratio))
+        replay = BatchSampler(TokenStore(data_dir, "replay"), rows, f.max_len, f.seed + 1)
+        batches = MixedBatches(batches, replay)
     trainer = Trainer(
         model,
         f,

@@ -15,6 +15,7 @@ import torch
 from moe.data import (
     BatchSampler,
     CorpusStats,
+    MixedBatches,
     SFTBatches,
     SFTExample,
     TokenStore,
@@ -36,7 +37,7 @@ def _store(
         0,
         vocab,
         tmp_path,
-        val_fraction,
+        {"val": val_fraction},
         seed=1,
         batch_docs=3,
     )
@@ -156,3 +157,33 @@ def test_execution_match(tmp_path: Path) -> None:
     assert execution_match(db, "select id from doctor where 40 < age", gold)
     assert not execution_match(db, "SELECT id FROM doctor", gold)
     assert not execution_match(db, "SELEC nonsense", gold)
+
+
+def test_replay_split_is_held_back_from_training(tmp_path: Path) -> None:
+    docs = [[i + 1] * 3 for i in range(40)]
+    counts = write_token_store(
+        iter(map(str, range(40))),
+        lambda b: [docs[int(x)] for x in b],
+        0,
+        100,
+        tmp_path,
+        {"val": 0.1, "replay": 0.05},
+        seed=0,
+    )
+    assert counts["val"]["documents"] == 4 and counts["replay"]["documents"] == 2
+    assert sum(c["documents"] for c in counts.values()) == 40
+    values = {
+        name: set(np.fromfile(tmp_path / f"{name}.bin", dtype=np.uint16).tolist()) - {0}
+        for name in counts
+    }
+    assert not values["replay"] & values["train"] and not values["val"] & values["train"]
+
+
+def test_mixed_batches_add_replay_rows_with_full_loss(tmp_path: Path) -> None:
+    _store(tmp_path, [list(range(1, 60))] * 8)
+    sft = SFTBatches([SFTExample([5, 6], [7, 1])], batch_size=3, max_len=8, seed=0, pad_id=2)
+    mixed = MixedBatches(sft, BatchSampler(TokenStore(tmp_path, "train"), 2, 8, seed=0))
+    x, y, w = mixed.batch_at(0)
+    assert x.shape == (5, 8) and y.shape == (5, 8) and w.shape == (5, 8)
+    assert (y[3:] != -100).all()  # replay rows: loss on every token
+    assert (y[:3, 3:] == -100).all()  # SFT rows: padded beyond their response

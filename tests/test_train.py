@@ -27,7 +27,13 @@ def _data(tmp_path: Path) -> Path:
         for i in range(12)
     ]
     counts = write_token_store(
-        iter(map(str, range(12))), lambda b: [docs[int(x)] for x in b], 0, VOCAB, tmp_path, 0.2, 1
+        iter(map(str, range(12))),
+        lambda b: [docs[int(x)] for x in b],
+        0,
+        VOCAB,
+        tmp_path,
+        {"val": 0.2},
+        1,
     )
     (tmp_path / "meta.json").write_text(
         json.dumps({"dtype": str(token_dtype(VOCAB)), "vocab_size": VOCAB, "splits": counts})
