@@ -21,7 +21,14 @@ from moe.config import Config, load_config
 from moe.errors import InputError
 from tasks.data import build_sql_sets, build_tokenizer, commit_folder, tokenize_corpus
 from tasks.evaluation import evaluate_perplexity, evaluate_sql
-from tasks.report import StageRecord, cost_ledger, plot_training, publish_artifacts, write_json
+from tasks.report import (
+    StageRecord,
+    cost_ledger,
+    plot_expert_load,
+    plot_training,
+    publish_artifacts,
+    write_json,
+)
 from tasks.storage import download_dataset, publish_dataset
 from tasks.tracking import wandb_run
 from tasks.training import finetune_model, pretrain_model
@@ -191,13 +198,19 @@ def evaluate(params_file: str | None = None, overrides: list[str] | None = None)
         "dataset_version": receipt["version"],
         "token_archive_ratio": receipt["token_archive_ratio"],
     }
+    # Every stage's model on the same held-out sets: the table shows what each stage bought.
     for stage in TRAIN_STAGES:
-        metrics[stage] = {"val": evaluate_perplexity(cfg, data_dir, MODELS / stage)}
-    for stage in ("finetune_sql", "finetune_domain"):
-        metrics[stage]["sql"] = evaluate_sql(cfg, data_dir, MODELS / stage)
+        metrics[stage] = {
+            "val": evaluate_perplexity(cfg, data_dir, MODELS / stage),
+            "sql": evaluate_sql(cfg, data_dir, MODELS / stage),
+        }
     plot = plot_training(
         {s: MODELS / s / "metrics.jsonl" for s in TRAIN_STAGES}, out / "training_loss.png"
     )
+    heatmaps = [
+        plot_expert_load(MODELS / s / "metrics.jsonl", out / f"expert_load_{s}.png", s)
+        for s in TRAIN_STAGES
+    ]
 
     records = [json.loads(p.read_text()) for p in _lineage_files(cfg)]
     own = record.write(
@@ -227,15 +240,17 @@ def evaluate(params_file: str | None = None, overrides: list[str] | None = None)
         "",
         f"Total {ledger['total']:.5f} {ledger['currency']}",
         "",
-        "| model | val perplexity | SQL execution accuracy |",
-        "|---|---|---|",
+        "| model after | val perplexity | SQL execution accuracy | SQL exact match |",
+        "|---|---|---|---|",
         *(
-            f"| {s} | {metrics[s]['val']['perplexity']:.2f} | {metrics[s].get('sql', {}).get('execution_accuracy', float('nan')):.3f} |"
+            f"| {s} | {metrics[s]['val']['perplexity']:.2f} | {metrics[s]['sql']['execution_accuracy']:.3f}"
+            f" | {metrics[s]['sql']['exact_match']:.3f} |"
             for s in TRAIN_STAGES
         ),
     ]
     if plot:
         lines += ["", f"![training loss]({plot.name})"]
+    lines += [f"![expert load]({h.name})" for h in heatmaps if h]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     publish_artifacts(
         "evaluate",

@@ -230,3 +230,41 @@ def plot_training(metrics_files: dict[str, Path], out: Path) -> Path | None:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def plot_expert_load(metrics_file: Path, out: Path, title: str) -> Path | None:
+    """Heatmap of the share of routed tokens per expert (x) over logged steps (y), one panel
+    per MoE layer. A balanced router is a flat colour; a collapsing one shows bright columns."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    if not metrics_file.is_file():
+        return None
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line]
+    rows = [r for r in rows if r.get("expert_share")]
+    if not rows:
+        return None
+    share_SLE = np.array([r["expert_share"] for r in rows])  # (steps, layers, experts)
+    steps = [r["step"] for r in rows]
+    n_layers, n_experts = share_SLE.shape[1], share_SLE.shape[2]
+    fig, axes = plt.subplots(1, n_layers, figsize=(3 + 2.5 * n_layers, 4), squeeze=False)
+    for layer, ax in enumerate(axes[0]):
+        im = ax.imshow(
+            share_SLE[:, layer, :],
+            aspect="auto",
+            cmap="viridis",
+            vmin=0,
+            vmax=max(2.0 / n_experts, float(share_SLE.max())),
+            extent=(-0.5, n_experts - 0.5, steps[-1], steps[0]),
+        )
+        ax.set_title(f"{title}: MoE layer {layer}")
+        ax.set_xlabel("expert")
+        ax.set_ylabel("step")
+    fig.colorbar(im, ax=axes[0].tolist(), label="share of routed tokens")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
