@@ -240,11 +240,11 @@ def evaluate(params_file: str | None = None, overrides: list[str] | None = None)
         "",
         f"Total {ledger['total']:.5f} {ledger['currency']}",
         "",
-        "| model after | val perplexity | SQL execution accuracy | SQL exact match |",
-        "|---|---|---|---|",
+        "| model after | val perplexity | valid SQL | execution accuracy | exact match |",
+        "|---|---|---|---|---|",
         *(
-            f"| {s} | {metrics[s]['val']['perplexity']:.2f} | {metrics[s]['sql']['execution_accuracy']:.3f}"
-            f" | {metrics[s]['sql']['exact_match']:.3f} |"
+            f"| {s} | {metrics[s]['val']['perplexity']:.2f} | {metrics[s]['sql']['valid_sql']:.3f}"
+            f" | {metrics[s]['sql']['execution_accuracy']:.3f} | {metrics[s]['sql']['exact_match']:.3f} |"
             for s in TRAIN_STAGES
         ),
     ]

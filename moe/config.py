@@ -423,8 +423,8 @@ class WandbConfig:
 
 @dataclass
 class EvaluateConfig:
-    max_examples: int = 100  # held-out domain pairs to generate SQL for
-    max_new_tokens: int = 48
+    max_examples: int = 50  # held-out domain pairs to generate SQL for (per model)
+    max_new_tokens: int = 40
     val_batches: int = 16
 
     def check(self, p: _Problems) -> None:
@@ -443,7 +443,7 @@ class Config:
     finetune_sql: FinetuneConfig = field(default_factory=FinetuneConfig)
     finetune_domain: FinetuneConfig = field(
         default_factory=lambda: FinetuneConfig(
-            max_steps=60, lr=2e-4, warmup_steps=5, checkpoint_every=30
+            max_steps=100, lr=3e-4, warmup_steps=5, checkpoint_every=50
         )
     )
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)

@@ -10,7 +10,7 @@ import torch
 
 from moe.data import BatchSampler
 from moe.model import MoETransformer
-from moe.sql import SqlPair, execution_match, prompt_text
+from moe.sql import SqlPair, execution_match, prompt_text, sql_runs
 
 
 @torch.no_grad()
@@ -36,20 +36,25 @@ def sql_accuracy(
     max_new_tokens: int,
     eot_id: int,
 ) -> dict[str, Any]:
-    """Greedy-generate SQL for each pair; exact match (whitespace-normalised) and execution
-    match (same result rows on the pair's sqlite database)."""
+    """Greedy-generate SQL for each pair and score it three ways: valid (it runs on the pair's
+    sqlite database), execution match (same result rows as the reference) and exact match
+    (whitespace- and case-normalised text)."""
     model.eval()
-    exact = executes = 0
+    # The response is one line: stop at the end token or at any token that holds a newline.
+    stop_ids = {eot_id} | {i for i in range(tok.get_vocab_size()) if "\n" in tok.decode([i])}
+    exact = executes = valid = 0
     samples = []
     for pair in pairs:
         prompt = tok.encode(prompt_text(pair)).ids
         prompt = prompt[-(model.cfg.seq_len - 1) :]
-        out = model.generate(prompt, max_new_tokens, stop_ids={eot_id})
+        out = model.generate(prompt, max_new_tokens, stop_ids=stop_ids)
         predicted = tok.decode(out).split("\n")[0].strip()
         ok_exact = " ".join(predicted.split()).lower() == " ".join(pair.sql.split()).lower()
-        ok_exec = execution_match(db_dir / pair.db, predicted, pair.sql)
+        ok_valid = sql_runs(db_dir / pair.db, predicted)
+        ok_exec = ok_valid and execution_match(db_dir / pair.db, predicted, pair.sql)
         exact += ok_exact
         executes += ok_exec
+        valid += ok_valid
         if len(samples) < 5:
             samples.append(
                 {
@@ -62,7 +67,8 @@ def sql_accuracy(
     n = max(len(pairs), 1)
     return {
         "examples": len(pairs),
-        "exact_match": exact / n,
+        "valid_sql": valid / n,
         "execution_accuracy": executes / n,
+        "exact_match": exact / n,
         "samples": samples,
     }

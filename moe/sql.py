@@ -475,6 +475,20 @@ def load_pairs(path: Path) -> list[SqlPair]:
     return pairs
 
 
+def sql_runs(db_path: Path, sql: str) -> bool:
+    """True when `sql` is one statement that executes on the database (read-only)."""
+    if not sql.strip():
+        return False
+    con = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    try:
+        con.execute(sql).fetchall()
+        return True
+    except (sqlite3.Error, sqlite3.Warning):
+        return False
+    finally:
+        con.close()
+
+
 def execution_match(db_path: Path, predicted: str, gold: str) -> bool:
     """True when `predicted` runs and returns the same rows as `gold` (order-insensitive
     unless gold has ORDER BY)."""

@@ -187,3 +187,15 @@ def test_mixed_batches_add_replay_rows_with_full_loss(tmp_path: Path) -> None:
     assert x.shape == (5, 8) and y.shape == (5, 8) and w.shape == (5, 8)
     assert (y[3:] != -100).all()  # replay rows: loss on every token
     assert (y[:3, 3:] == -100).all()  # SFT rows: padded beyond their response
+
+
+def test_sql_runs_and_scoring(tmp_path: Path) -> None:
+    from moe.sql import sql_runs
+
+    generate_sql_sets(tmp_path, 10, 5, 2, seed=0)
+    db = tmp_path / "dbs" / "domain.sqlite"
+    assert sql_runs(db, "SELECT id FROM doctor")
+    assert not sql_runs(db, "SELECT id FROM author")  # valid syntax, wrong schema
+    assert not sql_runs(db, "")
+    assert not sql_runs(db, "SELECT 1; SELECT 2")
+    assert not sql_runs(db, "DELETE FROM doctor")  # the database is opened read-only
