@@ -296,12 +296,14 @@ class CheckpointConfig:
 
 @dataclass
 class StorageConfig:
-    backend: Literal["local", "s3"] = "local"
+    backend: Literal["local", "s3", "hf"] = "local"
     root: str = "store"  # local backend: the object store folder
     bucket: str = ""  # s3 backend
     prefix: str = "moe-pipeline"
     endpoint_url: str = ""  # s3 backend: e.g. a MinIO or moto server; empty = AWS
     region: str = "us-east-1"
+    hf_repo: str = ""  # hf backend: a dataset repo id, e.g. "me/moe-data" (token from HF_TOKEN)
+    hf_revision: str = ""  # hf backend: branch to publish to (empty = main)
     dataset_name: str = "stdlib-code"
     zstd_level: int = 10
     zstd_threads: int = -1  # -1 = all cores
@@ -316,6 +318,13 @@ class StorageConfig:
                 "bucket",
                 self.bucket,
                 "the s3 backend needs a bucket name (3+ characters)",
+            )
+        if self.backend == "hf":
+            p.require(
+                self.hf_repo.count("/") == 1 and all(self.hf_repo.split("/")),
+                "hf_repo",
+                self.hf_repo,
+                "the hf backend needs a dataset repo id like owner/name",
             )
         p.require(
             bool(self.dataset_name) and "/" not in self.dataset_name,

@@ -58,10 +58,8 @@ class LocalObjectStore:
         self.uri = f"file://{self.root.resolve()}"
 
     def _path(self, key: str) -> Path:
-        p = (self.root / key).resolve()
-        if self.root.resolve() not in p.parents:
-            raise ValueError(f"object key {key!r} escapes the store root {self.root}")
-        return p
+        _check_key(key)
+        return self.root / key
 
     def put(self, local: Path, key: str) -> None:
         dest = self._path(key)
@@ -103,6 +101,7 @@ class S3ObjectStore:
         self.uri = f"s3://{self.bucket}/{self.prefix}"
 
     def _key(self, key: str) -> str:
+        _check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def put(self, local: Path, key: str) -> None:
@@ -128,9 +127,73 @@ class S3ObjectStore:
         )
 
 
+class HfObjectStore:
+    """A Hugging Face Hub dataset repo through `huggingface_hub` (token from HF_TOKEN).
+
+    Published versions are also tagged (`tag()`), so a dataset version is a Hub revision too.
+    """
+
+    def __init__(self, cfg: StorageConfig, api: Any = None) -> None:
+        from huggingface_hub import HfApi
+
+        self.api = api if api is not None else HfApi()
+        self.repo, self.revision = cfg.hf_repo, cfg.hf_revision or None
+        self.prefix = cfg.prefix.strip("/")
+        self.uri = f"hf://datasets/{self.repo}" + (f"/{self.prefix}" if self.prefix else "")
+
+    def _key(self, key: str) -> str:
+        _check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put(self, local: Path, key: str) -> None:
+        self.api.create_repo(self.repo, repo_type="dataset", exist_ok=True, private=True)
+        self.api.upload_file(
+            path_or_fileobj=str(local),
+            path_in_repo=self._key(key),
+            repo_id=self.repo,
+            repo_type="dataset",
+            revision=self.revision,
+            commit_message=f"moe-pipeline: {key}",
+        )
+
+    def get(self, key: str, local: Path) -> None:
+        cached = self.api.hf_hub_download(
+            self.repo, self._key(key), repo_type="dataset", revision=self.revision
+        )
+        shutil.copyfile(cached, local)
+
+    def exists(self, key: str) -> bool:
+        return bool(
+            self.api.file_exists(
+                self.repo, self._key(key), repo_type="dataset", revision=self.revision
+            )
+        )
+
+    def read_text(self, key: str) -> str:
+        return Path(
+            self.api.hf_hub_download(
+                self.repo, self._key(key), repo_type="dataset", revision=self.revision
+            )
+        ).read_text()
+
+    def tag(self, tag: str) -> None:
+        self.api.create_tag(
+            self.repo, tag=tag, repo_type="dataset", revision=self.revision, exist_ok=True
+        )
+
+
+def _check_key(key: str) -> None:
+    """Object keys are relative paths inside the store: no '..', no absolute paths."""
+    parts = key.replace("\\", "/").split("/")
+    if key.startswith("/") or ".." in parts or not key:
+        raise InputError(f"object key {key!r} is not a relative path inside the store")
+
+
 def open_store(cfg: StorageConfig) -> ObjectStore:
     if cfg.backend == "s3":
         return S3ObjectStore(cfg)
+    if cfg.backend == "hf":
+        return HfObjectStore(cfg)
     return LocalObjectStore(cfg.root)
 
 
@@ -240,6 +303,8 @@ def publish_dataset(cfg: Config, prepared: Path, work: Path) -> Published:
         (work / "manifest.json").write_text(json.dumps(manifest, indent=1))
         store.put(archive, archive_key)
         store.put(work / "manifest.json", manifest_key)  # last: its presence means complete
+        if isinstance(store, HfObjectStore):
+            store.tag(f"{s.dataset_name}-{version}")
     token_bytes, ratio = _token_ratio(prepared, s.zstd_level, s.zstd_threads)
     raw_bytes = sum(f["bytes"] for f in files.values())
     return Published(
@@ -281,6 +346,7 @@ def download_dataset(cfg: Config, receipt: dict[str, Any]) -> Path:
             tar.extractall(tmp, filter="data")
     archive.unlink()
     for rel, meta in manifest["files"].items():
+        _check_key(rel)  # a manifest may not point outside the download folder
         p = tmp / rel
         if not p.is_file() or sha256_file(p) != meta["sha256"]:
             raise ValueError(

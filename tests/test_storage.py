@@ -5,13 +5,20 @@ S3 API (moto's server mode on 127.0.0.1)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import boto3
 import pytest
 
 from moe.config import Config, StorageConfig
-from tasks.storage import LocalObjectStore, download_dataset, publish_dataset
+from moe.errors import InputError
+from tasks.storage import HfObjectStore, LocalObjectStore, download_dataset, publish_dataset
+from tests.conftest import ROOT, free_port
 
 
 def _prepared(tmp_path: Path) -> Path:
@@ -71,10 +78,14 @@ def test_damaged_archive_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "cache" / pub.name / pub.version).exists()
 
 
-def test_local_store_refuses_keys_outside_root(tmp_path: Path) -> None:
-    store = LocalObjectStore(tmp_path / "s")
-    with pytest.raises(ValueError, match="escapes"):
-        store.exists("../../etc/passwd")
+@pytest.mark.parametrize("key", ["../../etc/passwd", "/etc/passwd", "a/../../b", ""])
+def test_stores_refuse_keys_outside_their_root(tmp_path: Path, key: str) -> None:
+    with pytest.raises(InputError, match="not a relative path"):
+        LocalObjectStore(tmp_path / "s").exists(key)
+    with pytest.raises(InputError, match="not a relative path"):
+        HfObjectStore(
+            _cfg(tmp_path, backend="hf", hf_repo="me/data").storage, api=FakeHfApi(tmp_path)
+        ).exists(key)
 
 
 def test_s3_round_trip_against_moto_server(tmp_path: Path, moto_server: str) -> None:
@@ -92,3 +103,138 @@ def test_s3_round_trip_against_moto_server(tmp_path: Path, moto_server: str) -> 
     assert any(
         k.startswith("runs/a/datasets/stdlib-code/") and k.endswith("manifest.json") for k in keys
     )
+
+
+class FakeHfApi:
+    """Stands in for huggingface_hub.HfApi: the Hub cannot be reached from this machine, so the
+    hf backend is tested at the huggingface_hub call boundary (same method names and arguments),
+    with files kept in a local folder per (repo, revision)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.calls, self.tags = root / "fake-hub", [], []
+
+    def _path(self, repo_id: str, filename: str, revision: str | None) -> Path:
+        return self.root / repo_id / (revision or "main") / filename
+
+    def create_repo(self, repo_id: str, *, repo_type: str, exist_ok: bool, private: bool) -> None:
+        assert repo_type == "dataset" and exist_ok
+        self.calls.append(("create_repo", repo_id))
+
+    def upload_file(
+        self,
+        *,
+        path_or_fileobj: str,
+        path_in_repo: str,
+        repo_id: str,
+        repo_type: str,
+        revision: str | None,
+        commit_message: str,
+    ) -> None:
+        assert repo_type == "dataset"
+        dest = self._path(repo_id, path_in_repo, revision)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(Path(path_or_fileobj).read_bytes())
+        self.calls.append(("upload_file", path_in_repo))
+
+    def hf_hub_download(
+        self, repo_id: str, filename: str, *, repo_type: str, revision: str | None
+    ) -> str:
+        path = self._path(repo_id, filename, revision)
+        if not path.is_file():
+            raise FileNotFoundError(filename)
+        return str(path)
+
+    def file_exists(
+        self, repo_id: str, filename: str, *, repo_type: str, revision: str | None
+    ) -> bool:
+        return self._path(repo_id, filename, revision).is_file()
+
+    def create_tag(
+        self, repo_id: str, *, tag: str, repo_type: str, revision: str | None, exist_ok: bool
+    ) -> None:
+        self.tags.append(tag)
+
+
+def test_hf_backend_round_trip_at_the_call_boundary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api = FakeHfApi(tmp_path)
+    monkeypatch.setattr("huggingface_hub.HfApi", lambda: api)
+    cfg = _cfg(tmp_path, backend="hf", hf_repo="me/moe-data", prefix="")
+    _round_trip(cfg, tmp_path)
+    uploaded = [c[1] for c in api.calls if c[0] == "upload_file"]
+    assert uploaded[-1].endswith("manifest.json")  # the manifest goes last
+    assert len(api.tags) == 1 and api.tags[0].startswith("stdlib-code-")
+
+
+OUTAGE_SCRIPT = """
+import json, sys
+from pathlib import Path
+from moe.config import Config, StorageConfig
+from tasks.storage import publish_dataset, download_dataset
+work, endpoint = Path(sys.argv[1]), sys.argv[2]
+cfg = Config(storage=StorageConfig(backend="s3", bucket="outage", endpoint_url=endpoint, cache_dir=str(work / "cache")))
+task = publish_dataset.with_options(retries=6, retry_delay_seconds=2, retry_jitter_factor=None)
+(work / "ready").write_text("calling the task")
+pub = task(cfg, work / "prepared", work / "w")
+got = download_dataset.fn(cfg, pub.to_dict())
+print(json.dumps({"version": pub.version, "verified": (got / ".verified").read_text() == pub.archive_sha256}))
+"""
+
+
+def _start_moto(port: int) -> subprocess.Popen:
+    exe = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen(
+        [str(exe), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}", timeout=1)
+            return proc
+        except OSError:
+            if time.time() > deadline:
+                proc.kill()
+                raise RuntimeError("moto_server did not start") from None
+            time.sleep(0.2)
+
+
+def test_s3_outage_is_ridden_out_by_task_retries(
+    tmp_path: Path, prefect_server: dict[str, str]
+) -> None:
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    _prepared(tmp_path)
+    env = {**os.environ, **prefect_server, "PYTHONPATH": str(ROOT), "AWS_MAX_ATTEMPTS": "1"}
+    # The S3 server is down when the upload starts ...
+    job = subprocess.Popen(
+        [sys.executable, "-c", OUTAGE_SCRIPT, str(tmp_path), endpoint],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 120
+    while not (tmp_path / "ready").exists() and time.time() < deadline and job.poll() is None:
+        time.sleep(0.2)
+    time.sleep(3)  # the first attempt fails against the closed port
+    # ... and comes back a few seconds later (empty: moto keeps state in memory).
+    server = _start_moto(port)
+    try:
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
+            Bucket="outage"
+        )
+        out, err = job.communicate(timeout=180)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert job.returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["verified"]
+    assert "Retries are exhausted" not in out + err
+    log = out + err
+    assert (
+        "EndpointConnectionError" in log and "Retry 1/6" in log
+    )  # an attempt failed, Prefect retried
