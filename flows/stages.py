@@ -63,9 +63,13 @@ def prepare(params_file: str | None = None, overrides: list[str] | None = None) 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tok = build_tokenizer(cfg, tmp)
-    meta = tokenize_corpus(cfg, tmp, tok)
-    sql = build_sql_sets(cfg, tmp)
+    try:
+        tok = build_tokenizer(cfg, tmp)
+        meta = tokenize_corpus(cfg, tmp, tok)
+        sql = build_sql_sets(cfg, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous prepared data stays as it was
+        raise
     commit_folder(tmp, out)
     summary = {
         "documents": meta["documents"],

@@ -45,6 +45,9 @@ class DataConfig:
     # text/JSONL/Parquet file or folder.
     source: str = "stdlib"
     text_field: str = "text"
+    on_bad_record: Literal["error", "skip"] = (
+        "error"  # a malformed JSONL line: stop, or skip and count
+    )
     max_bytes: int = 4_000_000  # cap on corpus size read (0 = no cap)
     val_fraction: float = 0.05  # fraction of documents held out for validation
     replay_fraction: float = 0.05  # held back from pretraining for finetune replay (seed 000 §7.1)
@@ -87,15 +90,17 @@ class DataConfig:
 class TokenizerConfig:
     vocab_size: int = 4096
     min_frequency: int = 2
+    train_bytes: int = 50_000_000  # train the BPE on at most this much of the corpus (0 = all)
     path: str = ""  # an existing tokenizer.json to use instead of training one
 
     def check(self, p: _Problems) -> None:
         p.require(
-            256 < self.vocab_size <= 1 << 20,
+            259 <= self.vocab_size <= 1 << 20,
             "vocab_size",
             self.vocab_size,
-            "must be in (256, 1048576]",
+            "must be in [259, 1048576]: 256 byte tokens + 2 special tokens + at least one merge",
         )
+        p.require(self.train_bytes >= 0, "train_bytes", self.train_bytes, "must be >= 0 (0 = all)")
         p.require(self.min_frequency >= 1, "min_frequency", self.min_frequency, "must be >= 1")
         if self.path:
             p.require(

@@ -28,7 +28,7 @@ from moe.errors import InputError
 log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".sql", ".rst"}
-TABLE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+TABLE_SUFFIXES = {".json": "json", ".parquet": "parquet"}  # read through HF datasets
 
 
 # --------------------------------------------------------------------------- corpus
@@ -39,6 +39,7 @@ class CorpusStats:
     documents: int = 0
     bytes: int = 0
     skipped_undecodable: int = 0
+    skipped_records: int = 0  # malformed JSONL lines skipped (data.on_bad_record: skip)
     skipped_files: list[str] = field(default_factory=list)
     sha256: str = ""  # over the documents read, in order
 
@@ -68,11 +69,15 @@ def _stdlib_documents(stats: CorpusStats) -> Iterator[str]:
         yield text
 
 
-def _file_documents(source: Path, text_field: str, stats: CorpusStats) -> Iterator[str]:
+def _file_documents(
+    source: Path, text_field: str, on_bad_record: str, stats: CorpusStats
+) -> Iterator[str]:
     files = sorted(f for f in source.rglob("*") if f.is_file()) if source.is_dir() else [source]
     for f in files:
         suffix = f.suffix.lower()
-        if suffix in TABLE_SUFFIXES:
+        if suffix == ".jsonl":
+            yield from _jsonl_documents(f, text_field, on_bad_record, stats)
+        elif suffix in TABLE_SUFFIXES:
             yield from _hf_documents(TABLE_SUFFIXES[suffix], str(f), text_field)
         elif suffix in TEXT_SUFFIXES:
             try:
@@ -84,6 +89,38 @@ def _file_documents(source: Path, text_field: str, stats: CorpusStats) -> Iterat
             raise InputError(
                 f"data.source {source}: unsupported file type {suffix!r}; use .txt/.md/.py, .jsonl/.json or .parquet"
             )
+
+
+def _jsonl_documents(
+    path: Path, text_field: str, on_bad_record: str, stats: CorpusStats
+) -> Iterator[str]:
+    """One document per JSONL line. Read here rather than through `datasets` so that a bad
+    line is reported by number (or skipped and counted) instead of failing the whole file."""
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+                if not isinstance(row, dict) or text_field not in row:
+                    raise KeyError(f"no field {text_field!r} (data.text_field)")
+                text = row[text_field]
+                if not isinstance(text, str):
+                    raise TypeError(f"field {text_field!r} is {type(text).__name__}, not text")
+            except (
+                ValueError,
+                KeyError,
+                TypeError,
+            ) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                if on_bad_record == "skip":
+                    stats.skipped_records += 1
+                    continue
+                why = e.args[0] if isinstance(e, (KeyError, TypeError)) else f"not valid JSON ({e})"
+                raise InputError(
+                    f"{path}, line {i}: {why}; fix the line or set data.on_bad_record: skip"
+                ) from e
+            if text:
+                yield text
 
 
 def _hf_documents(
@@ -123,13 +160,13 @@ def _hf_documents(
 
 
 def iter_documents(
-    source: str, text_field: str, max_bytes: int, stats: CorpusStats
+    source: str, text_field: str, max_bytes: int, stats: CorpusStats, on_bad_record: str = "error"
 ) -> Iterator[str]:
     """Documents of `source` ("stdlib", a local file/folder, or a hub dataset id), capped."""
     if source == "stdlib":
         it = _stdlib_documents(stats)
     elif Path(source).exists():
-        it = _file_documents(Path(source), text_field, stats)
+        it = _file_documents(Path(source), text_field, on_bad_record, stats)
     elif "/" in source and not source.startswith((".", "/")):
         it = _hf_documents("", None, text_field, hub_id=source)
     else:

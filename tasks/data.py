@@ -27,6 +27,12 @@ from tasks import retry_unless_input_error
 log = logging.getLogger(__name__)
 
 
+def _train_cap(cfg: Config) -> int:
+    """Bytes the tokenizer trains on: a sample is enough for BPE and keeps memory bounded."""
+    caps = [c for c in (cfg.data.max_bytes, cfg.tokenizer.train_bytes) if c > 0]
+    return min(caps) if caps else 0
+
+
 @task(
     name="train-tokenizer",
     cache_policy=NONE,
@@ -42,7 +48,9 @@ def build_tokenizer(cfg: Config, work: Path) -> Path:
     stats = CorpusStats()
     t0 = time.perf_counter()
     tok = train_tokenizer(
-        iter_documents(cfg.data.source, cfg.data.text_field, cfg.data.max_bytes, stats),
+        iter_documents(
+            cfg.data.source, cfg.data.text_field, _train_cap(cfg), stats, cfg.data.on_bad_record
+        ),
         cfg.tokenizer.vocab_size,
         cfg.tokenizer.min_frequency,
     )
@@ -68,7 +76,9 @@ def tokenize_corpus(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, 
     eot = tok.token_to_id(EOT)
     stats = CorpusStats()
     t0 = time.perf_counter()
-    docs = iter_documents(cfg.data.source, cfg.data.text_field, cfg.data.max_bytes, stats)
+    docs = iter_documents(
+        cfg.data.source, cfg.data.text_field, cfg.data.max_bytes, stats, cfg.data.on_bad_record
+    )
 
     def encode_batch(texts: list[str]) -> list[list[int]]:
         return [e.ids for e in tok.encode_batch(texts)]
@@ -104,6 +114,7 @@ def tokenize_corpus(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, 
         "source_bytes": stats.bytes,
         "source_sha256": stats.sha256,
         "skipped_undecodable": stats.skipped_undecodable,
+        "skipped_records": stats.skipped_records,
         "skipped_files": stats.skipped_files,
         "tokenizer_sha256": tokenizer_hash(tokenizer_path),
         "tokens_per_s": round(total_tokens / max(seconds, 1e-9)),
