@@ -231,6 +231,7 @@ def write_token_store(
     seed: int,
     batch_docs: int = 256,
     progress: Callable[[int], None] | None = None,
+    batch_bytes: int = 8 << 20,
 ) -> dict[str, dict[str, int]]:
     """Tokenize `docs` into a `train` memmap and one memmap per held-out split (e.g.
     {"val": 0.05, "replay": 0.05}), splitting by document. Returns counts per split."""
@@ -245,6 +246,7 @@ def write_token_store(
     offsets = {name: rng.random() for name in fractions}
     index = 0
     batch: list[str] = []
+    pending = 0  # bytes in `batch`: memory is bounded by batch_bytes, not by document count
 
     def split_of(i: int) -> str:
         for name, f in fractions.items():
@@ -253,7 +255,8 @@ def write_token_store(
         return "train"
 
     def flush() -> None:
-        nonlocal index
+        nonlocal index, pending
+        pending = 0
         # encode_batch runs on all cores (the tokenizers library's Rust thread pool).
         for ids in encode_batch(batch):
             writers[split_of(index)].add([*ids, eot_id])
@@ -264,7 +267,8 @@ def write_token_store(
 
     for doc in docs:
         batch.append(doc)
-        if len(batch) >= batch_docs:
+        pending += len(doc)
+        if len(batch) >= batch_docs or pending >= batch_bytes:
             flush()
     if batch:
         flush()

@@ -7,6 +7,7 @@ and cost. The evaluate stage sums those records into the bill (`reports/cost.jso
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -50,8 +51,6 @@ def content_hash(path: Path) -> str:
     """sha256 of a file, or of a folder's (relative path, sha256) list."""
     if path.is_file():
         return sha256_file(path)
-    import hashlib
-
     h = hashlib.sha256()
     for p in sorted(path.rglob("*")):
         if p.is_file() and p.name not in ("lineage.json", "params.yaml"):

@@ -117,7 +117,9 @@ def test_vocab_too_small_for_special_tokens_is_a_config_error() -> None:
         load_config(None, ["tokenizer.vocab_size=258"])
 
 
-def test_prepare_with_a_bad_corpus_exits_2_and_keeps_old_outputs(tmp_path: Path, prefect_server: dict[str, str]) -> None:
+def test_prepare_with_a_bad_corpus_exits_2_and_keeps_old_outputs(
+    tmp_path: Path, prefect_server: dict[str, str]
+) -> None:
     (tmp_path / "corpus.jsonl").write_text('{"text": "fine"}\n{broken\n')
     old = tmp_path / "data" / "prepared"
     old.mkdir(parents=True)
