@@ -35,6 +35,7 @@ def run_arm(overrides: list[str], data_dir: Path, pretrain: Path, work: Path) ->
     for name, d in (("finetune_sql", sql_dir), ("finetune_domain", domain_dir)):
         sql = evaluate_sql.fn(cfg, data_dir, d)
         out[name] = {
+            "valid_sql": sql["valid_sql"],
             "execution_accuracy": sql["execution_accuracy"],
             "exact_match": sql["exact_match"],
             "val_perplexity": round(evaluate_perplexity.fn(cfg, data_dir, d)["perplexity"], 2),
