@@ -17,6 +17,7 @@ import os
 import random
 import sysconfig
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,10 +210,14 @@ class TokenWriter:
         self.offsets: list[int] = []
         self.tokens = 0
 
-    def add(self, ids: list[int]) -> None:
+    def add(self, ids: list[int], end_id: int) -> None:
+        """Append one document's ids followed by the end-of-text id."""
+        arr = np.empty(len(ids) + 1, dtype=self.dtype)
+        arr[:-1] = ids
+        arr[-1] = end_id
         self.offsets.append(self.tokens)
-        np.asarray(ids, dtype=self.dtype).tofile(self._f)
-        self.tokens += len(ids)
+        arr.tofile(self._f)
+        self.tokens += len(arr)
 
     def close(self) -> None:
         self._f.flush()
@@ -254,24 +259,32 @@ def write_token_store(
                 return name
         return "train"
 
-    def flush() -> None:
-        nonlocal index, pending
-        pending = 0
-        # encode_batch runs on all cores (the tokenizers library's Rust thread pool).
-        for ids in encode_batch(batch):
-            writers[split_of(index)].add([*ids, eot_id])
+    def write(encoded: list[list[int]]) -> None:
+        nonlocal index
+        for ids in encoded:
+            writers[split_of(index)].add(ids, eot_id)
             index += 1
         if progress:
-            progress(len(batch))
-        batch.clear()
+            progress(len(encoded))
 
-    for doc in docs:
-        batch.append(doc)
-        pending += len(doc)
-        if len(batch) >= batch_docs or pending >= batch_bytes:
-            flush()
-    if batch:
-        flush()
+    # Encode batch k+1 on a worker thread (tokenizers releases the GIL and spreads a batch over
+    # all cores) while this thread reads documents and writes batch k: two batches in flight.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize") as pool:
+        in_flight: Future[list[list[int]]] | None = None
+        for doc in docs:
+            batch.append(doc)
+            pending += len(doc)
+            if len(batch) >= batch_docs or pending >= batch_bytes:
+                if in_flight is not None:
+                    write(in_flight.result())
+                in_flight = pool.submit(encode_batch, batch)
+                batch, pending = [], 0
+        if batch:
+            if in_flight is not None:
+                write(in_flight.result())
+            in_flight = pool.submit(encode_batch, batch)
+        if in_flight is not None:
+            write(in_flight.result())
     for w in writers.values():
         w.close()
     counts = {
