@@ -1,6 +1,8 @@
-"""A corpus larger than the memory budget: 1 GB of text (stdlib sources repeated into JSONL
-files, generated here in a temp folder) prepares with peak memory under 1 GB, because reading,
-tokenizing and writing all stream."""
+"""Corpora larger than memory: reading, tokenizing and writing all stream, so peak memory does
+not grow with the corpus. Two corpora of stdlib sources repeated into JSONL files (generated
+here, in a temp folder), 64 MB and 256 MB of text: both prepare under 1 GB of peak memory, and
+the larger one needs at most 64 MB more than the smaller. (A 1 GB run takes ~12 minutes on 2
+cores, too long for CI; its figure is in bench/RESULTS.md.)"""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from pathlib import Path
 from moe.data import CorpusStats, iter_documents, write_token_store
 from moe.tokenizer import EOT, train_tokenizer
 src, out = sys.argv[1], Path(sys.argv[2])
-tok = train_tokenizer(iter_documents(src, "text", 20_000_000, CorpusStats()), vocab_size=4096)
+tok = train_tokenizer(iter_documents(src, "text", 8_000_000, CorpusStats()), vocab_size=4096)
 stats = CorpusStats()
 t0 = time.time()
 counts = write_token_store(
@@ -35,31 +37,47 @@ print(json.dumps({"bytes": stats.bytes, "documents": stats.documents, "counts": 
 """
 
 
-def test_one_gigabyte_corpus_prepares_in_bounded_memory(tmp_path: Path) -> None:
-    docs = list(iter_documents("stdlib", "text", 30_000_000, CorpusStats()))
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
+def make_corpus(folder: Path, target_bytes: int, docs: list[str]) -> None:
+    folder.mkdir()
     written, n = 0, 0
-    while written < 1_000_000_000:
-        with open(corpus / f"part-{n:04d}.jsonl", "w") as f:
+    while written < target_bytes:
+        with open(folder / f"part-{n:04d}.jsonl", "w") as f:
             for d in docs[n % 7 :: 7]:  # each file a different slice, so files differ
                 line = json.dumps({"text": d}) + "\n"
                 f.write(line)
                 written += len(line)
         n += 1
-    out = tmp_path / "out"
+
+
+def prepare(corpus: Path, out: Path) -> dict:
     out.mkdir()
     r = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(corpus), str(out)],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=1800,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
-    assert result["bytes"] >= 900_000_000  # text bytes (JSON escaping made the files larger)
     tokens = sum(c["tokens"] for c in result["counts"].values())
     assert (out / "train.bin").stat().st_size + (out / "val.bin").stat().st_size == 2 * tokens
-    assert result["peak_rss_mb"] < 1024, result
-    print(result)
+    return result
+
+
+def test_peak_memory_does_not_grow_with_the_corpus(tmp_path: Path) -> None:
+    docs = list(iter_documents("stdlib", "text", 30_000_000, CorpusStats()))
+    make_corpus(tmp_path / "small", 64_000_000, docs)
+    make_corpus(tmp_path / "large", 256_000_000, docs)
+    small = prepare(tmp_path / "small", tmp_path / "out-small")
+    large = prepare(tmp_path / "large", tmp_path / "out-large")
+    print(
+        {
+            "small": small["peak_rss_mb"],
+            "large": large["peak_rss_mb"],
+            "large_seconds": large["seconds"],
+        }
+    )
+    assert large["bytes"] >= 3.5 * small["bytes"]
+    assert large["peak_rss_mb"] < 1024 and small["peak_rss_mb"] < 1024
+    assert large["peak_rss_mb"] - small["peak_rss_mb"] < 64, (small, large)
