@@ -88,6 +88,19 @@ def test_stores_refuse_keys_outside_their_root(tmp_path: Path, key: str) -> None
         ).exists(key)
 
 
+def test_s3_corrupted_object_is_refused(tmp_path: Path, moto_server: str) -> None:
+    s3 = boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1")
+    s3.create_bucket(Bucket="moe-corrupt")
+    cfg = _cfg(tmp_path, backend="s3", bucket="moe-corrupt", endpoint_url=moto_server, prefix="")
+    pub = publish_dataset.fn(cfg, _prepared(tmp_path), tmp_path / "work")
+    body = bytearray(s3.get_object(Bucket="moe-corrupt", Key=pub.archive_key)["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    s3.put_object(Bucket="moe-corrupt", Key=pub.archive_key, Body=bytes(body))
+    with pytest.raises(ValueError, match="does not match the manifest"):
+        download_dataset.fn(cfg, pub.to_dict())
+    assert not (tmp_path / "cache" / pub.name / pub.version).exists()
+
+
 def test_s3_round_trip_against_moto_server(tmp_path: Path, moto_server: str) -> None:
     boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1").create_bucket(
         Bucket="moe-test"
