@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml requirements.lock
 	@touch $(STAMP)
 
 demo: venv
-	@PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
+	@PATH="$(CURDIR)/$(BIN):$$PATH" infra/with-prefect-server.sh dvc repro
 	@echo
 	@echo "Done. Metrics: reports/metrics.json   Bill: reports/cost.json   Report: reports/evaluate/report.md"
 	@echo "Models: models/{pretrain,finetune_sql,finetune_domain}/   Lineage: */lineage.json"
