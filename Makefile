@@ -21,7 +21,7 @@ venv: $(STAMP)
 # requirements.lock pins every package (used as a constraints file): ~2 min, no backtracking.
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-compile -c requirements.lock -e '.[dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -c requirements.lock -e '.[dev]'
 	@touch $(STAMP)
 
 demo: venv
