@@ -85,6 +85,14 @@ def write_metrics_csv(out_dir: Path) -> Path:
     return dest
 
 
+def _fit_and_save(trainer: Trainer, out_dir: Path) -> TrainResult:
+    """Train (resuming if a checkpoint fits), then write the final weights and the CSV log."""
+    result = trainer.fit()
+    save_model(trainer.model.to("cpu"), out_dir)
+    write_metrics_csv(out_dir)
+    return result
+
+
 def _price(cfg: Config, stage: str) -> float:
     return cfg.pools.definitions[cfg.pools.stages[stage]].price_per_hour
 
@@ -122,10 +130,7 @@ def pretrain_model(
         log_fn=log_fn,
         metrics_path=out_dir / "metrics.jsonl",
     )
-    result = trainer.fit()
-    save_model(trainer.model.to("cpu"), out_dir)
-    write_metrics_csv(out_dir)
-    return result
+    return _fit_and_save(trainer, out_dir)
 
 
 def sft_examples(path: Path, tok: Any) -> list[SFTExample]:
@@ -196,7 +201,4 @@ def finetune_model(
         log_fn=log_fn,
         metrics_path=out_dir / "metrics.jsonl",
     )
-    result = trainer.fit()
-    save_model(trainer.model.to("cpu"), out_dir)
-    write_metrics_csv(out_dir)
-    return result
+    return _fit_and_save(trainer, out_dir)
