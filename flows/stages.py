@@ -192,7 +192,7 @@ def finetune_domain(
 
 @flow(name="evaluate", log_prints=True)
 def evaluate(params_file: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
-    """Perplexity of every stage's model, SQL accuracy of the finetuned ones, the bill."""
+    """Perplexity and SQL accuracy of every stage's model, the bill and the report."""
     cfg = _load(params_file, overrides)
     receipt = _receipt()
     out = REPORTS / "evaluate"
@@ -222,7 +222,7 @@ def evaluate(params_file: str | None = None, overrides: list[str] | None = None)
         outputs={"metrics": REPORTS / "metrics.json"},
         metrics={k: v for k, v in metrics.items() if not isinstance(v, dict)},
     )
-    pre = json.loads((MODELS / "pretrain" / "lineage.json").read_text())
+    commit = next(r["code"]["commit"] for r in records if r["stage"] == "pretrain")
     shares = {
         s: json.loads((REPORTS / f"{s}.json").read_text()).get("expert_share") for s in TRAIN_STAGES
     }
@@ -233,7 +233,7 @@ def evaluate(params_file: str | None = None, overrides: list[str] | None = None)
     lines = [
         "# Run report",
         "",
-        f"Dataset {receipt['name']}/{receipt['version']}, code {pre['code']['commit'][:12]}",
+        f"Dataset {receipt['name']}/{receipt['version']}, code {commit[:12]}",
         "",
         "| stage | pool | wall s | cost |",
         "|---|---|---|---|",

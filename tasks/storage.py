@@ -288,6 +288,7 @@ def publish_dataset(cfg: Config, prepared: Path, work: Path) -> Published:
         )
     else:
         pack(prepared, archive, s.zstd_level, s.zstd_threads)
+        token_bytes, ratio = _token_ratio(prepared, s.zstd_level, s.zstd_threads)
         manifest = {
             "name": s.dataset_name,
             "version": version,
@@ -298,6 +299,7 @@ def publish_dataset(cfg: Config, prepared: Path, work: Path) -> Published:
                 "bytes": archive.stat().st_size,
             },
             "zstd_level": s.zstd_level,
+            "token_files": {"bytes": token_bytes, "zstd_ratio": round(ratio, 4)},
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (work / "manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -305,7 +307,11 @@ def publish_dataset(cfg: Config, prepared: Path, work: Path) -> Published:
         store.put(work / "manifest.json", manifest_key)  # last: its presence means complete
         if isinstance(store, HfObjectStore):
             store.tag(f"{s.dataset_name}-{version}")
-    token_bytes, ratio = _token_ratio(prepared, s.zstd_level, s.zstd_threads)
+    # Measured once, when packing; a re-publish of stored data reads it from the manifest.
+    if "token_files" in manifest:
+        token_bytes, ratio = manifest["token_files"]["bytes"], manifest["token_files"]["zstd_ratio"]
+    else:  # published by an earlier version that did not record it
+        token_bytes, ratio = _token_ratio(prepared, s.zstd_level, s.zstd_threads)
     raw_bytes = sum(f["bytes"] for f in files.values())
     return Published(
         name=s.dataset_name,
