@@ -142,19 +142,42 @@ class ModelConfig:
         p.require(self.init_std > 0, "init_std", self.init_std, "must be > 0")
 
 
+BalancingMethod = Literal[
+    "aux_loss", "z_loss", "cv_penalty", "util_aware", "rebalance", "aux_free", "warmup"
+]
+BALANCING_METHODS: tuple[str, ...] = get_args(BalancingMethod)
+
+
 @dataclass
 class MoEConfig:
     num_experts: int = 8
     top_k: int = 2
     expert_hidden: int = 256
-    # Tokens an expert takes per batch = capacity_factor * tokens * top_k / num_experts;
-    # 0 = dropless (every routed token is computed).
-    capacity_factor: float = 0.0
+    # Dropless: every routed token is computed. Otherwise an expert takes at most
+    # capacity_factor * tokens * top_k / num_experts assignments per batch and the
+    # lowest-scoring overflow is dropped (its residual passes through).
+    dropless: bool = True
+    capacity_factor: float = 1.25
+    # Seed 004 §4.2: 1.2-1.5 early, 0.8-1.0 late. > 0: capacity_factor moves linearly to this
+    # value over the training run; 0 = constant.
+    capacity_factor_end: float = 0.0
     renormalize: bool = True  # renormalise the kept top-k weights to sum to 1
-    aux_loss_coef: float = 0.01  # Switch/GShard load-balancing loss
-    z_loss_coef: float = 0.001  # ST-MoE router z-loss
+    jitter: float = 0.0  # Switch: multiply router inputs by U(1-jitter, 1+jitter) in training
+    # Load balancing; any combination of the methods in BALANCING_METHODS (see moe/routing.py):
+    balancing: list[BalancingMethod] = field(default_factory=lambda: ["aux_loss", "z_loss"])
+    aux_loss_coef: float = 0.01  # aux_loss: Switch/GShard E * sum f_i * P_i
+    z_loss_coef: float = 0.001  # z_loss: ST-MoE router z-loss
+    cv_penalty_coef: float = 0.01  # cv_penalty: seed 000's std/mean of expert load
+    util_alpha: float = 0.2  # util_aware: seed 004's alpha (0.1-0.3)
+    util_momentum: float = 0.99  # util_aware/rebalance: moving average of utilisation
+    rebalance_every: int = 1000  # rebalance: seed 004 recalibrates the gate every 1000 steps
+    rebalance_beta: float = 0.1  # rebalance: gate row e *= 1 - beta * (util_e - 1)
+    aux_free_rate: float = 0.001  # aux_free: DeepSeek-V3's bias update speed u
+    warmup_steps: int = 50  # warmup: uniform routing for this many pretraining steps...
+    warmup_blend_steps: int = 50  # ...then the router's choice blended in over this many
     router_lr_mult: float = 3.0  # seed 004: gate learning rate 3-5x the base rate
     shared_expert: bool = False
+    force_balanced: bool = False  # debug: round-robin routing, for throughput/memory tests
 
     def check(self, p: _Problems) -> None:
         p.require(self.num_experts >= 1, "num_experts", self.num_experts, "must be >= 1")
@@ -166,14 +189,45 @@ class MoEConfig:
             f"must be <= moe.num_experts ({self.num_experts})",
         )
         p.require(self.expert_hidden >= 1, "expert_hidden", self.expert_hidden, "must be >= 1")
+        if not self.dropless:
+            p.require(
+                self.capacity_factor > 0,
+                "capacity_factor",
+                self.capacity_factor,
+                "must be > 0 when moe.dropless is false",
+            )
         p.require(
-            self.capacity_factor >= 0,
-            "capacity_factor",
-            self.capacity_factor,
-            "must be >= 0 (0 = dropless)",
+            self.capacity_factor_end >= 0,
+            "capacity_factor_end",
+            self.capacity_factor_end,
+            "must be >= 0 (0 = constant capacity_factor)",
         )
-        p.require(self.aux_loss_coef >= 0, "aux_loss_coef", self.aux_loss_coef, "must be >= 0")
-        p.require(self.z_loss_coef >= 0, "z_loss_coef", self.z_loss_coef, "must be >= 0")
+        p.require(0 <= self.jitter < 1, "jitter", self.jitter, "must be in [0, 1)")
+        p.require(
+            len(set(self.balancing)) == len(self.balancing),
+            "balancing",
+            self.balancing,
+            "names a method twice",
+        )
+        for name in ("aux_loss_coef", "z_loss_coef", "cv_penalty_coef", "util_alpha"):
+            p.require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+        p.require(
+            0 <= self.util_momentum < 1, "util_momentum", self.util_momentum, "must be in [0, 1)"
+        )
+        p.require(
+            self.rebalance_every >= 1, "rebalance_every", self.rebalance_every, "must be >= 1"
+        )
+        p.require(
+            0 < self.rebalance_beta < 1, "rebalance_beta", self.rebalance_beta, "must be in (0, 1)"
+        )
+        p.require(self.aux_free_rate > 0, "aux_free_rate", self.aux_free_rate, "must be > 0")
+        p.require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
+        p.require(
+            self.warmup_blend_steps >= 0,
+            "warmup_blend_steps",
+            self.warmup_blend_steps,
+            "must be >= 0",
+        )
         p.require(self.router_lr_mult > 0, "router_lr_mult", self.router_lr_mult, "must be > 0")
 
 

@@ -25,7 +25,8 @@ from moe.routing import Router
 class MoEAux:
     """What the MoE layers report from one forward pass."""
 
-    aux_loss: torch.Tensor  # sum over MoE layers, unscaled
+    balance_loss: torch.Tensor  # sum over MoE layers of the enabled balancing losses (scaled)
+    aux_loss: torch.Tensor  # sum over MoE layers, unscaled (for logging)
     z_loss: torch.Tensor
     tokens_per_expert: list[torch.Tensor] = field(default_factory=list)  # per MoE layer, (E,)
     dropped_fraction: list[torch.Tensor] = field(default_factory=list)
@@ -89,9 +90,7 @@ class SwiGLU(nn.Module):
 class MoELayer(nn.Module):
     def __init__(self, d_model: int, mcfg: MoEConfig) -> None:
         super().__init__()
-        self.router = Router(
-            d_model, mcfg.num_experts, mcfg.top_k, mcfg.renormalize, mcfg.capacity_factor
-        )
+        self.router = Router(d_model, mcfg)
         self.experts = GroupedExperts(mcfg.num_experts, d_model, mcfg.expert_hidden)
         self.shared = SwiGLU(d_model, mcfg.expert_hidden) if mcfg.shared_expert else None
 
@@ -102,6 +101,7 @@ class MoELayer(nn.Module):
         y_TD = self.experts(x_TD, r.experts_TK, r.weights_TK, r.keep_TK)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
+        aux.balance_loss = aux.balance_loss + r.balance_loss
         aux.aux_loss = aux.aux_loss + r.aux_loss
         aux.z_loss = aux.z_loss + r.z_loss
         aux.tokens_per_expert.append(r.tokens_per_expert_E)
@@ -150,6 +150,17 @@ class MoETransformer(nn.Module):
     def moe_layers(self) -> list[MoELayer]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoELayer)]
 
+    def set_routing_step(self, step: int, progress: float) -> None:
+        """Tell the routers the optimizer step (expert warm-up) and the fraction of the run
+        done (capacity schedule). Finetuning passes a step past the warm-up."""
+        for layer in self.moe_layers:
+            layer.router.step, layer.router.progress = step, progress
+
+    def update_routing(self, step: int) -> None:
+        """After each optimizer step: aux-free bias, utilisation average, gate rebalancing."""
+        for layer in self.moe_layers:
+            layer.router.update_state(step)
+
     def reset_parameters(self) -> None:
         std = self.cfg.init_std
         for name, p in self.named_parameters():
@@ -175,7 +186,7 @@ class MoETransformer(nn.Module):
                 f"sequence of {S} tokens is longer than model.seq_len={self.cfg.seq_len}"
             )
         zero = torch.zeros((), device=idx_BS.device)
-        aux = MoEAux(aux_loss=zero, z_loss=zero)
+        aux = MoEAux(balance_loss=zero, aux_loss=zero, z_loss=zero)
         x = self.embed(idx_BS)
         for block in self.blocks:
             x = block(x, self.rope_cos, self.rope_sin, aux)

@@ -1,12 +1,36 @@
-"""Token-choice top-k router with fp32 logits, capacity, and balancing losses.
+"""Token-choice top-k router: fp32 logits, capacity, and every balancing method of the seeds.
 
 Shape suffixes: T tokens, D model width, E experts, K experts per token.
 
-Balancing terms (each with its own coefficient in `moe`):
-- Switch/GShard auxiliary loss  E * sum_i f_i * P_i   (Fedus et al. 2021, eq. 4; Lepikhin et
-  al. 2020). NOTE: f_i counts all top-k assignments and is normalised by T*K, so a perfectly
-  balanced router scores 1.0 for any K, as in Switch's top-1 case.
-- Router z-loss  mean(logsumexp(logits)^2)   (Zoph et al. 2022, ST-MoE, eq. 5).
+Each method is switched on by name in `moe.balancing` (params.yaml) and they combine freely:
+
+- `aux_loss`: Switch/GShard auxiliary loss  E * sum_i f_i * P_i  (Fedus et al. 2021, eq. 4;
+  Lepikhin et al. 2020). Departure: f_i counts all top-k assignments and is normalised by
+  T*K, so a perfectly balanced router scores 1.0 for any K, as in Switch's top-1 case.
+- `z_loss`: router z-loss  mean(logsumexp(logits)^2)  (Zoph et al. 2022, ST-MoE, eq. 5).
+- `cv_penalty`: seed 000's  std(load) / mean(load). Departure: the seed takes the std of the
+  integer counts, which has no gradient; we take it of the soft load (the router
+  probabilities summed over tokens), which is Shazeer et al. 2017's "importance" loss without
+  its square.
+- `util_aware`: seed 004's  p_i = softmax(logit_i * (1 + alpha * (1 - util_i)))  with util_i a
+  moving average of expert i's load over its fair share (1.0 = balanced). Departure: the
+  logits are first shifted so the smallest is 0 (softmax does not change), because scaling
+  a negative logit up would *lower* an under-used expert's share; (1 - util_i) is clipped
+  to [-1, 1].
+- `rebalance`: seed 004's periodic gate recalibration: every `rebalance_every` optimizer
+  steps, gate row i *= 1 - beta * (util_i - 1) (target utilisation 1.0), the factor clipped to
+  [0.5, 1.5]. Departure: the seed does not say what util is; we use the same moving average.
+- `aux_free`: auxiliary-loss-free balancing (Wang et al. 2024; DeepSeek-V3 §2.1.2): a
+  per-expert bias added to the scores only to *choose* experts, updated after each optimizer
+  step by u * sign(mean_load - load_i) and re-centred to mean 0. The combine weights come
+  from the unbiased probabilities. Departure: DeepSeek-V3 biases sigmoid affinities; we bias
+  the softmax probabilities the rest of this router uses.
+- `warmup`: seed 004's expert warm-up: for the first `warmup_steps` pretraining steps tokens
+  go to K experts drawn uniformly at random with equal weights; over the next
+  `warmup_blend_steps` the router's choice and weights are blended in linearly.
+
+`force_balanced` (debug) sends token t's k-th choice to expert (t*K + k) mod E with equal
+weights: perfectly even load, for throughput and memory tests.
 """
 
 from __future__ import annotations
@@ -18,6 +42,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moe.config import MoEConfig
+
+# A step far past any warm-up: what the router assumes when nobody told it the step.
+AFTER_WARMUP = 1 << 40
+
 
 @dataclass
 class RouterOutput:
@@ -25,57 +54,155 @@ class RouterOutput:
     weights_TK: torch.Tensor  # fp32 combine weight of each choice (0 for a dropped choice)
     keep_TK: torch.Tensor | None  # bool, False where capacity dropped the choice; None = dropless
     tokens_per_expert_E: torch.Tensor  # int64 assignments routed to each expert (before drops)
-    aux_loss: torch.Tensor  # fp32 scalar, Switch/GShard balance loss (unscaled)
+    balance_loss: torch.Tensor  # fp32 scalar: the enabled losses, each times its coefficient
+    aux_loss: torch.Tensor  # fp32 scalar, Switch/GShard balance loss (unscaled, for logging)
     z_loss: torch.Tensor  # fp32 scalar, ST-MoE router z-loss (unscaled)
+    cv_loss: torch.Tensor  # fp32 scalar, std/mean of the soft load (unscaled)
     dropped_fraction: torch.Tensor  # fp32 scalar, fraction of assignments dropped
 
 
 class Router(nn.Module):
-    def __init__(
-        self,
-        d_model: int,
-        num_experts: int,
-        top_k: int,
-        renormalize: bool = True,
-        capacity_factor: float = 0.0,
-    ) -> None:
+    def __init__(self, d_model: int, cfg: MoEConfig) -> None:
         super().__init__()
-        self.num_experts, self.top_k = num_experts, top_k
-        self.renormalize = renormalize
-        self.capacity_factor = capacity_factor  # 0 = dropless
-        self.gate = nn.Linear(d_model, num_experts, bias=False)
+        self.cfg = cfg
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.methods = frozenset(cfg.balancing)
+        self.gate = nn.Linear(d_model, cfg.num_experts, bias=False)
+        E = cfg.num_experts
+        # Routing state that checkpoints carry (persistent buffers):
+        self.register_buffer("expert_bias_E", torch.zeros(E))  # aux_free
+        self.register_buffer("util_E", torch.ones(E))  # util_aware / rebalance moving average
+        # Assignments since the last optimizer step (training forwards only).
+        self.register_buffer("load_E", torch.zeros(E), persistent=False)
+        self.step = AFTER_WARMUP  # set by the trainer (MoETransformer.set_routing_step)
+        self.progress = 0.0  # fraction of the run done, for the capacity schedule
+
+    # ----------------------------------------------------------------- forward
 
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
-        E, K = self.num_experts, self.top_k
+        cfg, E, K = self.cfg, self.num_experts, self.top_k
+        T = x_TD.shape[0]
         # Router logits in fp32 even under bf16 autocast (seed 000; ST-MoE §3: bf16 round-off
         # in the softmax's exponent destabilises routing).
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
-        probs_TE = logits_TE.softmax(dim=-1)
-        weights_TK, experts_TK = probs_TE.topk(K, dim=-1)
-        if self.renormalize and K > 1:
-            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+            x32_TD = x_TD.float()
+            if self.training and cfg.jitter > 0:
+                x32_TD = x32_TD * torch.empty_like(x32_TD).uniform_(1 - cfg.jitter, 1 + cfg.jitter)
+            logits_TE = F.linear(x32_TD, self.gate.weight.float())
+        scores_TE = logits_TE
+        if "util_aware" in self.methods:
+            shifted_TE = logits_TE - logits_TE.detach().min(dim=-1, keepdim=True).values
+            scale_E = 1 + cfg.util_alpha * (1 - self.util_E).clamp(-1, 1)
+            scores_TE = shifted_TE * scale_E
+        probs_TE = scores_TE.softmax(dim=-1)
 
-        T = x_TD.shape[0]
+        choose_TE = probs_TE.detach()
+        if "aux_free" in self.methods:
+            choose_TE = choose_TE + self.expert_bias_E
+        blend = self._warmup_blend()
+        if cfg.force_balanced:
+            slots_TK = torch.arange(T * K, device=x_TD.device).view(T, K)
+            experts_TK = slots_TK % E
+        else:
+            if blend < 1.0:
+                noise_TE = torch.rand(T, E, device=x_TD.device)
+                choose_TE = (1 - blend) * noise_TE + blend * choose_TE
+            experts_TK = choose_TE.topk(K, dim=-1).indices
+        weights_TK = probs_TE.gather(1, experts_TK)
+        if cfg.renormalize and K > 1:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        if cfg.force_balanced:
+            weights_TK = torch.full_like(weights_TK, 1.0 / K)
+        elif blend < 1.0:
+            weights_TK = (1 - blend) / K + blend * weights_TK
+
         tokens_per_expert_E = torch.bincount(experts_TK.flatten(), minlength=E)
+        if self.training:
+            self.load_E += tokens_per_expert_E.to(self.load_E.dtype)
         f_E = tokens_per_expert_E.float() / max(T * K, 1)
         P_E = probs_TE.mean(dim=0)
         aux_loss = E * (f_E * P_E).sum()
         z_loss = torch.logsumexp(logits_TE, dim=-1).pow(2).mean()
+        soft_load_E = probs_TE.sum(dim=0)
+        cv_loss = soft_load_E.std(unbiased=False) / soft_load_E.mean().clamp_min(1e-9)
+        balance = torch.zeros((), device=x_TD.device)
+        if "aux_loss" in self.methods:
+            balance = balance + cfg.aux_loss_coef * aux_loss
+        if "z_loss" in self.methods:
+            balance = balance + cfg.z_loss_coef * z_loss
+        if "cv_penalty" in self.methods:
+            balance = balance + cfg.cv_penalty_coef * cv_loss
 
         keep_TK = None
         dropped = torch.zeros((), device=x_TD.device)
-        if self.capacity_factor > 0:
-            keep_TK = capacity_mask(experts_TK, weights_TK, E, self.capacity(T))
+        if not cfg.dropless:
+            # Drop by the score that chose the expert (bias included), as DeepSeek-V3 does.
+            keep_TK = capacity_mask(
+                experts_TK, choose_TE.gather(1, experts_TK), E, self.capacity(T)
+            )
             weights_TK = weights_TK * keep_TK
             dropped = 1.0 - keep_TK.float().mean()
         return RouterOutput(
-            experts_TK, weights_TK, keep_TK, tokens_per_expert_E, aux_loss, z_loss, dropped
+            experts_TK,
+            weights_TK,
+            keep_TK,
+            tokens_per_expert_E,
+            balance,
+            aux_loss,
+            z_loss,
+            cv_loss,
+            dropped,
         )
+
+    def _warmup_blend(self) -> float:
+        """0 during expert warm-up (uniform routing), rising to 1 (the router's own choice)."""
+        if "warmup" not in self.methods or not self.training:
+            return 1.0
+        cfg = self.cfg
+        if self.step < cfg.warmup_steps:
+            return 0.0
+        if cfg.warmup_blend_steps == 0:
+            return 1.0
+        return min(1.0, (self.step - cfg.warmup_steps + 1) / cfg.warmup_blend_steps)
+
+    def capacity_factor(self) -> float:
+        cfg = self.cfg
+        if cfg.capacity_factor_end <= 0:
+            return cfg.capacity_factor
+        p = min(max(self.progress, 0.0), 1.0)
+        return cfg.capacity_factor + (cfg.capacity_factor_end - cfg.capacity_factor) * p
 
     def capacity(self, num_tokens: int) -> int:
         """Assignments one expert accepts per batch (GShard §2.2)."""
-        return max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))
+        return max(
+            1, math.ceil(self.capacity_factor() * num_tokens * self.top_k / self.num_experts)
+        )
+
+    # ----------------------------------------------------------------- state
+
+    @torch.no_grad()
+    def update_state(self, step: int) -> None:
+        """After an optimizer step: move the aux-free bias and the utilisation average by the
+        load this step routed, recalibrate the gate when it is due, and start a new count.
+
+        The load is what this process routed; distributed training all-reduces `load_E`
+        before calling this, so every rank routes identically.
+        """
+        load_E = self.load_E
+        total = float(load_E.sum())
+        if total <= 0:
+            return
+        mean = load_E.mean()
+        if "aux_free" in self.methods:
+            self.expert_bias_E += self.cfg.aux_free_rate * torch.sign(mean - load_E)
+            self.expert_bias_E -= self.expert_bias_E.mean()
+        if self.methods & {"util_aware", "rebalance"}:
+            m = self.cfg.util_momentum
+            self.util_E.mul_(m).add_((1 - m) * load_E / mean)
+        if "rebalance" in self.methods and step > 0 and step % self.cfg.rebalance_every == 0:
+            factor_E = (1 - self.cfg.rebalance_beta * (self.util_E - 1)).clamp(0.5, 1.5)
+            self.gate.weight.mul_(factor_E.to(self.gate.weight.dtype).unsqueeze(1))
+        load_E.zero_()
 
 
 def capacity_mask(

@@ -32,6 +32,7 @@ from moe.checkpoint import (
 from moe.config import FinetuneConfig, TrainConfig
 from moe.early_stop import EarlyStopper
 from moe.model import MoETransformer
+from moe.routing import AFTER_WARMUP
 from moe.stats import ExpertLoad, summarize
 
 log = logging.getLogger(__name__)
@@ -156,8 +157,7 @@ class Trainer:
         fingerprint: str,
         schedule: Literal["cosine", "linear"],
         min_lr: float = 0.0,
-        aux_loss_coef: float = 0.0,
-        z_loss_coef: float = 0.0,
+        expert_warmup: bool = True,
         router_lr_mult: float = 1.0,
         val_batches: BatchSource | None = None,
         eval_every: int = 0,
@@ -171,7 +171,7 @@ class Trainer:
         self.model = model.to(self.device)
         self.cfg, self.batches, self.store = cfg, batches, store
         self.fingerprint, self.schedule, self.min_lr = fingerprint, schedule, min_lr
-        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.expert_warmup = expert_warmup  # False for finetuning: no uniform routing again
         self.val_batches, self.eval_every, self.eval_batches = val_batches, eval_every, eval_batches
         self.price_per_hour = price_per_hour
         self.log_fn = log_fn or (lambda row: None)
@@ -313,16 +313,19 @@ class Trainer:
             )
             for g in self.optimizer.param_groups:
                 g["lr"] = lr * g["lr_mult"]
+            self.model.set_routing_step(
+                self.step if self.expert_warmup else AFTER_WARMUP, self.step / cfg.max_steps
+            )
             loss_sum = 0.0
             for micro in range(cfg.grad_accum):
                 x, y, w = self.batches.batch_at(self.step, micro)
                 x, y = x.to(self.device), y.to(self.device)
                 with self._autocast():
                     _, loss, aux = self.model(x, y, None if w is None else w.to(self.device))
-                    total = loss + self.aux_loss_coef * aux.aux_loss + self.z_loss_coef * aux.z_loss
+                    total = loss + aux.balance_loss
                 (total / cfg.grad_accum).backward()
                 loss_sum += float(loss.detach())
-                self.load.add(aux.tokens_per_expert)
+                self.load.add(aux.tokens_per_expert, aux.dropped_fraction)
                 self.tokens += int((y != -100).sum())
                 window_tokens += int(x.numel())
             clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
@@ -334,6 +337,7 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
+            self.model.update_routing(self.step)
             steps_this_run += 1
             last_loss = loss_sum / cfg.grad_accum
             window_loss += last_loss
@@ -351,9 +355,10 @@ class Trainer:
                     "expert_cv": stats["cv"],
                     "expert_max_vio": stats["max_vio"],
                     "expert_utilisation": stats["utilisation"],
-                    "dropped_fraction": float(torch.stack(aux.dropped_fraction).mean())
-                    if aux.dropped_fraction
-                    else 0.0,
+                    "expert_dead": stats["dead"],
+                    "aux_loss": float(aux.aux_loss.detach()),
+                    "z_loss": float(aux.z_loss.detach()),
+                    "dropped_fraction": stats["dropped_fraction"],
                     "cost": self.elapsed_s / 3600 * self.price_per_hour,
                     "expert_share": stats["share"],
                 }

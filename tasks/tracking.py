@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from moe.config import Config
+from moe.stats import flat_metrics
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,8 @@ def wandb_run(
         data = {k: v for k, v in row.items() if k not in ("step", "expert_share")}
         share = row.get("expert_share")
         if share:
-            # Per-expert load: a histogram of the last layer's shares and a value per expert.
-            for layer, values in enumerate(share):
-                for e, v in enumerate(values):
-                    data[f"expert_load/layer{layer}/expert{e}"] = v
+            # Per-expert load: a value per expert and layer, and a histogram of all shares.
+            data.update(flat_metrics({"share": share}, prefix="expert_load"))
             data["expert_load/histogram"] = wandb.Histogram([v for layer in share for v in layer])
         run.log(data, step=int(row["step"]))
 

@@ -40,6 +40,13 @@ def test_override_parses_scientific_notation_and_nested_dicts() -> None:
         ({"train": {"lrr": 0.1}}, "train.lrr", "unknown key"),
         ({"bogus": {}}, "bogus", "unknown key"),
         ({"moe": {"num_experts": 4, "top_k": 5}}, "moe.top_k", "must be <= moe.num_experts (4)"),
+        (
+            {"moe": {"dropless": False, "capacity_factor": 0.0}},
+            "moe.capacity_factor",
+            "must be > 0 when moe.dropless is false",
+        ),
+        ({"moe": {"balancing": ["aux_loss", "aux_free2"]}}, "moe.balancing[1]", "one of"),
+        ({"moe": {"balancing": ["z_loss", "z_loss"]}}, "moe.balancing", "names a method twice"),
         ({"train": {"lr": 0.0}}, "train.lr", "must be > 0"),
         ({"train": {"lr": -1e-3, "min_lr": 0.0}}, "train.lr", "must be > 0"),
         ({"train": {"max_steps": 0}}, "train.max_steps", "must be >= 1"),

@@ -68,8 +68,6 @@ def _trainer(
         fingerprint=f"lr={lr}",
         schedule="cosine",
         min_lr=cfg.min_lr,
-        aux_loss_coef=0.01,
-        z_loss_coef=0.001,
         router_lr_mult=3.0,
         val_batches=BatchSampler(TokenStore(data, "val"), 4, 16, seed=2),
         eval_every=5,
