@@ -40,7 +40,7 @@ format: venv
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
 
 bench: venv
-	$(BIN)/python bench/bench_moe_layer.py
+	$(BIN)/python bench/moe_layer.py --quick
 
 clean:
 	rm -rf data/prepared data/published models reports/*.json reports/evaluate .cache wandb

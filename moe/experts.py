@@ -31,6 +31,35 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up over the fused (A, 2F) projection, without the concatenation that
+    autograd's chunk backward does: the gradient is written straight into one (A, 2F) buffer.
+    Measured on 2 CPU cores at 16384 x 512: ~15% faster forward + backward than
+    `F.silu(g) * u` on chunks, bit-identical results (bench/RESULTS.md)."""
+
+    @staticmethod
+    def forward(ctx, h_AG: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        gate_AF, up_AF = h_AG.chunk(2, dim=-1)
+        silu_AF = F.silu(gate_AF)
+        ctx.save_for_backward(h_AG, silu_AF)
+        return silu_AF * up_AF
+
+    @staticmethod
+    def backward(ctx, grad_AF: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        h_AG, silu_AF = ctx.saved_tensors
+        gate_AF, up_AF = h_AG.chunk(2, dim=-1)
+        grad_AG = torch.empty_like(h_AG)
+        d_gate_AF, d_up_AF = grad_AG.chunk(2, dim=-1)
+        torch.mul(grad_AF, silu_AF, out=d_up_AF)
+        torch.ops.aten.silu_backward.grad_input(grad_AF * up_AF, gate_AF, grad_input=d_gate_AF)
+        return grad_AG
+
+
+def swiglu(h_AG: torch.Tensor) -> torch.Tensor:
+    """silu(first half) * second half of the last dimension."""
+    return _SwiGLU.apply(h_AG)
+
+
 def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     if not hasattr(F, "grouped_mm"):
         return False
@@ -55,12 +84,19 @@ def grouped_mm(
 
 
 class GroupedExperts(nn.Module):
+    """SwiGLU experts. The gate and up projections are one (E, D, 2F) weight, so one grouped
+    GEMM computes both (HF and torchtitan store them the same way)."""
+
     def __init__(self, num_experts: int, d_model: int, hidden: int) -> None:
         super().__init__()
-        self.num_experts = num_experts
-        self.w1_EDF = nn.Parameter(torch.empty(num_experts, d_model, hidden))  # gate proj
-        self.w3_EDF = nn.Parameter(torch.empty(num_experts, d_model, hidden))  # up proj
+        self.num_experts, self.hidden = num_experts, hidden
+        self.w13_EDG = nn.Parameter(torch.empty(num_experts, d_model, 2 * hidden))  # G = 2F
         self.w2_EFD = nn.Parameter(torch.empty(num_experts, hidden, d_model))  # down proj
+
+    def weights_EDF(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate (E, D, F), up (E, D, F), down (E, F, D)) as views."""
+        F_ = self.hidden
+        return self.w13_EDG[..., :F_], self.w13_EDG[..., F_:], self.w2_EFD
 
     def forward(
         self,
@@ -70,28 +106,31 @@ class GroupedExperts(nn.Module):
         keep_TK: torch.Tensor | None = None,
     ) -> torch.Tensor:
         T, K = experts_TK.shape
-        token_A = torch.arange(T, device=x_TD.device).repeat_interleave(K)
         expert_A = experts_TK.flatten()
-        weight_A = weights_TK.flatten()
+        slot_A: torch.Tensor | None = None  # flat (token, choice) slot of each kept assignment
         if keep_TK is not None:
             # Capacity drops: boolean indexing syncs with the host on GPU; dropless mode
-            # (capacity_factor 0) never takes this branch.
-            kept = keep_TK.flatten()
-            token_A, expert_A, weight_A = token_A[kept], expert_A[kept], weight_A[kept]
-        order_A = torch.argsort(expert_A, stable=True)
-        token_A, weight_A = token_A[order_A], weight_A[order_A]
+            # never takes this branch.
+            slot_A = keep_TK.flatten().nonzero().squeeze(1)
+            expert_A = expert_A[slot_A]
+        order_A = torch.sort(expert_A, stable=True).indices
+        if slot_A is not None:
+            order_A = slot_A[order_A]
         counts_E = torch.bincount(expert_A, minlength=self.num_experts)
-        offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
 
-        x_AD = x_TD[token_A]
-        h_AF = F.silu(grouped_mm(x_AD, self.w1_EDF, offs_E, counts_E)) * grouped_mm(
-            x_AD, self.w3_EDF, offs_E, counts_E
+        x_AD = x_TD[order_A // K]
+        h_AG = grouped_mm(x_AD, self.w13_EDG, offs_E, counts_E)
+        y_AD = grouped_mm(swiglu(h_AG), self.w2_EFD, offs_E, counts_E)
+        # Combine in fp32 (summing K bf16 products loses bits the residual stream keeps):
+        # put each result back in its (token, choice) slot, then one batched (1 x K) @ (K x D)
+        # product per token weights and sums them.
+        y_SD = (
+            y_AD.new_zeros(T * K, y_AD.shape[1]) if slot_A is not None else torch.empty_like(y_AD)
         )
-        y_AD = grouped_mm(h_AF, self.w2_EFD, offs_E, counts_E)
-        # Combine in fp32: summing K bf16 products loses bits that the residual stream keeps.
-        out_TD = torch.zeros(T, x_TD.shape[1], device=x_TD.device, dtype=torch.float32)
-        out_TD.index_add_(0, token_A, y_AD.float() * weight_A.unsqueeze(1))
-        return out_TD.to(x_TD.dtype)
+        y_SD.index_copy_(0, order_A, y_AD)
+        out_T1D = torch.bmm(weights_TK.float().unsqueeze(1), y_SD.view(T, K, -1).float())
+        return out_T1D.squeeze(1).to(x_TD.dtype)
 
 
 def reference_moe(
@@ -102,6 +141,7 @@ def reference_moe(
     keep_TK: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Slow, obviously-right MoE: for each token, for each kept choice, run that expert."""
+    w1, w3, w2 = experts.weights_EDF()
     out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
     for e in range(experts.num_experts):
         for k in range(experts_TK.shape[1]):
@@ -111,7 +151,7 @@ def reference_moe(
             if not mask_T.any():
                 continue
             x = x_TD[mask_T]
-            h = F.silu(x @ experts.w1_EDF[e].to(x.dtype)) * (x @ experts.w3_EDF[e].to(x.dtype))
-            y = h @ experts.w2_EFD[e].to(x.dtype)
+            h = F.silu(x @ w1[e].to(x.dtype)) * (x @ w3[e].to(x.dtype))
+            y = h @ w2[e].to(x.dtype)
             out_TD[mask_T] += y.float() * weights_TK[mask_T, k].unsqueeze(1)
     return out_TD.to(x_TD.dtype)

@@ -284,3 +284,45 @@ def test_every_balancing_option_trains_without_nan(balancing: list[str]) -> None
     keys = model.state_dict().keys()
     assert any(k.endswith("router.expert_bias_E") for k in keys)
     assert not any(k.endswith("router.load_E") for k in keys)
+
+
+def test_layer_matches_hugging_face_qwen3_moe_block() -> None:
+    """Parity with transformers' Qwen3-MoE sparse block (a dev dependency; nothing is
+    downloaded: the block is built from a config and our weights are copied in)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from moe.model import MoEAux, MoELayer
+
+    torch.manual_seed(0)
+    D, E, K, F = 32, 8, 2, 64
+    ours = MoELayer(D, MoEConfig(num_experts=E, top_k=K, expert_hidden=F, balancing=[]))
+    for p in ours.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    cfg = Qwen3MoeConfig(
+        hidden_size=D,
+        moe_intermediate_size=F,
+        num_experts=E,
+        num_experts_per_tok=K,
+        norm_topk_prob=True,  # as our moe.renormalize
+    )
+    cfg._experts_implementation = "grouped_mm"
+    hf = Qwen3MoeSparseMoeBlock(cfg)
+    w1, w3, w2 = ours.experts.weights_EDF()
+    with torch.no_grad():
+        hf.gate.weight.copy_(ours.router.gate.weight)
+        hf.experts.gate_up_proj.copy_(torch.cat([w1, w3], dim=2).transpose(1, 2))
+        hf.experts.down_proj.copy_(w2.transpose(1, 2))
+    x = torch.randn(2, 24, D, requires_grad=True)
+    zero = torch.zeros(())
+    y_ours = ours(x, MoEAux(zero, zero, zero))
+    y_hf = hf(x)
+    torch.testing.assert_close(y_ours, y_hf, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(y_hf)
+    (gx_ours,) = torch.autograd.grad(y_ours, x, g)
+    (gx_hf,) = torch.autograd.grad(y_hf, x, g)
+    torch.testing.assert_close(gx_ours, gx_hf, rtol=1e-5, atol=1e-6)
+    # The check can fail: a different expert's weights change the output.
+    with torch.no_grad():
+        hf.experts.down_proj[0].mul_(2)
+    assert not torch.allclose(ours(x, MoEAux(zero, zero, zero)), hf(x))
