@@ -1,10 +1,11 @@
 """MoE against a dense model with the same active parameters, for the same wall time, on the
 prepared default data; and the load balance of auxiliary-loss-free balancing against none.
 
-Three runs, each given the same wall-time budget (steps = budget / its own measured step time,
-so every run completes its cosine schedule):
+Four runs, each given the same training-time budget (`train.time_budget_s`: the run stops
+when it is used, and the cosine decay follows the time used, so every run ends annealed):
 - `moe_balanced`: the default MoE with `moe.balancing: [aux_free, z_loss]`;
 - `moe_unbalanced`: the same with no balancing at all;
+- `moe_aux_loss`: the same with the Switch auxiliary loss + z-loss instead;
 - `dense`: the same transformer with a dense SwiGLU of width top_k x expert_hidden in every
   block (the MoE's active feed-forward parameters).
 
@@ -22,7 +23,6 @@ import argparse
 import dataclasses
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -33,34 +33,39 @@ from moe.data import BatchSampler, TokenStore
 from moe.model import MoETransformer
 from moe.train import Trainer
 
+BALANCING: dict[str, list] = {
+    "moe_balanced": ["aux_free", "z_loss"],
+    "moe_aux_loss": ["aux_loss", "z_loss"],
+    "moe_unbalanced": [],
+}
+
 
 def _model(cfg: Config, kind: str, vocab: int) -> MoETransformer:
     torch.manual_seed(cfg.train.seed)
     m, e = cfg.model, cfg.moe
     if kind == "dense":
         m = dataclasses.replace(m, moe_every=m.n_layer + 1, dense_hidden=e.top_k * e.expert_hidden)
-    elif kind == "moe_unbalanced":
-        e = dataclasses.replace(e, balancing=[])
     else:
-        e = dataclasses.replace(e, balancing=["aux_free", "z_loss"])
+        e = dataclasses.replace(e, balancing=BALANCING[kind])
     return MoETransformer(m, e, vocab)
 
 
-def _trainer(cfg: Config, model: MoETransformer, data: Path, work: Path, steps: int) -> Trainer:
+def _trainer(cfg: Config, model: MoETransformer, data: Path, work: Path, budget: float) -> Trainer:
+    steps = 1_000_000  # the time budget stops the run and drives the lr decay
     t = dataclasses.replace(
         cfg.train,
         max_steps=steps,
-        warmup_steps=max(1, steps // 10),
+        time_budget_s=budget,
         eval_every=steps,
         checkpoint_every=steps,
-        log_every=max(1, steps // 20),
+        log_every=10,
         early_stop=dataclasses.replace(cfg.train.early_stop, patience=0),
     )
     return Trainer(
         model,
         t,
         BatchSampler(TokenStore(data, "train"), t.batch_size, cfg.model.seq_len, t.seed),
-        CheckpointStore(work / "ckpt", keep_last=1),
+        CheckpointStore(work / "ckpt", max_retain=1),
         fingerprint="bench",
         schedule="cosine",
         min_lr=t.min_lr,
@@ -72,19 +77,9 @@ def _trainer(cfg: Config, model: MoETransformer, data: Path, work: Path, steps: 
     )
 
 
-def _step_time(cfg: Config, kind: str, data: Path, vocab: int) -> float:
-    with tempfile.TemporaryDirectory() as d:
-        tr = _trainer(cfg, _model(cfg, kind, vocab), data, Path(d), 1000)
-        tr.stop_after = 3
-        tr.fit()  # warm-up
-        tr.stop_after, t0, s0 = 6, time.perf_counter(), tr.step
-        tr.fit()
-        return (time.perf_counter() - t0) / max(1, tr.step - s0)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="45 s per run instead of 180 s")
+    ap.add_argument("--quick", action="store_true", help="90 s per run instead of 300 s")
     ap.add_argument("--budget-s", type=float, default=0.0)
     ap.add_argument("--data", type=Path, default=Path("data/prepared"))
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
@@ -94,16 +89,15 @@ def main() -> None:
             f"{a.data}/meta.json not found: run `moe-pipeline stage prepare` (or `make demo`) first"
         )
     cfg = load_config(a.params)
-    budget = a.budget_s or (45.0 if a.quick else 180.0)
+    budget = a.budget_s or (90.0 if a.quick else 300.0)
     vocab = TokenStore(a.data, "train").vocab_size
     out: dict[str, object] = {"budget_s": budget}
-    for kind in ("moe_balanced", "dense", "moe_unbalanced"):
-        dt = _step_time(cfg, kind, a.data, vocab)
-        steps = max(10, int(budget / dt))
+    for kind in ("moe_balanced", "dense", "moe_unbalanced", "moe_aux_loss"):
         model = _model(cfg, kind, vocab)
         with tempfile.TemporaryDirectory() as d:
-            tr = _trainer(cfg, model, a.data, Path(d), steps)
+            tr = _trainer(cfg, model, a.data, Path(d), budget)
             res = tr.fit()
+            steps = res.steps
             rows = [json.loads(r) for r in (Path(d) / "metrics.jsonl").read_text().splitlines()]
         after_warmup = [
             r["expert_max_vio"] for r in rows if "expert_max_vio" in r and r["step"] > steps // 5

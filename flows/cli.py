@@ -67,6 +67,23 @@ def build_parser() -> argparse.ArgumentParser:
         "digest", help="sha256 of the model weights of the newest valid checkpoint under DIR"
     )
     digest.add_argument("dir", type=Path)
+    ls = csub.add_parser("ls", help="each checkpoint under DIR: step, size, tiers, valid or not")
+    ls.add_argument("dir", type=Path)
+    verify = csub.add_parser(
+        "verify", help="check every checkpoint's hashes (and its bases'); exit 1 if one fails"
+    )
+    verify.add_argument("dir", type=Path)
+    restore = csub.add_parser(
+        "restore", help="write the model weights of one checkpoint to a safetensors file"
+    )
+    restore.add_argument("dir", type=Path)
+    restore.add_argument("--step", type=int, default=None, help="default: the newest valid")
+    restore.add_argument("--out", type=Path, required=True)
+    export = csub.add_parser(
+        "export", help="the newest valid checkpoint's model weights as one safetensors file"
+    )
+    export.add_argument("dir", type=Path)
+    export.add_argument("--out", type=Path, required=True)
     return parser
 
 
@@ -86,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
             return 0
         if args.command == "checkpoint":
-            return _digest(args.dir)
+            return _checkpoint(args)
         load_config(
             args.params, args.overrides
         )  # validate before importing Prefect or touching anything
@@ -123,19 +140,82 @@ def _where(stage: str) -> None:
     print(f"{stage} done: {places[stage]}")
 
 
-def _digest(root: Path) -> int:
+def _store_root(root: Path) -> Path | None:
+    """DIR itself, or DIR/checkpoints (a stage's model folder), whichever holds checkpoints."""
+    for candidate in (root, root / "checkpoints"):
+        if candidate.is_dir() and any(candidate.glob("step_*")):
+            return candidate
+    return None
+
+
+def _checkpoint(args: argparse.Namespace) -> int:
     from moe.checkpoint import CheckpointStore, weights_digest
 
-    for candidate in (root, root / "checkpoints"):
-        path = CheckpointStore(candidate).latest_valid()
-        if path is not None:
-            print(f"{weights_digest(CheckpointStore(candidate).load(path).model)}  {path}")
-            return 0
-    print(
-        f"error: no valid checkpoint under {root} (nor under {root / 'checkpoints'})",
-        file=sys.stderr,
+    root = _store_root(args.dir)
+    if root is None:
+        print(
+            f"error: no checkpoints under {args.dir} (nor under {args.dir / 'checkpoints'})",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    store = CheckpointStore(root)
+    cmd = args.checkpoint_command
+    if cmd in ("ls", "verify"):
+        rows = store.info()
+        for r in rows:
+            tiers = " ".join(f"{t}={b / 1e6:.2f}MB" for t, b in sorted(r.tiers.items()))
+            cold = sum(len(v.get("cold", [])) for v in r.experts.values())
+            hot = sum(len(v.get("hot", [])) for v in r.experts.values())
+            extra = f" deltas={r.deltas} bases={r.bases}" if r.deltas else ""
+            status = "valid" if r.problem is None else f"INVALID: {r.problem}"
+            lossy = " LOSSY" if r.lossy else ""
+            print(
+                f"{r.path.name}  step {r.step:>8}  {r.bytes / 1e6:8.2f} MB  {tiers}  "
+                f"experts hot={hot} cold={cold}{extra}{lossy}  {status}"
+            )
+        bad = [r for r in rows if r.problem is not None]
+        if cmd == "verify":
+            print(f"{len(rows) - len(bad)} of {len(rows)} checkpoints verify")
+            return 1 if bad else 0
+        return 0
+    if cmd == "digest":
+        path = store.latest_valid()
+        if path is None:
+            print(f"error: no valid checkpoint under {root}", file=sys.stderr)
+            return EXIT_CONFIG
+        print(f"{weights_digest(store.load(path).model)}  {path}")
+        return 0
+    # restore / export
+    step = getattr(args, "step", None)
+    if step is None:
+        path = store.latest_valid()
+        if path is None:
+            print(f"error: no valid checkpoint under {root}", file=sys.stderr)
+            return EXIT_CONFIG
+    else:
+        path = root / f"step_{step:08d}"
+        why = store.verify(path) if path.is_dir() else "there is no such checkpoint"
+        if why is not None:
+            steps = ", ".join(str(r.step) for r in store.info() if r.problem is None)
+            print(
+                f"error: step {step} under {root} cannot be restored: {why} "
+                f"(valid steps: {steps or 'none'})",
+                file=sys.stderr,
+            )
+            return EXIT_CONFIG
+    from safetensors.torch import save_file
+
+    ck = store.load(path)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    save_file(
+        ck.model,
+        str(tmp),
+        metadata={"step": str(ck.step), "source": str(path), "lossy": str(bool(ck.lossy))},
     )
-    return EXIT_CONFIG
+    tmp.replace(args.out)  # an interrupted export never leaves a half file under --out
+    print(f"step {ck.step}: {len(ck.model)} tensors -> {args.out}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,10 +1,29 @@
-"""Checkpoint store: every checkpoint is one consistent, verified training state.
+"""Tiered checkpoint store: every checkpoint is one consistent, verified training state.
 
-Layout: ROOT/step_00000100/{model,optimizer,rng}.safetensors + state.json + manifest.json.
-A write goes to a temporary folder, every file is fsynced, the manifest (sha256 of every
-file) is written last, then the folder is renamed into place and `latest` is updated.
-Restore verifies every hash and skips, with a warning naming it, a damaged or incomplete
-checkpoint. Nothing is read with pickle: tensors through safetensors, state through JSON.
+Seed 001's hierarchical checkpoints, made safe. Tiering decides where a tensor is stored,
+with which codec and how often it is written in full, never which step it comes from:
+
+- L0: the shared (non-expert) parameters, their optimizer state and the RNG state;
+- L1: the hot experts (load >= `cold_threshold` x fair share), weights and optimizer state;
+- L2: the cold experts.
+
+Each tier is written in full every `hot_every` (L0, L1) or `cold_every` (L2) steps; between
+full writes each tensor is stored as a lossless XOR delta against the same tensor in the
+checkpoint that holds its last full write (one level: a delta never points at a delta).
+Retention keeps the newest `max_retain`, the best by validation loss, and every checkpoint a
+kept one needs as a base.
+
+Layout: ROOT/step_00000100/{L0,L1,L2}.bin (concatenated encoded tensors, moe/codec.py) +
+state.json + manifest.json. The manifest lists every tensor (file, offset, length, codec,
+dtype, shape, base step, lossy or not), the tier of every expert, and the sha256 of every
+file. A write goes to a temporary folder, every file is fsynced, the manifest is written
+last, the folder is renamed into place, and `latest` is updated after. Restore verifies
+every hash (the bases' too) and skips, with a warning naming it and why, a damaged or
+incomplete checkpoint. Nothing is read with pickle: tensors are raw bytes described by JSON.
+
+With `background=True` the training thread only copies the tensors to CPU memory; encoding
+and writing run on a worker thread behind a bounded queue, and the stall each save causes
+is measured (`stalls_s`) and logged.
 """
 
 from __future__ import annotations
@@ -13,19 +32,24 @@ import hashlib
 import json
 import logging
 import os
+import queue
+import re
 import shutil
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+
+from moe.codec import LOSSY, decode, encode
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -121,19 +145,110 @@ class Checkpoint:
     optimizer: dict[str, torch.Tensor]
     rng: dict[str, torch.Tensor]
     state: dict[str, Any]
+    lossy: list[str] = field(default_factory=list)  # tensors restored from a lossy codec
+
+
+@dataclass
+class CheckpointInfo:
+    path: Path
+    step: int
+    bytes: int
+    tiers: dict[str, int]  # tier -> bytes
+    experts: dict[str, dict[str, list[int]]]  # MoE layer -> {"hot": [...], "cold": [...]}
+    deltas: int  # tensors stored as deltas
+    bases: list[int]  # steps this checkpoint needs
+    lossy: bool
+    problem: str | None  # None = valid
+    remote: dict[str, str] = field(default_factory=dict)  # file -> object-store location
+
+
+GROUPS = ("model", "optimizer", "rng")
+# Expert weights: 3-D parameters under `<layer>.experts.`, experts along dim 0.
+_EXPERT_PARAM = re.compile(r"^(?P<layer>.+)\.experts\.[A-Za-z0-9_]+$")
+
+
+def expert_layer(param_name: str) -> str | None:
+    """The MoE layer prefix of an expert parameter (e.g. 'blocks.0.ffn'), else None."""
+    m = _EXPERT_PARAM.match(param_name)
+    return m.group("layer") if m else None
 
 
 class CheckpointStore:
-    """Write, verify, retain and restore training checkpoints under one folder."""
+    """Write, verify, retain and restore tiered training checkpoints under one folder."""
 
-    def __init__(self, root: str | Path, keep_last: int = 3) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        max_retain: int = 3,
+        *,
+        hot_every: int = 100,
+        cold_every: int = 1000,
+        cold_threshold: float = 0.5,
+        hot_codec: str = "bg-zstd",
+        cold_codec: str = "bg-lzma",
+        zstd_level: int = 3,
+        keep_best: bool = True,
+        background: bool = False,
+        fetch: Callable[[str, Path], None] | None = None,
+        on_saved: Callable[[Path], None] | None = None,
+    ) -> None:
         self.root = Path(root)
-        self.keep_last = keep_last
+        self.max_retain = max_retain
+        self.hot_every, self.cold_every = hot_every, cold_every
+        self.cold_threshold = cold_threshold
+        self.hot_codec, self.cold_codec = hot_codec, cold_codec
+        self.zstd_level = zstd_level
+        self.keep_best = keep_best
+        self.background = background
+        # fetch(location, dest): bring back a file an offload moved to an object store.
+        self.fetch = fetch
+        # on_saved(path): called after each save lands (on the writer thread in background
+        # mode); its errors are logged, never raised into training.
+        self.on_saved = on_saved
+        self.stalls_s: list[float] = []  # training-thread time of each save
+        self.write_s: list[float] = []  # worker time of each save (encode + write)
+        self._queue: queue.Queue[tuple | None] = queue.Queue(maxsize=1)
+        self._worker: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, root: str | Path, cfg: Any) -> CheckpointStore:
+        """A store configured by `params.yaml`'s `checkpoint` section (CheckpointConfig)."""
+        return cls(
+            root,
+            cfg.max_retain,
+            hot_every=cfg.hot_every,
+            cold_every=cfg.cold_every,
+            cold_threshold=cfg.cold_threshold,
+            hot_codec=cfg.hot_codec,
+            cold_codec=cfg.cold_codec,
+            zstd_level=cfg.zstd_level,
+            keep_best=cfg.keep_best,
+            background=cfg.background,
+        )
+
+    # ------------------------------------------------------------------ listing
+
+    def checkpoint_dirs(self) -> list[Path]:
+        """Checkpoint folders, newest first (valid or not)."""
+        return self._dirs()
 
     def _dirs(self) -> list[Path]:
         if not self.root.is_dir():
             return []
-        return sorted((p for p in self.root.glob("step_*") if p.is_dir()), reverse=True)
+        return sorted(
+            (p for p in self.root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
+            reverse=True,
+        )
+
+    def _manifest(self, path: Path) -> dict[str, Any] | None:
+        try:
+            return json.loads((path / MANIFEST).read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    # ------------------------------------------------------------------ saving
 
     def save(
         self,
@@ -142,52 +257,286 @@ class CheckpointStore:
         optimizer: dict[str, torch.Tensor],
         rng: dict[str, torch.Tensor],
         state: dict[str, Any],
+        *,
+        param_names: dict[str, str] | None = None,
+        expert_load: dict[str, list[float]] | None = None,
     ) -> Path:
+        """Save one training state; returns the folder it will have.
+
+        param_names maps an optimizer tensor's parameter index ("3" of "3.exp_avg") to the
+        parameter's name, so expert optimizer state is tiered with its expert. expert_load
+        maps an MoE layer prefix to each expert's load (any scale; compared to the mean).
+        """
         t0 = time.perf_counter()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._raise_pending()
+        # Copy on the training thread: the next optimizer step changes the live tensors.
+        snapshot = {
+            "model": {k: v.detach().to("cpu", copy=True) for k, v in model.items()},
+            "optimizer": {k: v.detach().to("cpu", copy=True) for k, v in optimizer.items()},
+            "rng": {k: v.detach().to("cpu", copy=True) for k, v in rng.items()},
+        }
+        job = (step, snapshot, json.loads(json.dumps(state)), param_names or {}, expert_load or {})
         final = self.root / f"step_{step:08d}"
-        tmp = self.root / f".tmp-step_{step:08d}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        files = {
-            "model.safetensors": model,
-            "optimizer.safetensors": optimizer,
-            "rng.safetensors": rng,
-        }
-        for name, tensors in files.items():
-            save_file(tensors, str(tmp / name))
-            with open(tmp / name, "rb+") as f:
-                os.fsync(f.fileno())
-        _fsync_write(tmp / "state.json", json.dumps(state, indent=1, sort_keys=True).encode())
-        manifest = {
-            "format": FORMAT_VERSION,
-            "step": step,
-            "time": time.time(),
-            "files": {
-                p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-                for p in sorted(tmp.iterdir())
-            },
-        }
-        _fsync_write(
-            tmp / MANIFEST, json.dumps(manifest, indent=1).encode()
-        )  # last: marks complete
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_write(self.root / ".latest.tmp", final.name.encode())
-        os.replace(self.root / ".latest.tmp", self.root / "latest")
-        _fsync_dir(self.root)
-        self._retain()
-        log.info("checkpoint step %d written to %s in %.2fs", step, final, time.perf_counter() - t0)
+        if self.background:
+            self._ensure_worker()
+            self._queue.put(job)  # blocks while the previous save is still being written
+        else:
+            self._write(*job)
+        stall = time.perf_counter() - t0
+        self.stalls_s.append(stall)
+        log.info("checkpoint step %d: training stalled %.3fs", step, stall)
         return final
 
-    def _retain(self) -> None:
-        for old in self._dirs()[self.keep_last :]:
-            shutil.rmtree(old, ignore_errors=True)
+    def flush(self) -> None:
+        """Wait until every queued save is on disk; raise if one failed."""
+        if self._worker is not None:
+            self._queue.join()
+        self._raise_pending()
 
-    def verify(self, path: Path) -> str | None:
-        """None when `path` is a complete checkpoint whose files match its manifest; else why not."""
+    def close(self) -> None:
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join()
+            self._worker = None
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"a background checkpoint write failed: {err}") from err
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
+            self._worker.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                self._write(*job)
+            except BaseException as e:  # reported on the next save() or flush()
+                log.error("checkpoint write failed: %s", e)
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def _tiers(
+        self, group: str, name: str, t: torch.Tensor, param_names: dict[str, str]
+    ) -> str | None:
+        """The expert layer a tensor belongs to (split along dim 0), else None (L0)."""
+        if group == "model":
+            pname = name
+        elif group == "optimizer":
+            idx = name.split(".", 1)[0]
+            pname = param_names.get(idx, "")
+        else:
+            return None
+        layer = expert_layer(pname)
+        return layer if layer is not None and t.dim() >= 2 else None
+
+    def _last_full(self) -> dict[str, tuple[int, dict[str, Any]]]:
+        """Per tier: (step, manifest) of the newest valid checkpoint that wrote it in full."""
+        out: dict[str, tuple[int, dict[str, Any]]] = {}
+        for path in self._dirs():
+            m = self._manifest(path)
+            if m is None or m.get("format") != FORMAT_VERSION:
+                continue
+            for tier in m.get("full_tiers", []):
+                if tier not in out and self.verify(path) is None:
+                    out[tier] = (int(m["step"]), m)
+            if len(out) == 3:
+                break
+        return out
+
+    def _write(
+        self,
+        step: int,
+        snapshot: dict[str, dict[str, torch.Tensor]],
+        state: dict[str, Any],
+        param_names: dict[str, str],
+        expert_load: dict[str, list[float]],
+    ) -> None:
+        t0 = time.perf_counter()
+        with self._lock:
+            self.root.mkdir(parents=True, exist_ok=True)
+            final = self.root / f"step_{step:08d}"
+            tmp = self.root / f".tmp-step_{step:08d}-{os.getpid()}"
+            for stale in self.root.glob(".tmp-step_*"):
+                # Left by a process that died mid-write (the store has one writer).
+                log.info("removing an unfinished checkpoint write: %s", stale)
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+            last_full = self._last_full()
+            every = {"L0": self.hot_every, "L1": self.hot_every, "L2": self.cold_every}
+            full = {
+                tier
+                for tier in ("L0", "L1", "L2")
+                if tier not in last_full or step - last_full[tier][0] >= every[tier]
+            }
+            # Hot / cold experts from their load relative to the layer's mean.
+            expert_tiers: dict[str, dict[str, list[int]]] = {}
+            cold: dict[str, set[int]] = {}
+            for layer, load in expert_load.items():
+                mean = sum(load) / max(1, len(load))
+                c = {e for e, v in enumerate(load) if mean > 0 and v < self.cold_threshold * mean}
+                cold[layer] = c
+                expert_tiers[layer] = {
+                    "hot": [e for e in range(len(load)) if e not in c],
+                    "cold": sorted(c),
+                }
+            # Entries: (group, name, expert index or None, tier, tensor).
+            entries: list[tuple[str, str, int | None, str, torch.Tensor]] = []
+            for group in GROUPS:
+                for name, t in snapshot[group].items():
+                    layer = self._tiers(group, name, t, param_names)
+                    if layer is None:
+                        entries.append((group, name, None, "L0", t))
+                        continue
+                    for e in range(t.shape[0]):
+                        tier = "L2" if e in cold.get(layer, set()) else "L1"
+                        entries.append((group, name, e, tier, t[e]))
+            bases: dict[str, Any] = {}  # entry key -> (step, manifest entry) for deltas
+            tensors_meta: list[dict[str, Any]] = []
+            handles = {tier: open(tmp / f"{tier}.bin", "wb") for tier in ("L0", "L1", "L2")}
+            try:
+                for group, name, e, tier, t in entries:
+                    key = f"{group}/{name}" + ("" if e is None else f"[{e}]")
+                    codec, base_t, base_step = self._choose(key, tier, t, full, last_full, bases)
+                    enc = encode(t, codec, base=base_t, level=self.zstd_level)
+                    f = handles[tier]
+                    offset = f.tell()
+                    f.write(enc.data)
+                    tensors_meta.append(
+                        {
+                            "key": key,
+                            "group": group,
+                            "name": name,
+                            "expert": e,
+                            "tier": tier,
+                            "file": f"{tier}.bin",
+                            "offset": offset,
+                            "length": len(enc.data),
+                            "codec": enc.codec,
+                            "dtype": enc.dtype,
+                            "shape": list(enc.shape),
+                            "base": base_step,
+                            "lossy": enc.lossy,
+                        }
+                    )
+                for f in handles.values():
+                    f.flush()
+                    os.fsync(f.fileno())
+            finally:
+                for f in handles.values():
+                    f.close()
+            _fsync_write(tmp / "state.json", json.dumps(state, indent=1, sort_keys=True).encode())
+            manifest = {
+                "format": FORMAT_VERSION,
+                "step": step,
+                "time": time.time(),
+                "full_tiers": sorted(full),
+                "bases": sorted({m["base"] for m in tensors_meta if m["base"] is not None}),
+                "experts": expert_tiers,
+                "expert_counts": {
+                    layer: len(t["hot"]) + len(t["cold"]) for layer, t in expert_tiers.items()
+                },
+                "lossy": any(m["lossy"] for m in tensors_meta),
+                "val_loss": state.get("val_loss"),
+                "tensors": tensors_meta,
+                "files": {
+                    p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+                    for p in sorted(tmp.iterdir())
+                },
+            }
+            _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last
+            _fsync_dir(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_write(self.root / ".latest.tmp", final.name.encode())
+            os.replace(self.root / ".latest.tmp", self.root / "latest")
+            _fsync_dir(self.root)
+            self._retain()
+        dt = time.perf_counter() - t0
+        self.write_s.append(dt)
+        if self.on_saved is not None:
+            try:
+                self.on_saved(final)
+            except Exception as e:  # e.g. the object store is down: the next pass retries
+                log.warning("after-save hook failed for %s: %s", final, e)
+        log.info(
+            "checkpoint step %d written to %s in %.2fs (full tiers: %s)",
+            step,
+            final,
+            dt,
+            ",".join(sorted(full)) or "none",
+        )
+
+    def _choose(
+        self,
+        key: str,
+        tier: str,
+        t: torch.Tensor,
+        full: set[str],
+        last_full: dict[str, tuple[int, dict[str, Any]]],
+        cache: dict[str, Any],
+    ) -> tuple[str, torch.Tensor | None, int | None]:
+        """(codec, base tensor, base step) for one entry."""
+        full_codec = self.cold_codec if tier == "L2" else self.hot_codec
+        if tier in full or tier not in last_full:
+            return full_codec, None, None
+        base_step, manifest = last_full[tier]
+        if "index" not in cache:
+            cache["index"] = {}
+        index = cache["index"].setdefault(
+            base_step, {m["key"]: m for m in manifest.get("tensors", [])}
+        )
+        meta = index.get(key)
+        if (
+            meta is None
+            or meta["base"] is not None
+            or meta["codec"] in LOSSY
+            or meta["dtype"] != str(t.dtype).removeprefix("torch.")
+            or list(meta["shape"]) != list(t.shape)
+        ):
+            return full_codec, None, None  # no lossless full copy to diff against
+        base_dir = self.root / f"step_{base_step:08d}"
+        if not (base_dir / meta["file"]).is_file():
+            return full_codec, None, None  # the base was offloaded: write in full
+        base_t = self._read_entry(base_dir, meta, None)
+        return "xor-zstd", base_t, base_step
+
+    # ------------------------------------------------------------------ retention
+
+    def _retain(self) -> None:
+        dirs = self._dirs()
+        keep = set(dirs[: self.max_retain])
+        if self.keep_best:
+            best: tuple[float, Path] | None = None
+            for p in dirs:
+                m = self._manifest(p)
+                v = m.get("val_loss") if m else None
+                if v is not None and (best is None or v < best[0]):
+                    best = (float(v), p)
+            if best is not None:
+                keep.add(best[1])
+        # Never delete a base that a kept checkpoint needs.
+        for p in list(keep):
+            m = self._manifest(p)
+            for b in (m or {}).get("bases", []):
+                keep.add(self.root / f"step_{int(b):08d}")
+        for old in dirs:
+            if old not in keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+    # ------------------------------------------------------------------ integrity
+
+    def verify(self, path: Path, _depth: int = 0) -> str | None:
+        """None when `path` is a complete checkpoint whose files (and bases) match their
+        manifests; else why not."""
         mpath = path / MANIFEST
         if not mpath.is_file():
             return "no manifest.json (the write did not finish)"
@@ -196,18 +545,36 @@ class CheckpointStore:
             files = manifest["files"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             return f"unreadable manifest.json ({e})"
+        if manifest.get("format") != FORMAT_VERSION:
+            return (
+                f"checkpoint format {manifest.get('format')} (this version reads {FORMAT_VERSION})"
+            )
+        root = path.resolve()
+        locations = manifest.get("locations", {})
         for name, meta in files.items():
             f = (path / name).resolve()
-            if f.parent != path.resolve():
+            if f.parent != root:
                 return f"manifest names a file outside the checkpoint folder: {name!r}"
             if not f.is_file():
+                if name in locations:
+                    continue  # offloaded: its hash is checked when it is fetched back
                 return f"{name} is missing"
             if sha256_file(f) != meta["sha256"]:
                 return f"{name} does not match its sha256 (damaged)"
+        for t in manifest.get("tensors", []):
+            if t["file"] not in files:
+                return f"tensor {t['key']} names a file the manifest does not list: {t['file']!r}"
+        if _depth == 0:
+            for b in manifest.get("bases", []):
+                base = self.root / f"step_{int(b):08d}"
+                why = self.verify(base, _depth=1) if base.is_dir() else "it is missing"
+                if why is not None:
+                    return f"its base checkpoint {base.name} is not usable: {why}"
         return None
 
     def latest_valid(self) -> Path | None:
         """Newest checkpoint that verifies; damaged ones are skipped with a warning."""
+        self.flush()
         for path in self._dirs():
             why = self.verify(path)
             if why is None:
@@ -215,21 +582,140 @@ class CheckpointStore:
             log.warning("skipping checkpoint %s: %s", path, why)
         return None
 
+    # ------------------------------------------------------------------ loading
+
+    def _read_entry(
+        self, path: Path, meta: dict[str, Any], base_index: dict[str, Any] | None
+    ) -> torch.Tensor:
+        with open(path / meta["file"], "rb") as f:
+            f.seek(meta["offset"])
+            data = f.read(meta["length"])
+        if len(data) != meta["length"]:
+            raise ValueError(f"{path / meta['file']} is shorter than its manifest says")
+        base_t = None
+        if meta["base"] is not None:
+            base_dir = self.root / f"step_{int(meta['base']):08d}"
+            if base_index is None:
+                bm = json.loads((base_dir / MANIFEST).read_text())
+                base_index = {m["key"]: m for m in bm["tensors"]}
+            base_t = self._read_entry(base_dir, base_index[meta["key"]], None)
+        return decode(meta["codec"], meta["dtype"], meta["shape"], data, base=base_t)
+
+    def ensure_local(self, path: Path) -> None:
+        """Fetch back the files of `path` (and of its bases) that an offload moved to an
+        object store, verify each against the manifest's sha256, and mark them local."""
+        manifest = self._manifest(path)
+        if manifest is None:
+            return
+        for b in manifest.get("bases", []):
+            self.ensure_local(self.root / f"step_{int(b):08d}")
+        locations: dict[str, str] = manifest.get("locations", {})
+        missing = {n: loc for n, loc in locations.items() if not (path / n).is_file()}
+        if not missing:
+            return
+        if self.fetch is None:
+            raise ValueError(
+                f"checkpoint {path} has files in an object store ({', '.join(sorted(missing))}) "
+                "and this store has no way to fetch them: pass fetch= (the training stages do)"
+            )
+        for name, loc in missing.items():
+            tmp = path / f".{name}.fetch"
+            self.fetch(loc, tmp)
+            want = manifest["files"][name]["sha256"]
+            if sha256_file(tmp) != want:
+                tmp.unlink(missing_ok=True)
+                raise ValueError(
+                    f"{loc} (file {name} of checkpoint {path.name}) does not match its sha256: "
+                    "the stored copy is damaged"
+                )
+            os.replace(tmp, path / name)
+            log.info("fetched %s of %s from %s", name, path.name, loc)
+
+    def set_locations(self, path: Path, moved: dict[str, str]) -> None:
+        """Record that files of `path` now live at object-store locations (the manifest is
+        rewritten atomically; the files' hashes stay as they were)."""
+        manifest = self._manifest(path)
+        if manifest is None:
+            raise ValueError(f"{path} has no readable manifest")
+        manifest.setdefault("locations", {}).update(moved)
+        tmp = path / ".manifest.tmp"
+        _fsync_write(tmp, json.dumps(manifest, indent=1).encode())
+        os.replace(tmp, path / MANIFEST)
+
     def load(self, path: Path) -> Checkpoint:
+        self.ensure_local(path)
         why = self.verify(path)
         if why is not None:
             raise ValueError(f"checkpoint {path} failed verification: {why}")
+        self.flush()
+        manifest = json.loads((path / MANIFEST).read_text())
         state = json.loads((path / "state.json").read_text())
+        base_indexes: dict[int, dict[str, Any]] = {}
+        for b in manifest.get("bases", []):
+            bm = json.loads((self.root / f"step_{int(b):08d}" / MANIFEST).read_text())
+            base_indexes[int(b)] = {m["key"]: m for m in bm["tensors"]}
+        parts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+        out: dict[str, dict[str, torch.Tensor]] = {g: {} for g in GROUPS}
+        lossy: list[str] = []
+        for meta in manifest["tensors"]:
+            idx = base_indexes.get(int(meta["base"])) if meta["base"] is not None else None
+            t = self._read_entry(path, meta, idx)
+            if meta["lossy"]:
+                lossy.append(meta["key"])
+            if meta["expert"] is None:
+                out[meta["group"]][meta["name"]] = t
+            else:
+                parts.setdefault((meta["group"], meta["name"]), {})[int(meta["expert"])] = t
+        for (group, name), experts in parts.items():
+            out[group][name] = torch.stack([experts[e] for e in sorted(experts)])
+        if lossy:
+            log.warning(
+                "checkpoint %s holds %d tensors in a lossy codec (fp16 cold tier): restored "
+                "rounded, not bit-exact",
+                path,
+                len(lossy),
+            )
         return Checkpoint(
             path=path,
-            step=int(state["step"]),
-            model=load_file(str(path / "model.safetensors")),
-            optimizer=load_file(str(path / "optimizer.safetensors")),
-            rng=load_file(str(path / "rng.safetensors")),
+            step=int(manifest["step"]),
+            model=out["model"],
+            optimizer=out["optimizer"],
+            rng=out["rng"],
             state=state,
+            lossy=lossy,
         )
 
+    def info(self) -> list[CheckpointInfo]:
+        """Every checkpoint folder, newest first, with its size, tiers and validity."""
+        rows = []
+        for path in self._dirs():
+            m = self._manifest(path) or {}
+            files = m.get("files", {})
+            tiers: dict[str, int] = {}
+            for t in m.get("tensors", []):
+                tiers[t["tier"]] = tiers.get(t["tier"], 0) + int(t["length"])
+            rows.append(
+                CheckpointInfo(
+                    path=path,
+                    step=int(m.get("step", int(path.name[5:]))),
+                    bytes=sum(int(v.get("bytes", 0)) for v in files.values()),
+                    tiers=tiers,
+                    experts=m.get("experts", {}),
+                    deltas=sum(1 for t in m.get("tensors", []) if t.get("base") is not None),
+                    bases=[int(b) for b in m.get("bases", [])],
+                    lossy=bool(m.get("lossy")),
+                    problem=self.verify(path),
+                    remote={
+                        n: loc
+                        for n, loc in m.get("locations", {}).items()
+                        if not (path / n).is_file()
+                    },
+                )
+            )
+        return rows
+
     def clear(self) -> None:
+        self.flush()
         for p in self._dirs():
             shutil.rmtree(p, ignore_errors=True)
         (self.root / "latest").unlink(missing_ok=True)

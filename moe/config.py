@@ -164,7 +164,7 @@ class MoEConfig:
     renormalize: bool = True  # renormalise the kept top-k weights to sum to 1
     jitter: float = 0.0  # Switch: multiply router inputs by U(1-jitter, 1+jitter) in training
     # Load balancing; any combination of the methods in BALANCING_METHODS (see moe/routing.py):
-    balancing: list[BalancingMethod] = field(default_factory=lambda: ["aux_loss", "z_loss"])
+    balancing: list[BalancingMethod] = field(default_factory=lambda: ["aux_free", "z_loss"])
     aux_loss_coef: float = 0.01  # aux_loss: Switch/GShard E * sum f_i * P_i
     z_loss_coef: float = 0.001  # z_loss: ST-MoE router z-loss
     cv_penalty_coef: float = 0.01  # cv_penalty: seed 000's std/mean of expert load
@@ -172,7 +172,10 @@ class MoEConfig:
     util_momentum: float = 0.99  # util_aware/rebalance: moving average of utilisation
     rebalance_every: int = 1000  # rebalance: seed 004 recalibrates the gate every 1000 steps
     rebalance_beta: float = 0.1  # rebalance: gate row e *= 1 - beta * (util_e - 1)
-    aux_free_rate: float = 0.001  # aux_free: DeepSeek-V3's bias update speed u
+    # aux_free: the bias update speed u. DeepSeek-V3 uses 0.001 over ~15T tokens; in a run of a
+    # few hundred steps that moves the bias too little (measured: MaxVio 1.4 after 100 steps at
+    # 0.001, 0.15 at 0.01; bench/RESULTS.md).
+    aux_free_rate: float = 0.01
     warmup_steps: int = 50  # warmup: uniform routing for this many pretraining steps...
     warmup_blend_steps: int = 50  # ...then the router's choice blended in over this many
     router_lr_mult: float = 3.0  # seed 004: gate learning rate 3-5x the base rate
@@ -277,6 +280,9 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 8
     checkpoint_every: int = 100
+    # > 0: stop after this many seconds of training; the lr decay follows the time used when
+    # that is ahead of the steps, so the run still ends annealed. 0 = max_steps only.
+    time_budget_s: float = 0.0
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
     def check(self, p: _Problems) -> None:
@@ -287,6 +293,9 @@ class TrainConfig:
         p.require(self.min_lr <= self.lr, "min_lr", self.min_lr, f"must be <= lr ({self.lr})")
         p.require(self.eval_batches >= 1, "eval_batches", self.eval_batches, "must be >= 1")
         p.require(self.eval_every >= 1, "eval_every", self.eval_every, "must be >= 1")
+        p.require(
+            self.time_budget_s >= 0, "time_budget_s", self.time_budget_s, "must be >= 0 (0 = off)"
+        )
 
 
 @dataclass
@@ -347,10 +356,35 @@ def _check_optim(c: TrainConfig | FinetuneConfig, p: _Problems) -> None:
 
 @dataclass
 class CheckpointConfig:
-    keep_last: int = 3  # seed 001: keep the last 3
+    """Tiered checkpoints (seed 001 §3): see moe/checkpoint.py."""
+
+    max_retain: int = 3  # seed 001: keep the last 3 (plus the best, plus bases they need)
+    keep_best: bool = True  # also keep the checkpoint with the lowest validation loss
+    hot_every: int = 100  # steps between full writes of L0 (shared) and L1 (hot experts)
+    cold_every: int = 1000  # steps between full writes of L2 (cold experts)
+    cold_threshold: float = 0.5  # an expert below this x its layer's mean load is cold
+    hot_codec: Literal["bg-zstd", "raw"] = "bg-zstd"
+    # fp16-zstd is LOSSY (seed 001's cold-tier option): marked in the manifest and on restore.
+    cold_codec: Literal["bg-lzma", "bg-zstd", "fp16-zstd"] = "bg-lzma"
+    zstd_level: int = 3
+    background: bool = True  # encode and write on a worker thread; training only copies
+    # Seed 002: cold data to cheap object storage. After each save and at the end of a
+    # training stage, move the newest checkpoint's cold tier (L2) and every older
+    # checkpoint's tensors to the `storage` object store; restore fetches them back.
+    offload: bool = False
+    cold_storage_class: str = "STANDARD_IA"  # S3 storage class of offloaded files ("" = default)
 
     def check(self, p: _Problems) -> None:
-        p.require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1")
+        p.require(self.max_retain >= 1, "max_retain", self.max_retain, "must be >= 1")
+        p.require(self.hot_every >= 1, "hot_every", self.hot_every, "must be >= 1")
+        p.require(self.cold_every >= 1, "cold_every", self.cold_every, "must be >= 1")
+        p.require(
+            0 <= self.cold_threshold <= 1,
+            "cold_threshold",
+            self.cold_threshold,
+            "must be in [0, 1]",
+        )
+        p.require(1 <= self.zstd_level <= 22, "zstd_level", self.zstd_level, "must be in [1, 22]")
 
 
 @dataclass

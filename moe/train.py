@@ -207,8 +207,29 @@ class Trainer:
             "early_stop": self.stopper.state_dict() if self.stopper else None,
         }
         return self.store.save(
-            self.step, model_tensors(self.model), opt_tensors, rng_tensors, state
+            self.step,
+            model_tensors(self.model),
+            opt_tensors,
+            rng_tensors,
+            state,
+            param_names=self._param_names(),
+            expert_load=self._expert_load(),
         )
+
+    def _param_names(self) -> dict[str, str]:
+        """Optimizer state index -> parameter name (torch numbers params across groups)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        flat = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return {str(i): names.get(id(p), "") for i, p in enumerate(flat)}
+
+    def _expert_load(self) -> dict[str, list[float]]:
+        """MoE layer prefix -> tokens routed to each expert so far (hot/cold tiers)."""
+        prefixes = [
+            f"blocks.{i}.ffn"
+            for i, b in enumerate(self.model.blocks)
+            if b.ffn in self.model.moe_layers
+        ]
+        return {p: row.tolist() for p, row in zip(prefixes, self.load.total_LE, strict=False)}
 
     def _try_resume(self) -> int | None:
         path = self.store.latest_valid()
@@ -294,6 +315,17 @@ class Trainer:
             self._emit({"step": self.step, "early_stop": reason})
         return reason
 
+    def _schedule_step(self) -> int:
+        """The step the lr schedule reads. With a time budget, the schedule follows whichever
+        is further along, the steps or the training time used, so a run cut by its budget
+        still ends its decay."""
+        cfg = self.cfg
+        budget = getattr(cfg, "time_budget_s", 0.0)
+        if budget <= 0 or self.step < cfg.warmup_steps:
+            return self.step
+        frac = min(1.0, self.elapsed_s / budget)
+        return max(self.step, cfg.warmup_steps + int(frac * (cfg.max_steps - cfg.warmup_steps)))
+
     def fit(self) -> TrainResult:
         cfg = self.cfg
         resumed = self._try_resume()
@@ -309,7 +341,12 @@ class Trainer:
         while self.step < cfg.max_steps:
             t_step = time.perf_counter()
             lr = lr_at(
-                self.step, cfg.max_steps, cfg.lr, cfg.warmup_steps, self.min_lr, self.schedule
+                self._schedule_step(),
+                cfg.max_steps,
+                cfg.lr,
+                cfg.warmup_steps,
+                self.min_lr,
+                self.schedule,
             )
             for g in self.optimizer.param_groups:
                 g["lr"] = lr * g["lr_mult"]
@@ -380,8 +417,17 @@ class Trainer:
                 val_loss = self._validate()
                 if val_loss is not None:
                     early_reason = self._early_stop(val_loss, lr)
+            budget = getattr(cfg, "time_budget_s", 0.0)
+            if budget > 0 and self.elapsed_s >= budget and not early_reason:
+                early_reason = f"time budget of {budget:.0f} s used"
+                log.warning("stopping at step %d: %s", self.step, early_reason)
+                self._emit({"step": self.step, "early_stop": early_reason})
             if early_reason or self.step % cfg.checkpoint_every == 0 or self.step == cfg.max_steps:
+                t_save = time.perf_counter()
                 self._save(val_loss)
+                # What the save cost the training thread (the copy; encoding and writing
+                # happen on the store's worker thread in background mode).
+                self._emit({"step": self.step, "checkpoint_stall_s": time.perf_counter() - t_save})
             if early_reason:
                 stop_reason = early_reason
                 break
@@ -389,6 +435,7 @@ class Trainer:
                 stop_reason = "stop_after"
                 break
 
+        self.store.flush()  # background checkpoint writes are on disk before we report
         path = self.store.latest_valid()
         total = summarize(self.load.total_LE)
         return TrainResult(

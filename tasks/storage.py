@@ -44,7 +44,7 @@ RETRIES = dict(
 class ObjectStore(Protocol):
     uri: str
 
-    def put(self, local: Path, key: str) -> None: ...
+    def put(self, local: Path, key: str, storage_class: str = "") -> None: ...
     def get(self, key: str, local: Path) -> None: ...
     def exists(self, key: str) -> bool: ...
     def read_text(self, key: str) -> str: ...
@@ -61,7 +61,7 @@ class LocalObjectStore:
         _check_key(key)
         return self.root / key
 
-    def put(self, local: Path, key: str) -> None:
+    def put(self, local: Path, key: str, storage_class: str = "") -> None:
         dest = self._path(key)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(dest.name + ".part")
@@ -104,8 +104,11 @@ class S3ObjectStore:
         _check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def put(self, local: Path, key: str) -> None:
-        self.client.upload_file(str(local), self.bucket, self._key(key), Config=self.transfer)
+    def put(self, local: Path, key: str, storage_class: str = "") -> None:
+        extra = {"StorageClass": storage_class} if storage_class else None
+        self.client.upload_file(
+            str(local), self.bucket, self._key(key), Config=self.transfer, ExtraArgs=extra
+        )
 
     def get(self, key: str, local: Path) -> None:
         self.client.download_file(self.bucket, self._key(key), str(local), Config=self.transfer)
@@ -145,7 +148,7 @@ class HfObjectStore:
         _check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def put(self, local: Path, key: str) -> None:
+    def put(self, local: Path, key: str, storage_class: str = "") -> None:
         self.api.create_repo(self.repo, repo_type="dataset", exist_ok=True, private=True)
         self.api.upload_file(
             path_or_fileobj=str(local),

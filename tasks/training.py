@@ -28,6 +28,8 @@ from moe.sql import load_pairs, prompt_text, response_text
 from moe.tokenizer import EOT, PAD, load_tokenizer
 from moe.train import Trainer, TrainResult
 from tasks import retry_unless_input_error
+from tasks.checkpoints import checkpoint_store, offload, offload_checkpoints
+from tasks.storage import open_store
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +87,24 @@ def write_metrics_csv(out_dir: Path) -> Path:
     return dest
 
 
-def _fit_and_save(trainer: Trainer, out_dir: Path) -> TrainResult:
+def _store(cfg: Config, out_dir: Path, run_key: str) -> CheckpointStore:
+    """The stage's tiered checkpoint store; with `checkpoint.offload`, cold tiers and older
+    checkpoints move to the object store after each save (off the training thread)."""
+    store = checkpoint_store(cfg, out_dir / "checkpoints")
+    if cfg.checkpoint.offload:
+        objects = open_store(cfg.storage)
+        store.on_saved = lambda _path: offload(
+            store, objects, run_key, cfg.checkpoint.cold_storage_class
+        )
+    return store
+
+
+def _fit_and_save(cfg: Config, trainer: Trainer, out_dir: Path, run_key: str) -> TrainResult:
     """Train (resuming if a checkpoint fits), then write the final weights and the CSV log."""
     result = trainer.fit()
+    trainer.store.close()
+    if cfg.checkpoint.offload:
+        offload_checkpoints(cfg, trainer.store.root, run_key)
     save_model(trainer.model.to("cpu"), out_dir)
     write_metrics_csv(out_dir)
     return result
@@ -110,14 +127,15 @@ def pretrain_model(
         model.num_params(active_only=True) / 1e6,
     )
     t = cfg.train
+    fingerprint = (
+        cfg.fingerprint("model", "moe", "train") + ":" + sha256_file(data_dir / "meta.json")
+    )
     trainer = Trainer(
         model,
         t,
         BatchSampler(train_store, t.batch_size, cfg.model.seq_len, t.seed),
-        CheckpointStore(out_dir / "checkpoints", cfg.checkpoint.keep_last),
-        fingerprint=cfg.fingerprint("model", "moe", "train")
-        + ":"
-        + sha256_file(data_dir / "meta.json"),
+        _store(cfg, out_dir, run_key := f"pretrain/{fingerprint[:16]}"),
+        fingerprint=fingerprint,
         schedule="cosine",
         min_lr=t.min_lr,
         router_lr_mult=cfg.moe.router_lr_mult,
@@ -128,7 +146,7 @@ def pretrain_model(
         log_fn=log_fn,
         metrics_path=out_dir / "metrics.jsonl",
     )
-    return _fit_and_save(trainer, out_dir)
+    return _fit_and_save(cfg, trainer, out_dir, run_key)
 
 
 def sft_examples(path: Path, tok: Any) -> list[SFTExample]:
@@ -180,16 +198,19 @@ def finetune_model(
         rows = max(1, round(f.batch_size * f.replay_ratio))
         replay = BatchSampler(TokenStore(data_dir, "replay"), rows, f.max_len, f.seed + 1)
         batches = MixedBatches(batches, replay)
+    fingerprint = ":".join(
+        (
+            cfg.fingerprint(stage),
+            sha256_file(init_dir / "model.safetensors"),
+            sha256_file(data_dir / "meta.json"),
+        )
+    )
     trainer = Trainer(
         model,
         f,
         batches,
-        CheckpointStore(out_dir / "checkpoints", cfg.checkpoint.keep_last),
-        fingerprint=cfg.fingerprint(stage)
-        + ":"
-        + sha256_file(init_dir / "model.safetensors")
-        + ":"
-        + sha256_file(data_dir / "meta.json"),
+        _store(cfg, out_dir, run_key := f"{stage}/{fingerprint[:16]}"),
+        fingerprint=fingerprint,
         schedule="linear",
         min_lr=0.0,
         expert_warmup=False,
@@ -198,4 +219,4 @@ def finetune_model(
         log_fn=log_fn,
         metrics_path=out_dir / "metrics.jsonl",
     )
-    return _fit_and_save(trainer, out_dir)
+    return _fit_and_save(cfg, trainer, out_dir, run_key)

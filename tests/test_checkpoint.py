@@ -1,10 +1,16 @@
-"""Contract of moe/checkpoint.py: atomic, verified checkpoints; damaged ones are skipped;
-nothing outside the folder is read; retention keeps the newest N."""
+"""Contract of moe/checkpoint.py: tiered, verified checkpoints. Every restorable checkpoint is
+one bit-exact training state (deltas included, across retention); damaged or half-written ones
+are skipped naming why; nothing outside the folder is read; hot/cold tiers follow the load;
+the lossy fp16 cold tier says so."""
 
 from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -12,36 +18,113 @@ import torch
 
 from moe.checkpoint import CheckpointStore, flatten_optimizer, unflatten_optimizer, weights_digest
 
+E, D, F = 4, 8, 16
+
+
+def _state(step: int) -> tuple[dict, dict, dict, dict]:
+    """A small model/optimizer state that drifts a little each step, like training."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(D, D, generator=g)
+    experts = torch.randn(E, D, F, generator=g)
+    drift = 1e-3 * step
+    model = {
+        "embed.weight": w + drift,
+        "blocks.0.ffn.experts.w13_EDG": experts + drift,
+        "blocks.0.ffn.router.expert_bias_E": torch.full((E,), drift),
+    }
+    optimizer = {
+        "0.exp_avg": torch.full((D, D), drift),
+        "0.step": torch.tensor(float(step)),
+        "1.exp_avg": (experts * drift).clone(),
+        "1.step": torch.tensor(float(step)),
+    }
+    rng = {"torch": torch.get_rng_state()}
+    return model, optimizer, rng, {"step": step, "val_loss": 5.0 - 0.1 * step}
+
+
+NAMES = {"0": "embed.weight", "1": "blocks.0.ffn.experts.w13_EDG"}
+LOAD = {"blocks.0.ffn": [100.0, 90.0, 5.0, 105.0]}  # expert 2 is cold
+
 
 def _save(store: CheckpointStore, step: int) -> Path:
-    t = {"w": torch.full((3,), float(step))}
-    return store.save(
-        step, t, {"0.exp_avg": torch.zeros(3)}, {"torch": torch.get_rng_state()}, {"step": step}
-    )
+    model, opt, rng, state = _state(step)
+    return store.save(step, model, opt, rng, state, param_names=NAMES, expert_load=LOAD)
 
 
-def test_round_trip_and_retention(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path, keep_last=2)
+def _assert_equal_state(ck, step: int) -> None:
+    model, opt, _, state = _state(step)
+    assert ck.step == step and ck.state == state
+    for k, v in model.items():
+        assert torch.equal(ck.model[k], v), k
+    for k, v in opt.items():
+        assert torch.equal(ck.optimizer[k], v), k
+
+
+def test_round_trip_bit_exact_with_deltas_across_retention(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, max_retain=2, hot_every=3, cold_every=6, keep_best=False)
+    for s in range(1, 9):
+        _save(store, s)
+    kept = sorted(int(p.name[5:]) for p in tmp_path.glob("step_*"))
+    # Newest two (7, 8) plus the bases they need: L0/L1 were full at 7 (1, 4, 7), L2 at 7
+    # (1, 7): so nothing else. Step 8 is a delta against 7.
+    assert kept == [7, 8]
+    info = {i.step: i for i in store.info()}
+    assert info[8].deltas > 0 and info[8].bases == [7]
+    for s in kept:
+        _assert_equal_state(store.load(tmp_path / f"step_{s:08d}"), s)
+    assert (tmp_path / "latest").read_text() == "step_00000008"
+
+
+def test_retention_keeps_bases_and_the_best(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, max_retain=1, hot_every=100, cold_every=100)
     for s in (1, 2, 3):
         _save(store, s)
-    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000002", "step_00000003"]
-    ck = store.load(store.latest_valid())
-    assert ck.step == 3 and torch.equal(ck.model["w"], torch.full((3,), 3.0))
-    assert (tmp_path / "latest").read_text() == "step_00000003"
+    kept = sorted(int(p.name[5:]) for p in tmp_path.glob("step_*"))
+    assert kept == [1, 3]  # 3 newest (and best: val_loss falls), 1 is its base
+    _assert_equal_state(store.load(store.latest_valid()), 3)
 
 
-def test_damaged_newest_is_skipped_with_a_warning(
+def test_tiers_follow_expert_load(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, cold_threshold=0.5)
+    path = _save(store, 1)
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["experts"]["blocks.0.ffn"] == {"hot": [0, 1, 3], "cold": [2]}
+    assert m["expert_counts"] == {"blocks.0.ffn": 4}
+    tiers = {t["key"]: t["tier"] for t in m["tensors"]}
+    assert tiers["model/blocks.0.ffn.experts.w13_EDG[2]"] == "L2"
+    assert tiers["model/blocks.0.ffn.experts.w13_EDG[0]"] == "L1"
+    assert tiers["optimizer/1.exp_avg[2]"] == "L2"  # optimizer state goes with its expert
+    assert tiers["model/embed.weight"] == "L0"
+    assert tiers["model/blocks.0.ffn.router.expert_bias_E"] == "L0"
+    codecs = {t["key"]: t["codec"] for t in m["tensors"]}
+    assert codecs["model/blocks.0.ffn.experts.w13_EDG[2]"] == "bg-lzma"  # cold codec
+
+
+def test_flipped_byte_fails_verify_and_restore_falls_back(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = CheckpointStore(tmp_path, keep_last=3)
+    store = CheckpointStore(tmp_path, max_retain=3)
     _save(store, 1)
     newest = _save(store, 2)
-    with open(newest / "model.safetensors", "r+b") as f:
-        f.seek(-1, 2)
-        f.write(b"\x01")
+    with open(newest / "L1.bin", "r+b") as f:
+        f.seek(5)
+        b = f.read(1)
+        f.seek(5)
+        f.write(bytes([b[0] ^ 0x01]))
+    assert "L1.bin does not match its sha256" in store.verify(newest)
     with caplog.at_level(logging.WARNING):
         assert store.latest_valid().name == "step_00000001"
-    assert "step_00000002" in caplog.text and "sha256" in caplog.text
+    assert "step_00000002" in caplog.text and "L1.bin" in caplog.text
+
+
+def test_a_damaged_base_invalidates_its_deltas(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, max_retain=3, hot_every=100, cold_every=100)
+    base = _save(store, 1)
+    delta = _save(store, 2)
+    with open(base / "L0.bin", "r+b") as f:
+        f.write(b"\x00\x00\x00")
+    assert "base checkpoint step_00000001" in store.verify(delta)
+    assert store.latest_valid() is None
 
 
 def test_incomplete_write_is_ignored(tmp_path: Path) -> None:
@@ -49,8 +132,40 @@ def test_incomplete_write_is_ignored(tmp_path: Path) -> None:
     _save(store, 1)
     broken = tmp_path / "step_00000005"
     broken.mkdir()
-    (broken / "model.safetensors").write_bytes(b"partial")  # no manifest: the write died
+    (broken / "L0.bin").write_bytes(b"partial")  # no manifest: the write died
     assert store.latest_valid().name == "step_00000001"
+
+
+def test_process_killed_mid_save_leaves_previous_restorable(tmp_path: Path) -> None:
+    """A real process writes step 1, then is SIGKILLed while writing a large step 2."""
+    script = textwrap.dedent(
+        f"""
+        import sys, time, torch
+        from moe.checkpoint import CheckpointStore
+        store = CheckpointStore({str(tmp_path)!r}, cold_codec="bg-lzma")
+        store.save(1, {{"w": torch.ones(4)}}, {{}}, {{}}, {{"step": 1}})
+        print("saved", flush=True)
+        big = {{"blocks.0.ffn.experts.w": torch.randn(64, 1024, 1024)}}
+        store.save(2, big, {{}}, {{}}, {{"step": 2}},
+                   expert_load={{"blocks.0.ffn": [0.0] * 63 + [1.0]}})  # all cold: slow lzma
+        print("finished", flush=True)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path.cwd()
+    )
+    assert proc.stdout.readline().strip() == "saved"
+    deadline = time.time() + 60
+    while not list(tmp_path.glob(".tmp-step_00000002-*")) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.kill()
+    proc.wait()
+    assert list(tmp_path.glob(".tmp-step_00000002-*"))  # it died mid-write
+    store = CheckpointStore(tmp_path)
+    path = store.latest_valid()
+    assert path is not None and path.name == "step_00000001"
+    assert torch.equal(store.load(path).model["w"], torch.ones(4))
 
 
 def test_manifest_naming_outside_file_is_refused(tmp_path: Path) -> None:
@@ -61,6 +176,45 @@ def test_manifest_naming_outside_file_is_refused(tmp_path: Path) -> None:
     (path / "manifest.json").write_text(json.dumps(m))
     assert "outside the checkpoint folder" in store.verify(path)
     assert store.latest_valid() is None
+
+
+def test_fp16_cold_tier_is_flagged_lossy(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = CheckpointStore(tmp_path, cold_codec="fp16-zstd")
+    path = _save(store, 1)
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["lossy"] is True
+    lossy = {t["key"] for t in m["tensors"] if t["lossy"]}
+    assert "model/blocks.0.ffn.experts.w13_EDG[2]" in lossy  # the cold expert
+    assert not any("[0]" in k or "embed" in k for k in lossy)  # hot and shared stay exact
+    with caplog.at_level(logging.WARNING):
+        ck = store.load(path)
+    assert "lossy" in caplog.text and ck.lossy
+    assert [i.lossy for i in store.info()] == [True]
+
+
+def test_background_writer_stalls_less_than_it_writes(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, background=True, cold_codec="bg-lzma")
+    big = {"blocks.0.ffn.experts.w": torch.randn(8, 256, 1024)}
+    load = {"blocks.0.ffn": [0.0] * 7 + [1.0]}
+    for s in (1, 2):
+        store.save(s, big, {}, {}, {"step": s}, expert_load=load)
+    store.flush()
+    assert len(store.write_s) == 2
+    assert store.stalls_s[0] < 0.5 * store.write_s[0]  # the first save: only a copy
+    assert torch.equal(
+        store.load(store.latest_valid()).model["blocks.0.ffn.experts.w"],
+        big["blocks.0.ffn.experts.w"],
+    )
+    store.close()
+
+
+def test_background_write_error_surfaces(tmp_path: Path) -> None:
+    root = tmp_path / "file-not-dir"
+    root.write_text("")
+    store = CheckpointStore(root, background=True)
+    store.save(1, {"w": torch.ones(2)}, {}, {}, {"step": 1})
+    with pytest.raises(RuntimeError, match="background checkpoint write failed"):
+        store.flush()
 
 
 def test_optimizer_state_round_trip() -> None:
@@ -80,3 +234,41 @@ def test_digest_depends_on_values_and_names() -> None:
     a = {"x": torch.zeros(2), "y": torch.ones(2)}
     assert weights_digest(a) == weights_digest(dict(reversed(a.items())))
     assert weights_digest(a) != weights_digest({"x": torch.zeros(2), "y": torch.zeros(2)})
+
+
+def test_cli_ls_verify_restore_export(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from safetensors.torch import load_file
+
+    from flows.cli import main
+
+    root = tmp_path / "model"
+    store = CheckpointStore(root / "checkpoints", max_retain=3, hot_every=100)
+    for s in (1, 2, 3):
+        _save(store, s)
+    assert main(["checkpoint", "ls", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("valid") == 3 and "deltas=" in out and "cold=1" in out
+    assert main(["checkpoint", "verify", str(root)]) == 0
+    assert (
+        main(["checkpoint", "restore", str(root), "--step", "2", "--out", str(tmp_path / "a")]) == 0
+    )
+    model, *_ = _state(2)
+    restored = load_file(str(tmp_path / "a"))
+    assert all(torch.equal(restored[k], v) for k, v in model.items())
+    assert main(["checkpoint", "export", str(root), "--out", str(tmp_path / "b.safetensors")]) == 0
+    assert torch.equal(
+        load_file(str(tmp_path / "b.safetensors"))["embed.weight"], _state(3)[0]["embed.weight"]
+    )
+    capsys.readouterr()
+    # Damage step 3: verify fails naming it; restoring it is refused with the valid steps.
+    with open(root / "checkpoints" / "step_00000003" / "L0.bin", "r+b") as f:
+        f.write(b"\xff")
+    assert main(["checkpoint", "verify", str(root)]) == 1
+    assert "INVALID: L0.bin does not match" in capsys.readouterr().out
+    assert (
+        main(["checkpoint", "restore", str(root), "--step", "3", "--out", str(tmp_path / "c")]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "step 3" in err and "valid steps: 2, 1" in err
+    assert not (tmp_path / "c").exists()
+    assert main(["checkpoint", "ls", str(tmp_path / "nothing")]) == 2

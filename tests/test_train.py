@@ -64,7 +64,7 @@ def _trainer(
         model,
         cfg,
         BatchSampler(TokenStore(data, "train"), 4, 16, seed=1),
-        CheckpointStore(ckpt, keep_last=2),
+        CheckpointStore(ckpt, max_retain=2),
         fingerprint=f"lr={lr}",
         schedule="cosine",
         min_lr=cfg.min_lr,
@@ -185,4 +185,5 @@ def test_early_stop_in_training_is_recorded_and_checkpointed(tmp_path: Path) -> 
     assert result.stop_reason.startswith("patience") and result.steps == 10
     assert CheckpointStore(tmp_path / "e").latest_valid().name == "step_00000010"
     rows = [json.loads(r) for r in (tmp_path / "e.jsonl").read_text().splitlines()]
-    assert rows[-1]["early_stop"].startswith("patience")
+    assert [r for r in rows if "early_stop" in r][-1]["early_stop"].startswith("patience")
+    assert rows[-1]["checkpoint_stall_s"] >= 0  # the save that followed the stop
