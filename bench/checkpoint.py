@@ -46,7 +46,10 @@ def _weights_ratios(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
         out[codec] = sum(len(encode(t, codec).data) for t in tensors.values()) / raw
     z = zstandard.ZstdCompressor(level=3)
     out["zstd-3"] = (
-        sum(len(z.compress(t.contiguous().view(torch.uint8).numpy().tobytes())) for t in tensors.values())
+        sum(
+            len(z.compress(t.contiguous().view(torch.uint8).numpy().tobytes()))
+            for t in tensors.values()
+        )
         / raw
     )
     buf = io.BytesIO()
