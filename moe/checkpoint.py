@@ -185,8 +185,9 @@ class CheckpointStore:
         cold_every: int = 1000,
         cold_threshold: float = 0.5,
         hot_codec: str = "bg-zstd",
-        cold_codec: str = "bg-lzma",
-        zstd_level: int = 3,
+        cold_codec: str = "bg-zstd",
+        hot_level: int = 1,
+        cold_level: int = 19,
         keep_best: bool = True,
         background: bool = False,
         fetch: Callable[[str, Path], None] | None = None,
@@ -197,7 +198,7 @@ class CheckpointStore:
         self.hot_every, self.cold_every = hot_every, cold_every
         self.cold_threshold = cold_threshold
         self.hot_codec, self.cold_codec = hot_codec, cold_codec
-        self.zstd_level = zstd_level
+        self.hot_level, self.cold_level = hot_level, cold_level
         self.keep_best = keep_best
         self.background = background
         # fetch(location, dest): bring back a file an offload moved to an object store.
@@ -223,7 +224,8 @@ class CheckpointStore:
             cold_threshold=cfg.cold_threshold,
             hot_codec=cfg.hot_codec,
             cold_codec=cfg.cold_codec,
-            zstd_level=cfg.zstd_level,
+            hot_level=cfg.hot_level,
+            cold_level=cfg.cold_level,
             keep_best=cfg.keep_best,
             background=cfg.background,
         )
@@ -405,7 +407,14 @@ class CheckpointStore:
                 for group, name, e, tier, t in entries:
                     key = f"{group}/{name}" + ("" if e is None else f"[{e}]")
                     codec, base_t, base_step = self._choose(key, tier, t, full, last_full, bases)
-                    enc = encode(t, codec, base=base_t, level=self.zstd_level)
+                    level = self.cold_level if tier == "L2" else self.hot_level
+                    enc = encode(t, codec, base=base_t, level=level)
+                    if base_t is not None:
+                        # A delta only where it pays: after a large update (high lr) the
+                        # XOR is as random as the tensor.
+                        full_enc = encode(t, self._full_codec(tier), level=level)
+                        if len(full_enc.data) <= len(enc.data):
+                            enc, base_step = full_enc, None
                     f = handles[tier]
                     offset = f.tell()
                     f.write(enc.data)
@@ -475,6 +484,9 @@ class CheckpointStore:
             ",".join(sorted(full)) or "none",
         )
 
+    def _full_codec(self, tier: str) -> str:
+        return self.cold_codec if tier == "L2" else self.hot_codec
+
     def _choose(
         self,
         key: str,
@@ -485,7 +497,7 @@ class CheckpointStore:
         cache: dict[str, Any],
     ) -> tuple[str, torch.Tensor | None, int | None]:
         """(codec, base tensor, base step) for one entry."""
-        full_codec = self.cold_codec if tier == "L2" else self.hot_codec
+        full_codec = self._full_codec(tier)
         if tier in full or tier not in last_full:
             return full_codec, None, None
         base_step, manifest = last_full[tier]

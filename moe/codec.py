@@ -8,8 +8,9 @@ into planes (all first bytes, then all second bytes, ...) so the compressible by
 together, and a general-purpose compressor does most of what ZipNN's Huffman coder does.
 
 Codecs (the name goes in the manifest; decoding needs only the name, dtype and shape):
-- `bg-zstd`: byte-grouped + zstd (hot tier, fast);
-- `bg-lzma`: byte-grouped + lzma (cold tier: slower, a few percent smaller);
+- `bg-zstd`: byte-grouped + zstd per plane (hot tier at level 1, cold tier at level 19);
+- `bg-lzma`: byte-grouped + lzma per plane (no better than zstd-19 on weights; kept as an
+  option);
 - `xor-zstd`: XOR of the bytes against the same tensor in a base checkpoint, then byte-grouped
   + zstd. Between two nearby training steps most sign/exponent bits and high mantissa bits do
   not change, so the XOR is mostly zero bytes. Lossless;
@@ -21,6 +22,7 @@ Codecs (the name goes in the manifest; decoding needs only the name, dtype and s
 from __future__ import annotations
 
 import lzma
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,30 +91,57 @@ def _rotate(b: np.ndarray, width: int, left: bool) -> np.ndarray:
     return r.view(np.uint8)
 
 
-def _group(b: np.ndarray, width: int) -> bytes:
-    """Element bytes -> byte planes: (N, width) -> (width, N)."""
+_PLANE_RAW, _PLANE_ZSTD, _PLANE_LZMA = 0, 1, 2
+_HEADER = struct.Struct("<BQ")  # per plane: method, payload length
+
+
+def _pack_planes(b: np.ndarray, width: int, method: str, level: int) -> bytes:
+    """Split element bytes into `width` planes and compress each on its own; a plane that
+    does not shrink (the near-random mantissa bytes) is stored raw, which costs nothing to
+    decode. Measured on the default model's bf16 weights: exponent plane 0.36 at zstd-1,
+    0.33 at zstd-19 (its entropy is 0.33); compressing planes apart beats one stream at
+    high levels (0.663 vs 0.685 at zstd-19)."""
+    planes = [b] if width == 1 else list(b.reshape(-1, width).T)
+    out = bytearray()
+    for plane in planes:
+        raw = np.ascontiguousarray(plane).tobytes()
+        if method == "lzma":
+            packed, tag = lzma.compress(raw, preset=6), _PLANE_LZMA
+        else:
+            packed, tag = zstandard.ZstdCompressor(level=level).compress(raw), _PLANE_ZSTD
+        if len(packed) >= len(raw):
+            packed, tag = raw, _PLANE_RAW
+        out += _HEADER.pack(tag, len(packed)) + packed
+    return bytes(out)
+
+
+def _unpack_planes(data: bytes, width: int) -> np.ndarray:
+    planes = []
+    pos = 0
+    for _ in range(width):
+        tag, n = _HEADER.unpack_from(data, pos)
+        pos += _HEADER.size
+        payload = data[pos : pos + n]
+        if len(payload) != n:
+            raise ValueError("truncated tensor data")
+        pos += n
+        if tag == _PLANE_ZSTD:
+            payload = zstandard.ZstdDecompressor().decompress(payload)
+        elif tag == _PLANE_LZMA:
+            payload = lzma.decompress(payload)
+        elif tag != _PLANE_RAW:
+            raise ValueError(f"unknown plane method {tag}")
+        planes.append(np.frombuffer(payload, dtype=np.uint8))
     if width == 1:
-        return b.tobytes()
-    return np.ascontiguousarray(b.reshape(-1, width).T).tobytes()
-
-
-def _ungroup(data: bytes, width: int) -> np.ndarray:
-    b = np.frombuffer(data, dtype=np.uint8)
-    if width > 1:
-        b = np.ascontiguousarray(b.reshape(width, -1).T).reshape(-1)
-    return b if b.flags.writeable else b.copy()
-
-
-def _zstd(level: int, threads: int) -> zstandard.ZstdCompressor:
-    return zstandard.ZstdCompressor(level=level, threads=threads)
+        return planes[0].copy()
+    return np.ascontiguousarray(np.stack(planes, axis=1)).reshape(-1)
 
 
 def encode(
     t: torch.Tensor,
     codec: str,
     base: torch.Tensor | None = None,
-    level: int = 3,
-    threads: int = 0,
+    level: int = 1,
 ) -> Encoded:
     """Encode one tensor. `base` is required for (and only used by) `xor-zstd`."""
     if codec not in CODECS:
@@ -124,7 +153,7 @@ def encode(
             codec = "bg-zstd"  # integer state (e.g. step counters) is never rounded
         else:
             src = _rotate(_bytes(t.detach().to(torch.float16)), 2, left=True)
-            data = _zstd(level, threads).compress(_group(src, 2))
+            data = _pack_planes(src, 2, "zstd", level)
             return Encoded(codec, dtype, shape, data, lossy=True)
     raw = _bytes(t)
     width = t.element_size()
@@ -136,11 +165,7 @@ def encode(
         raw = np.bitwise_xor(raw, _bytes(base))
     if t.is_floating_point() and width in _UINT:
         raw = _rotate(raw, width, left=True)
-    grouped = _group(raw, width)
-    if codec == "bg-lzma":
-        data = lzma.compress(grouped, preset=6)
-    else:
-        data = _zstd(level, threads).compress(grouped)
+    data = _pack_planes(raw, width, "lzma" if codec == "bg-lzma" else "zstd", level)
     return Encoded(codec, dtype, shape, data)
 
 
@@ -157,15 +182,13 @@ def decode(
     target = dtype_from_name(dtype)
     shape = tuple(shape)
     if codec == "fp16-zstd":
-        b = _rotate(_ungroup(zstandard.ZstdDecompressor().decompress(data), 2), 2, left=False)
+        b = _rotate(_unpack_planes(data, 2), 2, left=False)
         return torch.from_numpy(b).view(torch.float16).reshape(shape).to(target)
     width = torch.empty((), dtype=target).element_size()
     if codec == "raw":
         b = np.frombuffer(data, dtype=np.uint8).copy()
-    elif codec == "bg-lzma":
-        b = _ungroup(lzma.decompress(data), width)
     else:
-        b = _ungroup(zstandard.ZstdDecompressor().decompress(data), width)
+        b = _unpack_planes(data, width)
     if codec != "raw" and target.is_floating_point and width in _UINT:
         b = _rotate(b, width, left=False)
     if codec == "xor-zstd":

@@ -364,9 +364,10 @@ class CheckpointConfig:
     cold_every: int = 1000  # steps between full writes of L2 (cold experts)
     cold_threshold: float = 0.5  # an expert below this x its layer's mean load is cold
     hot_codec: Literal["bg-zstd", "raw"] = "bg-zstd"
+    hot_level: int = 1  # zstd level of L0/L1: fast (~220 MB/s per exponent plane here)
     # fp16-zstd is LOSSY (seed 001's cold-tier option): marked in the manifest and on restore.
-    cold_codec: Literal["bg-lzma", "bg-zstd", "fp16-zstd"] = "bg-lzma"
-    zstd_level: int = 3
+    cold_codec: Literal["bg-zstd", "bg-lzma", "fp16-zstd"] = "bg-zstd"
+    cold_level: int = 19  # L2 is written rarely: slow and ~7% smaller (bench/RESULTS.md)
     background: bool = True  # encode and write on a worker thread; training only copies
     # Seed 002: cold data to cheap object storage. After each save and at the end of a
     # training stage, move the newest checkpoint's cold tier (L2) and every older
@@ -384,7 +385,9 @@ class CheckpointConfig:
             self.cold_threshold,
             "must be in [0, 1]",
         )
-        p.require(1 <= self.zstd_level <= 22, "zstd_level", self.zstd_level, "must be in [1, 22]")
+        for name in ("hot_level", "cold_level"):
+            v = getattr(self, name)
+            p.require(1 <= v <= 22, name, v, "must be in [1, 22] (zstd levels)")
 
 
 @dataclass

@@ -85,7 +85,7 @@ def test_retention_keeps_bases_and_the_best(tmp_path: Path) -> None:
 
 
 def test_tiers_follow_expert_load(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path, cold_threshold=0.5)
+    store = CheckpointStore(tmp_path, cold_threshold=0.5, cold_codec="bg-lzma")
     path = _save(store, 1)
     m = json.loads((path / "manifest.json").read_text())
     assert m["experts"]["blocks.0.ffn"] == {"hot": [0, 1, 3], "cold": [2]}

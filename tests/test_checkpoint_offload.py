@@ -79,7 +79,7 @@ def test_damaged_remote_copy_is_refused(tmp_path: Path, moto_server: str) -> Non
     offload_checkpoints.fn(cfg, root, "run")
     key = "runs/checkpoints/run/step_00000001/L0.bin"
     body = s3.get_object(Bucket="ckpt-bad", Key=key)["Body"].read()
-    s3.put_object(Bucket="ckpt-bad", Key=key, Body=b"\x00" + body[1:])
+    s3.put_object(Bucket="ckpt-bad", Key=key, Body=bytes([body[0] ^ 0xFF]) + body[1:])
     store = checkpoint_store(cfg, root)
     with pytest.raises(ValueError, match="L0.bin of checkpoint step_00000001.*does not match"):
         store.load(root / "step_00000001")
