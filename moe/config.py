@@ -283,6 +283,9 @@ class TrainConfig:
     # > 0: stop after this many seconds of training; the lr decay follows the time used when
     # that is ahead of the steps, so the run still ends annealed. 0 = max_steps only.
     time_budget_s: float = 0.0
+    # Processes on this machine (torchrun: data parallel + expert parallel); moe.num_experts
+    # and batch_size must divide by it.
+    nproc: int = 1
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
     def check(self, p: _Problems) -> None:
@@ -316,6 +319,7 @@ class FinetuneConfig:
     seed: int = 1337
     log_every: int = 10
     checkpoint_every: int = 50
+    nproc: int = 1  # processes on this machine (torchrun), as train.nproc
     max_len: int = 128  # prompt + response tokens; longer pairs are truncated from the left
     # Rows of held-back pretraining text added to each batch, as a fraction of batch_size
     # (seed 000 §7.1; needs data.replay_fraction > 0). Keeps the model from forgetting.
@@ -336,6 +340,13 @@ class FinetuneConfig:
 
 def _check_optim(c: TrainConfig | FinetuneConfig, p: _Problems) -> None:
     p.require(c.max_steps >= 1, "max_steps", c.max_steps, "must be >= 1")
+    p.require(c.nproc >= 1, "nproc", c.nproc, "must be >= 1")
+    p.require(
+        c.batch_size % c.nproc == 0,
+        "batch_size",
+        c.batch_size,
+        f"must be a multiple of nproc ({c.nproc}): each process takes an equal share",
+    )
     p.require(c.batch_size >= 1, "batch_size", c.batch_size, "must be >= 1")
     p.require(c.grad_accum >= 1, "grad_accum", c.grad_accum, "must be >= 1")
     p.require(c.lr > 0, "lr", c.lr, "must be > 0")
@@ -781,6 +792,15 @@ def from_dict(
             f"{stage}.max_len",
             ft.max_len,
             f"must be <= model.seq_len ({cfg.model.seq_len})",
+        )
+    for stage in ("train", "finetune_sql", "finetune_domain"):
+        n = getattr(cfg, stage).nproc
+        p.require(
+            n >= 1 and cfg.moe.num_experts % n == 0,
+            f"{stage}.nproc",
+            n,
+            f"must divide moe.num_experts ({cfg.moe.num_experts}): each process holds an equal "
+            "share of the experts",
         )
     if p.items:
         raise ConfigError(p.items, source)

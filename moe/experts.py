@@ -117,11 +117,8 @@ class GroupedExperts(nn.Module):
         if slot_A is not None:
             order_A = slot_A[order_A]
         counts_E = torch.bincount(expert_A, minlength=self.num_experts)
-        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
 
-        x_AD = x_TD[order_A // K]
-        h_AG = grouped_mm(x_AD, self.w13_EDG, offs_E, counts_E)
-        y_AD = grouped_mm(swiglu(h_AG), self.w2_EFD, offs_E, counts_E)
+        y_AD = self.compute(x_TD[order_A // K], counts_E)
         # Combine in fp32 (summing K bf16 products loses bits the residual stream keeps):
         # put each result back in its (token, choice) slot, then one batched (1 x K) @ (K x D)
         # product per token weights and sums them.
@@ -131,6 +128,13 @@ class GroupedExperts(nn.Module):
         y_SD.index_copy_(0, order_A, y_AD)
         out_T1D = torch.bmm(weights_TK.float().unsqueeze(1), y_SD.view(T, K, -1).float())
         return out_T1D.squeeze(1).to(x_TD.dtype)
+
+    def compute(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """The experts on rows sorted by expert (counts_E rows each): the seam that expert
+        parallelism (moe/distributed.py) replaces with an exchange around the same math."""
+        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+        h_AG = grouped_mm(x_AD, self.w13_EDG, offs_E, counts_E)
+        return grouped_mm(swiglu(h_AG), self.w2_EFD, offs_E, counts_E)
 
 
 def reference_moe(

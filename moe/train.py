@@ -21,7 +21,9 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from moe import distributed as D
 from moe.checkpoint import (
     CheckpointStore,
     flatten_optimizer,
@@ -168,6 +170,15 @@ class Trainer:
         stop_after: int | None = None,
     ) -> None:
         self.device = resolve_device(cfg.device)
+        # Under torchrun: data parallel + expert parallel (moe/distributed.py). Each rank
+        # trains on its rows of every global batch and holds 1/world of the experts.
+        self.rank, self.world = (
+            (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        )
+        if self.world > 1:
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            D.shard_experts(model, self.rank, self.world)
         self.model = model.to(self.device)
         self.cfg, self.batches, self.store = cfg, batches, store
         self.fingerprint, self.schedule, self.min_lr = fingerprint, schedule, min_lr
@@ -191,8 +202,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
 
-    def _save(self, val_loss: float | None) -> Path:
+    def _save(self, val_loss: float | None) -> Path | None:
+        """Every rank takes part (expert slices are gathered); rank 0 writes."""
         opt_tensors, opt_rest = flatten_optimizer(self.optimizer.state_dict())
+        names = self._param_names()
+        opt_names = {k: names.get(k.split(".", 1)[0], "") for k in opt_tensors}
+        model_t = D.full_state(self.model, model_tensors(self.model), self.world, {})
+        opt_tensors = D.full_state(self.model, opt_tensors, self.world, opt_names)
+        if self.rank != 0:
+            return None
         rng_tensors, rng_meta = _rng_state()
         state = {
             "step": self.step,
@@ -208,7 +226,7 @@ class Trainer:
         }
         return self.store.save(
             self.step,
-            model_tensors(self.model),
+            model_t,
             opt_tensors,
             rng_tensors,
             state,
@@ -241,10 +259,20 @@ class Trainer:
                 "checkpoints in %s come from other inputs or params; starting fresh (DVC's cache keeps the old outputs)",
                 self.store.root,
             )
-            self.store.clear()
+            if self.rank == 0:
+                self.store.clear()
+            if self.world > 1:
+                dist.barrier()
             return None
-        load_model_tensors(self.model, ckpt.model)
-        self.optimizer.load_state_dict(unflatten_optimizer(ckpt.optimizer, ckpt.state["optimizer"]))
+        names = self._param_names()
+        opt_names = {k: names.get(k.split(".", 1)[0], "") for k in ckpt.optimizer}
+        load_model_tensors(self.model, D.local_slice(ckpt.model, self.rank, self.world, {}))
+        self.optimizer.load_state_dict(
+            unflatten_optimizer(
+                D.local_slice(ckpt.optimizer, self.rank, self.world, opt_names),
+                ckpt.state["optimizer"],
+            )
+        )
         _set_rng_state(ckpt.rng, ckpt.state["rng"])
         self.step = ckpt.step
         self.elapsed_s = float(ckpt.state["elapsed_s"])
@@ -254,7 +282,7 @@ class Trainer:
         if self.stopper and ckpt.state.get("early_stop"):
             self.stopper.load_state_dict(ckpt.state["early_stop"])
         log.info("resumed from %s (step %d)", path, self.step)
-        if self.metrics_path and self.metrics_path.is_file():
+        if self.rank == 0 and self.metrics_path and self.metrics_path.is_file():
             rows = [
                 r
                 for r in self.metrics_path.read_text().splitlines()
@@ -277,16 +305,39 @@ class Trainer:
         self.model.eval()
         losses = []
         for i in range(self.eval_batches):
-            x, y, w = self.val_batches.batch_at(0, i)
+            x, y, w = self._rows(self.val_batches.batch_at(0, i))
             with self._autocast():
                 _, loss, _ = self.model(
                     x.to(self.device), y.to(self.device), None if w is None else w.to(self.device)
                 )
-            losses.append(float(loss))
+            losses.append(float(self._mean_over_ranks(loss.detach().float())))
         self.model.train()
         return sum(losses) / len(losses)
 
+    def _rows(self, batch: tuple) -> tuple:
+        """This rank's rows of a global batch (all of it at world size 1)."""
+        if self.world == 1:
+            return batch
+        x = batch[0]
+        if x.shape[0] % self.world:
+            raise ValueError(
+                f"a batch of {x.shape[0]} rows does not split over {self.world} processes: "
+                "make batch_size (plus replay rows when finetuning) a multiple of the process count"
+            )
+        n = x.shape[0] // self.world
+        lo = self.rank * n
+        return tuple(None if t is None else t[lo : lo + n] for t in batch)
+
+    def _mean_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return t
+        t = t.clone()
+        dist.all_reduce(t)
+        return t / self.world
+
     def _emit(self, row: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
         self.log_fn(row)
         if self.metrics_path:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
@@ -329,7 +380,7 @@ class Trainer:
     def fit(self) -> TrainResult:
         cfg = self.cfg
         resumed = self._try_resume()
-        if resumed is None and self.metrics_path and self.metrics_path.is_file():
+        if resumed is None and self.rank == 0 and self.metrics_path and self.metrics_path.is_file():
             self.metrics_path.unlink()  # a fresh run starts a fresh log
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -355,18 +406,37 @@ class Trainer:
             )
             loss_sum = 0.0
             for micro in range(cfg.grad_accum):
-                x, y, w = self.batches.batch_at(self.step, micro)
+                x, y, w = self._rows(self.batches.batch_at(self.step, micro))
                 x, y = x.to(self.device), y.to(self.device)
                 with self._autocast():
                     _, loss, aux = self.model(x, y, None if w is None else w.to(self.device))
                     total = loss + aux.balance_loss
                 (total / cfg.grad_accum).backward()
-                loss_sum += float(loss.detach())
-                self.load.add(aux.tokens_per_expert, aux.dropped_fraction)
-                self.tokens += int((y != -100).sum())
-                window_tokens += int(x.numel())
+                counts = aux.tokens_per_expert
+                if self.world > 1:
+                    # One small all-reduce: loss, tokens, and every layer's expert counts.
+                    packed = torch.cat(
+                        [
+                            loss.detach().float().reshape(1),
+                            (y != -100).sum().float().reshape(1),
+                            *[c.float() for c in counts],
+                        ]
+                    )
+                    dist.all_reduce(packed)
+                    loss_val, n_tok = float(packed[0]) / self.world, int(packed[1])
+                    counts = list(packed[2:].view(len(counts), -1)) if counts else []
+                else:
+                    loss_val, n_tok = float(loss.detach()), int((y != -100).sum())
+                loss_sum += loss_val
+                self.load.add(counts, aux.dropped_fraction)
+                self.tokens += n_tok
+                window_tokens += int(x.numel()) * self.world
             clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+            if self.world > 1:
+                D.sync_gradients(self.model, self.world)
+                grad_norm = D.clip_grad_norm(self.model, clip, self.world)
+            else:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
             if not math.isfinite(grad_norm):
                 raise FloatingPointError(
                     f"non-finite gradient norm at step {self.step}: lower the learning rate or raise grad_clip"
@@ -374,11 +444,17 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
+            D.sync_routing_load(self.model, self.world)
             self.model.update_routing(self.step)
             steps_this_run += 1
             last_loss = loss_sum / cfg.grad_accum
             window_loss += last_loss
             self.elapsed_s += time.perf_counter() - t_step
+            if self.world > 1:
+                # Ranks agree on the time used (lr under a time budget, cost-aware stop).
+                t = torch.tensor([self.elapsed_s], dtype=torch.float64, device=self.device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                self.elapsed_s = float(t)
 
             if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
                 dt = time.perf_counter() - window_t0

@@ -19,6 +19,7 @@ from prefect.cache_policies import NONE
 from prefect.tasks import exponential_backoff
 from safetensors.torch import load_file, save_file
 
+from moe import distributed as D
 from moe.checkpoint import CheckpointStore, load_model_tensors, model_tensors, sha256_file
 from moe.config import Config, FinetuneConfig, ModelConfig, MoEConfig
 from moe.data import BatchSampler, MixedBatches, SFTBatches, SFTExample, TokenStore
@@ -99,13 +100,76 @@ def _store(cfg: Config, out_dir: Path, run_key: str) -> CheckpointStore:
     return store
 
 
+def launch(
+    cfg: Config,
+    stage: str,
+    data_dir: Path,
+    out_dir: Path,
+    log_fn: Callable[[dict[str, Any]], None],
+    init_dir: Path | None = None,
+    pairs_file: str = "",
+) -> TrainResult:
+    """Run this training stage under torchrun with `nproc` processes on this machine (data
+    parallel + expert parallel, moe/distributed.py); rank 0 writes the outputs. The metrics
+    rows are replayed into log_fn (W&B) afterwards. A rank that dies fails the launch."""
+    import subprocess
+    import sys
+
+    nproc = cfg.train.nproc if stage == "pretrain" else getattr(cfg, stage).nproc
+    work = out_dir / ".dist"
+    work.mkdir(parents=True, exist_ok=True)
+    cfg.dump(work / "params.yaml")
+    result_file = work / "result.json"
+    result_file.unlink(missing_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "tasks.dist_entry",
+        stage,
+        str(work / "params.yaml"),
+        str(data_dir),
+        str(out_dir),
+        str(init_dir or ""),
+        pairs_file,
+    ]
+    log.info("launching %s on %d processes: %s", stage, nproc, " ".join(cmd))
+    proc = subprocess.run(cmd, cwd=Path.cwd())
+    if proc.returncode != 0 or not result_file.is_file():
+        raise RuntimeError(
+            f"{stage} under torchrun ({nproc} processes) failed with exit code "
+            f"{proc.returncode}; its log is above. A retry resumes from the newest checkpoint."
+        )
+    result = TrainResult(**json.loads(result_file.read_text()))
+    metrics = out_dir / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            if line:
+                log_fn(json.loads(line))
+    return result
+
+
 def _fit_and_save(cfg: Config, trainer: Trainer, out_dir: Path, run_key: str) -> TrainResult:
-    """Train (resuming if a checkpoint fits), then write the final weights and the CSV log."""
+    """Train (resuming if a checkpoint fits), then write the final weights and the CSV log.
+    Under torchrun every rank trains; the experts are gathered and rank 0 writes."""
     result = trainer.fit()
     trainer.store.close()
+    model = trainer.model
+    if trainer.world > 1:
+        full = D.full_state(model, model_tensors(model), trainer.world, {})
+        if trainer.rank != 0:
+            return result
+        model = MoETransformer(model.cfg, model.mcfg, model.vocab_size)
+        load_model_tensors(model, full)
     if cfg.checkpoint.offload:
-        offload_checkpoints(cfg, trainer.store.root, run_key)
-    save_model(trainer.model.to("cpu"), out_dir)
+        if trainer.world > 1:  # inside torchrun: no Prefect flow here; the parent task retries
+            offload_checkpoints.fn(cfg, trainer.store.root, run_key)
+        else:
+            offload_checkpoints(cfg, trainer.store.root, run_key)
+    save_model(model.to("cpu"), out_dir)
     write_metrics_csv(out_dir)
     return result
 
@@ -118,6 +182,8 @@ def _price(cfg: Config, stage: str) -> float:
 def pretrain_model(
     cfg: Config, data_dir: Path, out_dir: Path, log_fn: Callable[[dict[str, Any]], None]
 ) -> TrainResult:
+    if cfg.train.nproc > 1 and not torch.distributed.is_initialized():
+        return launch(cfg, "pretrain", data_dir, out_dir, log_fn)
     train_store, val_store = TokenStore(data_dir, "train"), TokenStore(data_dir, "val")
     torch.manual_seed(cfg.train.seed)
     model = MoETransformer(cfg.model, cfg.moe, train_store.vocab_size)
@@ -178,6 +244,8 @@ def finetune_model(
     log_fn: Callable[[dict[str, Any]], None],
 ) -> TrainResult:
     f: FinetuneConfig = getattr(cfg, stage)
+    if f.nproc > 1 and not torch.distributed.is_initialized():
+        return launch(cfg, stage, data_dir, out_dir, log_fn, init_dir, pairs_file)
     tok = load_tokenizer(data_dir / "tokenizer.json")
     examples = sft_examples(data_dir / "sql" / pairs_file, tok)
     model = load_model(init_dir)

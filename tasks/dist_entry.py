@@ -1,0 +1,43 @@
+"""One rank of a training stage under torchrun (started by `tasks.training.launch`).
+
+`python -m torch.distributed.run --standalone --nproc_per_node N -m tasks.dist_entry
+ STAGE PARAMS_YAML DATA_DIR OUT_DIR [INIT_DIR PAIRS_FILE]`
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch.distributed as dist
+
+import tasks  # noqa: F401 - offline defaults
+from moe import distributed as D
+from moe.config import load_config
+from tasks.training import finetune_model, pretrain_model
+
+
+def main(argv: list[str]) -> int:
+    stage, params, data_dir, out_dir = argv[0], Path(argv[1]), Path(argv[2]), Path(argv[3])
+    init_dir = Path(argv[4]) if len(argv) > 4 and argv[4] else None
+    pairs_file = argv[5] if len(argv) > 5 else ""
+    cfg = load_config(params)
+    rank, _ = D.init(timeout_s=300)
+    try:
+        if stage == "pretrain":
+            result = pretrain_model.fn(cfg, data_dir, out_dir, lambda row: None)
+        else:
+            result = finetune_model.fn(
+                cfg, stage, data_dir, pairs_file, init_dir, out_dir, lambda row: None
+            )
+        if rank == 0:
+            (out_dir / ".dist" / "result.json").write_text(json.dumps(asdict(result)))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
