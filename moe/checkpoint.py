@@ -90,15 +90,20 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def load_model_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     missing, unexpected = model.load_state_dict(tensors, strict=False)
-    # Tied weights were saved once; everything else must match exactly.
+    # Tied weights were saved once; routing-state buffers added since a file was written
+    # keep their defaults; every parameter must match exactly.
     tied = {
         n
         for n in missing
         if n == "lm_head.weight" and getattr(model, "cfg", None) and model.cfg.tie_embeddings
     }
-    if set(missing) - tied or unexpected:
+    buffers = {n for n, _ in model.named_buffers()}
+    defaulted = sorted(n for n in missing if n in buffers)
+    if defaulted:
+        log.warning("tensors without these buffers (they keep their defaults): %s", defaulted)
+    if set(missing) - tied - set(defaulted) or unexpected:
         raise ValueError(
-            f"checkpoint does not fit the model: missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}"
+            f"checkpoint does not fit the model: missing {sorted(set(missing) - tied - set(defaulted))}, unexpected {sorted(unexpected)}"
         )
 
 

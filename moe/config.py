@@ -142,6 +142,37 @@ class ModelConfig:
         p.require(self.init_std > 0, "init_std", self.init_std, "must be > 0")
 
 
+@dataclass
+class GrowthConfig:
+    """Expert growth and pruning (seed 001 §3.2 and §5; moe/growth.py). Off by default."""
+
+    enabled: bool = False
+    check_every: int = 10  # steps between trigger checks
+    top_fraction: float = 0.2  # grow when the top 20% of experts...
+    top_load: float = 0.8  # ...carry more than 80% of the load,
+    importance_var: float = 0.25  # or the importance variance exceeds this (seed: 0.2-0.3)
+    cooldown: int = 5000  # steps between growth events in one layer (seed: 5000)
+    max_experts: int = 32  # per layer
+    ema: float = 0.98  # moving average of activation frequency and gradient norm
+    ramp_steps: int = 100  # a new expert's router offset ramps from -20 to 0 over these
+    prune: bool = True
+    u_min: float = 0.05  # prune an expert under 5% of its fair share of the load...
+    prune_window: int = 1000  # ...for this many consecutive steps (merged into its nearest)
+    min_experts: int = 2  # per layer, never below moe.top_k
+
+    def check(self, p: _Problems) -> None:
+        p.require(self.check_every >= 1, "check_every", self.check_every, "must be >= 1")
+        p.require(0 < self.top_fraction < 1, "top_fraction", self.top_fraction, "must be in (0, 1)")
+        p.require(0 < self.top_load <= 1, "top_load", self.top_load, "must be in (0, 1]")
+        p.require(self.importance_var > 0, "importance_var", self.importance_var, "must be > 0")
+        p.require(self.cooldown >= 1, "cooldown", self.cooldown, "must be >= 1")
+        p.require(0 <= self.ema < 1, "ema", self.ema, "must be in [0, 1)")
+        p.require(self.ramp_steps >= 1, "ramp_steps", self.ramp_steps, "must be >= 1")
+        p.require(0 <= self.u_min < 1, "u_min", self.u_min, "must be in [0, 1)")
+        p.require(self.prune_window >= 1, "prune_window", self.prune_window, "must be >= 1")
+        p.require(self.min_experts >= 1, "min_experts", self.min_experts, "must be >= 1")
+
+
 BalancingMethod = Literal[
     "aux_loss", "z_loss", "cv_penalty", "util_aware", "rebalance", "aux_free", "warmup"
 ]
@@ -181,8 +212,24 @@ class MoEConfig:
     router_lr_mult: float = 3.0  # seed 004: gate learning rate 3-5x the base rate
     shared_expert: bool = False
     force_balanced: bool = False  # debug: round-robin routing, for throughput/memory tests
+    growth: GrowthConfig = field(default_factory=GrowthConfig)
 
     def check(self, p: _Problems) -> None:
+        with p.section("growth"):
+            self.growth.check(p)
+        if self.growth.enabled:
+            p.require(
+                self.growth.max_experts >= self.num_experts,
+                "growth.max_experts",
+                self.growth.max_experts,
+                f"must be >= moe.num_experts ({self.num_experts})",
+            )
+            p.require(
+                self.growth.min_experts >= self.top_k,
+                "growth.min_experts",
+                self.growth.min_experts,
+                f"must be >= moe.top_k ({self.top_k})",
+            )
         p.require(self.num_experts >= 1, "num_experts", self.num_experts, "must be >= 1")
         p.require(self.top_k >= 1, "top_k", self.top_k, "must be >= 1")
         p.require(
@@ -792,6 +839,13 @@ def from_dict(
             f"{stage}.max_len",
             ft.max_len,
             f"must be <= model.seq_len ({cfg.model.seq_len})",
+        )
+    if cfg.moe.growth.enabled:
+        p.require(
+            cfg.train.nproc == 1,
+            "moe.growth.enabled",
+            True,
+            "expert growth runs in one process: set train.nproc to 1 or growth off",
         )
     for stage in ("train", "finetune_sql", "finetune_domain"):
         n = getattr(cfg, stage).nproc

@@ -146,6 +146,10 @@ class MoETransformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
 
+    def experts_per_layer(self) -> list[int]:
+        """Expert count of each MoE layer (they differ after growth or pruning)."""
+        return [layer.experts.num_experts for layer in self.moe_layers]
+
     @property
     def moe_layers(self) -> list[MoELayer]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoELayer)]
@@ -210,7 +214,7 @@ class MoETransformer(nn.Module):
         if active_only:
             for layer in self.moe_layers:
                 per_expert = sum(p[0].numel() for p in layer.experts.parameters())
-                total -= per_expert * (self.mcfg.num_experts - self.mcfg.top_k)
+                total -= per_expert * (layer.experts.num_experts - self.mcfg.top_k)
         return total
 
     def flops_per_token(self) -> float:

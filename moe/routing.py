@@ -72,6 +72,9 @@ class Router(nn.Module):
         # Routing state that checkpoints carry (persistent buffers):
         self.register_buffer("expert_bias_E", torch.zeros(E))  # aux_free
         self.register_buffer("util_E", torch.ones(E))  # util_aware / rebalance moving average
+        # Added to the scores before the softmax: 0, or very negative for an expert that
+        # growth just added (so it takes no traffic until its offset ramps up).
+        self.register_buffer("logit_offset_E", torch.zeros(E))
         # Assignments since the last optimizer step (training forwards only).
         self.register_buffer("load_E", torch.zeros(E), persistent=False)
         self.step = AFTER_WARMUP  # set by the trainer (MoETransformer.set_routing_step)
@@ -94,7 +97,7 @@ class Router(nn.Module):
             shifted_TE = logits_TE - logits_TE.detach().min(dim=-1, keepdim=True).values
             scale_E = 1 + cfg.util_alpha * (1 - self.util_E).clamp(-1, 1)
             scores_TE = shifted_TE * scale_E
-        probs_TE = scores_TE.softmax(dim=-1)
+        probs_TE = (scores_TE + self.logit_offset_E).softmax(dim=-1)
 
         choose_TE = probs_TE.detach()
         if "aux_free" in self.methods:

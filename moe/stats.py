@@ -12,14 +12,14 @@ Summary = dict[str, float | list[float] | list[list[float]]]
 
 
 class ExpertLoad:
-    """Accumulates tokens_per_expert per MoE layer over a window of steps."""
+    """Accumulates tokens_per_expert per MoE layer over windows of steps. Layers may hold
+    different expert counts (expert growth and pruning, moe/growth.py)."""
 
-    def __init__(self, num_layers: int, num_experts: int) -> None:
-        self.counts_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64)  # since window()
-        self.since_eval_LE = torch.zeros(
-            num_layers, num_experts, dtype=torch.float64
-        )  # since eval_window()
-        self.total_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+    def __init__(self, num_layers: int, num_experts: int | list[int]) -> None:
+        sizes = [num_experts] * num_layers if isinstance(num_experts, int) else list(num_experts)
+        self.counts = [torch.zeros(e, dtype=torch.float64) for e in sizes]  # since window()
+        self.since_eval = [torch.zeros(e, dtype=torch.float64) for e in sizes]
+        self.total = [torch.zeros(e, dtype=torch.float64) for e in sizes]
         self._dropped: list[float] = []  # mean dropped fraction of each batch in the window
 
     def add(
@@ -27,30 +27,44 @@ class ExpertLoad:
     ) -> None:
         if not tokens_per_expert:
             return
-        batch_LE = torch.stack([t.detach().to("cpu", torch.float64) for t in tokens_per_expert])
-        self.counts_LE += batch_LE
-        self.since_eval_LE += batch_LE
-        self.total_LE += batch_LE
+        for i, t in enumerate(tokens_per_expert):
+            c = t.detach().to("cpu", torch.float64)
+            self.counts[i] += c
+            self.since_eval[i] += c
+            self.total[i] += c
         if dropped_fraction:
             self._dropped.append(float(torch.stack(list(dropped_fraction)).float().mean()))
 
+    def resize(self, layer: int, index: torch.Tensor) -> None:
+        """Follow a change in a layer's experts: new expert e takes old expert index[e]'s
+        counts; index -1 = a new expert (zero counts)."""
+        for series in (self.counts, self.since_eval, self.total):
+            old = series[layer]
+            new = torch.zeros(len(index), dtype=torch.float64)
+            known = index >= 0
+            new[known] = old[index[known]]
+            series[layer] = new
+
     def window(self) -> Summary:
         """Summary of the counts since the last call, then reset the window."""
-        out = summarize(self.counts_LE)
+        out = summarize(self.counts)
         out["dropped_fraction"] = sum(self._dropped) / len(self._dropped) if self._dropped else 0.0
-        self.counts_LE.zero_()
+        for c in self.counts:
+            c.zero_()
         self._dropped.clear()
         return out
 
     def eval_window(self) -> Summary:
         """Summary of the counts since the last evaluation, then reset (for early stopping)."""
-        out = summarize(self.since_eval_LE)
-        self.since_eval_LE.zero_()
+        out = summarize(self.since_eval)
+        for c in self.since_eval:
+            c.zero_()
         return out
 
 
-def summarize(counts_LE: torch.Tensor) -> Summary:
-    """Load statistics of a (layers x experts) count matrix, averaged over layers.
+def summarize(counts: torch.Tensor | list[torch.Tensor]) -> Summary:
+    """Load statistics of per-layer expert counts (a (layers x experts) tensor, or one 1-D
+    tensor per layer when layers differ in size), averaged over layers.
 
     - cv: std / mean of the counts (seed 000's balance measure);
     - max_vio: max / mean - 1 (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing");
@@ -59,23 +73,35 @@ def summarize(counts_LE: torch.Tensor) -> Summary:
     - share: each expert's share of its layer's assignments, per layer (rows sum to 1);
     - load: each expert's load over its fair share (1.0 = balanced), per layer.
     """
-    if counts_LE.numel() == 0 or counts_LE.sum() == 0:
+    rows = (
+        list(counts)
+        if isinstance(counts, list)
+        else list(counts.reshape(-1, counts.shape[-1]) if counts.numel() else [])
+    )
+    rows = [r.double() for r in rows if r.numel()]
+    if not rows or sum(float(r.sum()) for r in rows) == 0:
         return {"cv": 0.0, "max_vio": 0.0, "utilisation": 0.0, "dead": 0.0, "share": [], "load": []}
-    mean_L1 = counts_LE.mean(dim=1, keepdim=True).clamp_min(1e-12)
-    cv_L = counts_LE.std(dim=1, unbiased=False, keepdim=True) / mean_L1
-    max_vio_L = counts_LE.max(dim=1, keepdim=True).values / mean_L1 - 1
-    utilisation = (counts_LE >= 0.5 * mean_L1).double().mean()
-    share = counts_LE / counts_LE.sum(dim=1, keepdim=True).clamp_min(1e-12)
-    load = counts_LE / mean_L1
+    cv, vio, util, share, load = [], [], [], [], []
+    dead = 0.0
+    for r in rows:
+        mean = float(r.mean()) or 1e-12
+        cv.append(float(r.std(unbiased=False)) / mean)
+        vio.append(float(r.max()) / mean - 1)
+        util.append(float((r >= 0.5 * mean).double().mean()))
+        dead += float((r == 0).sum())
+        total = float(r.sum()) or 1e-12
+        share.append([round(float(v) / total, 5) for v in r])
+        load.append([round(float(v) / mean, 4) for v in r])
+    n_experts = sum(r.numel() for r in rows)
     return {
-        "cv": float(cv_L.mean()),
-        "max_vio": float(max_vio_L.mean()),
-        "utilisation": float(utilisation),
-        "dead": float((counts_LE == 0).sum()),
-        "cv_per_layer": [round(float(v), 5) for v in cv_L.flatten()],
-        "max_vio_per_layer": [round(float(v), 5) for v in max_vio_L.flatten()],
-        "share": [[round(float(v), 5) for v in row] for row in share],
-        "load": [[round(float(v), 4) for v in row] for row in load],
+        "cv": sum(cv) / len(cv),
+        "max_vio": sum(vio) / len(vio),
+        "utilisation": sum(u * r.numel() for u, r in zip(util, rows, strict=True)) / n_experts,
+        "dead": dead,
+        "cv_per_layer": [round(v, 5) for v in cv],
+        "max_vio_per_layer": [round(v, 5) for v in vio],
+        "share": share,
+        "load": load,
     }
 
 

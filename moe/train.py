@@ -33,6 +33,7 @@ from moe.checkpoint import (
 )
 from moe.config import FinetuneConfig, TrainConfig
 from moe.early_stop import EarlyStopper
+from moe.growth import GrowthManager, experts_per_layer, resize_model
 from moe.model import MoETransformer
 from moe.routing import AFTER_WARMUP
 from moe.stats import ExpertLoad, summarize
@@ -118,6 +119,8 @@ class TrainResult:
     tokens_per_s: float
     expert_share: list[list[float]] = field(default_factory=list)
     expert_cv: float = 0.0
+    expert_events: list[dict[str, Any]] = field(default_factory=list)  # growth / pruning
+    experts_per_layer: list[int] = field(default_factory=list)
 
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -189,9 +192,17 @@ class Trainer:
         self.metrics_path = metrics_path
         self.stop_after = stop_after  # testing aid: return after this many steps (simulates a kill)
         self.amp_dtype = autocast_dtype(self.device, cfg.dtype)
+        self.router_lr_mult = router_lr_mult
         self.optimizer = build_optimizer(model, cfg, router_lr_mult)
-        self.load = ExpertLoad(len(model.moe_layers), model.mcfg.num_experts)
+        # Expert growth and pruning (moe/growth.py), pretraining only.
+        self.growth = (
+            GrowthManager(model, model.mcfg.growth, seed=cfg.seed)
+            if model.mcfg.growth.enabled and expert_warmup
+            else None
+        )
+        self.load = ExpertLoad(len(model.moe_layers), model.experts_per_layer())
         self.step = 0
+        self.expert_events: list[dict[str, Any]] = []
         self.elapsed_s = 0.0
         self.tokens = 0
         self.best_val: float | None = None
@@ -221,8 +232,9 @@ class Trainer:
             "tokens": self.tokens,
             "val_loss": val_loss,
             "best_val": self.best_val,
-            "expert_counts_total": self.load.total_LE.tolist(),
+            "expert_counts_total": [t.tolist() for t in self.load.total],
             "early_stop": self.stopper.state_dict() if self.stopper else None,
+            "growth": self.growth.state_dict() if self.growth else None,
         }
         return self.store.save(
             self.step,
@@ -247,7 +259,7 @@ class Trainer:
             for i, b in enumerate(self.model.blocks)
             if b.ffn in self.model.moe_layers
         ]
-        return {p: row.tolist() for p, row in zip(prefixes, self.load.total_LE, strict=False)}
+        return {p: row.tolist() for p, row in zip(prefixes, self.load.total, strict=False)}
 
     def _try_resume(self) -> int | None:
         path = self.store.latest_valid()
@@ -264,6 +276,12 @@ class Trainer:
             if self.world > 1:
                 dist.barrier()
             return None
+        if resize_model(self.model, experts_per_layer(ckpt.model, self.model)):
+            # The checkpoint comes from a grown or pruned model: new parameters, new optimizer.
+            self.optimizer = build_optimizer(self.model, self.cfg, self.router_lr_mult)
+            self.load = ExpertLoad(len(self.model.moe_layers), self.model.experts_per_layer())
+        if self.growth and ckpt.state.get("growth"):
+            self.growth.load_state_dict(ckpt.state["growth"])
         names = self._param_names()
         opt_names = {k: names.get(k.split(".", 1)[0], "") for k in ckpt.optimizer}
         load_model_tensors(self.model, D.local_slice(ckpt.model, self.rank, self.world, {}))
@@ -278,7 +296,9 @@ class Trainer:
         self.elapsed_s = float(ckpt.state["elapsed_s"])
         self.tokens = int(ckpt.state["tokens"])
         self.best_val = ckpt.state.get("best_val")
-        self.load.total_LE = torch.tensor(ckpt.state["expert_counts_total"], dtype=torch.float64)
+        self.load.total = [
+            torch.tensor(row, dtype=torch.float64) for row in ckpt.state["expert_counts_total"]
+        ]
         if self.stopper and ckpt.state.get("early_stop"):
             self.stopper.load_state_dict(ckpt.state["early_stop"])
         log.info("resumed from %s (step %d)", path, self.step)
@@ -405,6 +425,7 @@ class Trainer:
                 self.step if self.expert_warmup else AFTER_WARMUP, self.step / cfg.max_steps
             )
             loss_sum = 0.0
+            step_counts: list[torch.Tensor] = []
             for micro in range(cfg.grad_accum):
                 x, y, w = self._rows(self.batches.batch_at(self.step, micro))
                 x, y = x.to(self.device), y.to(self.device)
@@ -429,8 +450,15 @@ class Trainer:
                     loss_val, n_tok = float(loss.detach()), int((y != -100).sum())
                 loss_sum += loss_val
                 self.load.add(counts, aux.dropped_fraction)
+                step_counts = (
+                    [a + b for a, b in zip(step_counts, counts, strict=True)]
+                    if step_counts
+                    else list(counts)
+                )
                 self.tokens += n_tok
                 window_tokens += int(x.numel()) * self.world
+            if self.growth:
+                self.growth.observe(step_counts)  # before the step: the gradients are here
             clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
             if self.world > 1:
                 D.sync_gradients(self.model, self.world)
@@ -446,6 +474,20 @@ class Trainer:
             self.step += 1
             D.sync_routing_load(self.model, self.world)
             self.model.update_routing(self.step)
+            if self.growth:
+                for event in self.growth.act(self.step, self.optimizer):
+                    self.load.resize(event["layer"], torch.tensor(event.pop("index")))
+                    self._emit({"step": self.step, "expert_event": event})
+                    self.expert_events.append(event)
+                    log.warning(
+                        "expert %s in layer %d at step %d: %s",
+                        event["kind"],
+                        event["layer"],
+                        self.step,
+                        event["trigger"],
+                    )
+                    params = [p for p in self.model.parameters() if p.requires_grad]
+                self.growth.ramp(self.step)
             steps_this_run += 1
             last_loss = loss_sum / cfg.grad_accum
             window_loss += last_loss
@@ -513,7 +555,7 @@ class Trainer:
 
         self.store.flush()  # background checkpoint writes are on disk before we report
         path = self.store.latest_valid()
-        total = summarize(self.load.total_LE)
+        total = summarize(self.load.total)
         return TrainResult(
             steps=self.step,
             resumed_from=resumed,
@@ -526,4 +568,6 @@ class Trainer:
             tokens_per_s=self.tokens / max(self.elapsed_s, 1e-9),
             expert_share=total["share"],  # type: ignore[arg-type]
             expert_cv=float(total["cv"]),  # type: ignore[arg-type]
+            expert_events=self.expert_events,
+            experts_per_layer=self.model.experts_per_layer(),
         )

@@ -21,9 +21,10 @@ from safetensors.torch import load_file, save_file
 
 from moe import distributed as D
 from moe.checkpoint import CheckpointStore, load_model_tensors, model_tensors, sha256_file
-from moe.config import Config, FinetuneConfig, ModelConfig, MoEConfig
+from moe.config import Config, FinetuneConfig, GrowthConfig, ModelConfig, MoEConfig
 from moe.data import BatchSampler, MixedBatches, SFTBatches, SFTExample, TokenStore
 from moe.errors import InputError
+from moe.growth import resize_model
 from moe.model import MoETransformer
 from moe.sql import load_pairs, prompt_text, response_text
 from moe.tokenizer import EOT, PAD, load_tokenizer
@@ -45,7 +46,12 @@ TRAIN_RETRIES = dict(
 def save_model(model: MoETransformer, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(model_tensors(model), str(out_dir / "model.safetensors"))
-    spec = {"model": asdict(model.cfg), "moe": asdict(model.mcfg), "vocab_size": model.vocab_size}
+    spec = {
+        "model": asdict(model.cfg),
+        "moe": asdict(model.mcfg),
+        "vocab_size": model.vocab_size,
+        "experts_per_layer": model.experts_per_layer(),  # after growth / pruning
+    }
     (out_dir / "model.json").write_text(json.dumps(spec, indent=1))
     return out_dir / "model.safetensors"
 
@@ -55,9 +61,13 @@ def load_model(model_dir: Path) -> MoETransformer:
     if not spec_path.is_file():
         raise InputError(f"{spec_path} is missing: run the stage that writes {model_dir} first")
     spec = json.loads(spec_path.read_text())
+    moe_spec = dict(spec["moe"])
+    growth = GrowthConfig(**moe_spec.pop("growth", {}))
     model = MoETransformer(
-        ModelConfig(**spec["model"]), MoEConfig(**spec["moe"]), spec["vocab_size"]
+        ModelConfig(**spec["model"]), MoEConfig(**moe_spec, growth=growth), spec["vocab_size"]
     )
+    if spec.get("experts_per_layer"):
+        resize_model(model, spec["experts_per_layer"])
     load_model_tensors(model, load_file(str(model_dir / "model.safetensors")))
     return model
 
