@@ -30,7 +30,9 @@ from moe.model import MoETransformer
 from moe.train import Trainer
 
 
-def run(cfg, data: Path, steps: int, grow: bool) -> tuple[dict, list[dict]]:
+def run(
+    cfg, data: Path, steps: int, grow: bool, init: str = "orthogonal"
+) -> tuple[dict, list[dict]]:
     growth = dataclasses.replace(
         cfg.moe.growth,
         enabled=grow,
@@ -40,6 +42,7 @@ def run(cfg, data: Path, steps: int, grow: bool) -> tuple[dict, list[dict]]:
         ema=0.9,
         ramp_steps=max(10, steps // 15),
         prune_window=max(50, steps // 3),
+        init=init,
     )
     mcfg = dataclasses.replace(
         cfg.moe, num_experts=4, top_k=1, balancing=[], router_lr_mult=5.0, growth=growth
@@ -93,6 +96,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="150 steps per run instead of 600")
     ap.add_argument("--data", type=Path, default=Path("data/prepared"))
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
+    ap.add_argument("--init", choices=["orthogonal", "split"], default="orthogonal")
     a = ap.parse_args()
     if not (a.data / "meta.json").is_file():
         raise SystemExit(
@@ -100,7 +104,7 @@ def main() -> None:
         )
     cfg = load_config(a.params)
     steps = 150 if a.quick else 600
-    with_g, rows_g = run(cfg, a.data, steps, grow=True)
+    with_g, rows_g = run(cfg, a.data, steps, grow=True, init=a.init)
     without, rows_n = run(cfg, a.data, steps, grow=False)
     events = with_g["expert_events"]
     first = min((e["step"] for e in events if e["kind"] == "grow"), default=None)
@@ -109,6 +113,7 @@ def main() -> None:
     cv_plain, vio_plain = _window(rows_n, last=3)
     out = {
         "steps": steps,
+        "init": a.init,
         "growth_events": [
             {k: e[k] for k in ("step", "layer", "kind", "experts_after", "trigger")} for e in events
         ],

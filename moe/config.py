@@ -155,6 +155,9 @@ class GrowthConfig:
     max_experts: int = 32  # per layer
     ema: float = 0.98  # moving average of activation frequency and gradient norm
     ramp_steps: int = 100  # a new expert's router offset ramps from -20 to 0 over these
+    # orthogonal: new weights orthogonal to the layer's experts, at their mean norm (seed 001);
+    # split: the hottest expert's weights plus an orthogonal component of 10% of their norm.
+    init: Literal["orthogonal", "split"] = "orthogonal"
     prune: bool = True
     u_min: float = 0.05  # prune an expert under 5% of its fair share of the load...
     prune_window: int = 1000  # ...for this many consecutive steps (merged into its nearest)

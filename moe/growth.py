@@ -10,7 +10,9 @@ Seed 001 §3.2 (dynamic orthogonal growth) and §5 (pruning and merging). Per Mo
   `cooldown` steps per layer, up to `max_experts`;
 - growth: one new expert whose weights are orthogonal to the span of the layer's experts
   (Gram-Schmidt against a QR basis of their flattened weights) and scaled to their mean norm;
-  its router row is the hottest expert's row plus an orthogonal perturbation, so it competes
+  (`init: split` starts it instead as the hottest expert plus an orthogonal component of 10%
+  of its norm); its router row is the hottest expert's row plus an orthogonal perturbation,
+  so it competes
   for that expert's tokens. Departure from the seed: the new expert starts at zero combine
   weight (a router logit offset of -1e4: its softmax probability is exactly 0 in fp32), so the
   model's output right after growth equals the output before; the offset ramps from -20 to 0
@@ -184,15 +186,19 @@ def grow(
     optimizer: torch.optim.Optimizer | None,
     step: int,
     generator: torch.Generator | None = None,
+    init: str = "orthogonal",
 ) -> dict[str, Any]:
     """Add one expert to the layer (see the module docstring); returns the event."""
     E = layer.experts.num_experts
     hot = int(state.freq_E.argmax())
     with torch.no_grad():
-        w13 = torch.cat(
-            [layer.experts.w13_EDG, orthogonal_to(layer.experts.w13_EDG, generator)[None]]
-        )
-        w2 = torch.cat([layer.experts.w2_EFD, orthogonal_to(layer.experts.w2_EFD, generator)[None]])
+        new = []
+        for w in (layer.experts.w13_EDG, layer.experts.w2_EFD):
+            ortho = orthogonal_to(w, generator)
+            if init == "split":  # the hot expert's function plus a new direction
+                ortho = w[hot] + ortho / ortho.norm().clamp_min(1e-12) * w[hot].norm() * 0.1
+            new.append(torch.cat([w, ortho[None]]))
+        w13, w2 = new
         row = layer.router.gate.weight[hot]
         perturb = orthogonal_to(layer.router.gate.weight, generator)
         perturb = perturb / perturb.norm().clamp_min(1e-12) * row.norm() * 0.1
@@ -326,7 +332,7 @@ class GrowthManager:
             ):
                 reason = grow_reason(st, self.cfg)
                 if reason:
-                    event = grow(layer, st, optimizer, step, self._gen)
+                    event = grow(layer, st, optimizer, step, self._gen, self.cfg.init)
                     event["trigger"] = reason
             if event is not None:
                 st.last_event = step

@@ -220,3 +220,18 @@ def test_training_with_growth_resumes_bit_identically(tmp_path: Path) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_split_init_starts_near_the_hot_expert_and_keeps_the_output() -> None:
+    model = _model()
+    idx = torch.randint(0, 50, (3, 16))
+    model.eval()
+    before = model(idx)[0]
+    layer = model.moe_layers[0]
+    state = LayerState.fresh(4)
+    state.freq_E = torch.tensor([0.1, 0.1, 0.7, 0.1])
+    grow(layer, state, None, step=3, init="split")
+    w = layer.experts.w13_EDG.detach()
+    rel = float((w[4] - w[2]).norm() / w[2].norm())
+    assert abs(rel - 0.1) < 1e-4  # the hot expert plus a 10% orthogonal component
+    assert torch.equal(model(idx)[0], before)
