@@ -166,9 +166,14 @@ def sync_routing_load(model: MoETransformer, world: int) -> None:
 
 
 def _gather_experts(t: torch.Tensor, world: int) -> torch.Tensor:
+    """Concatenate every rank's slice along dim 0 (NCCL gathers on the GPU; the result
+    comes back on t's device)."""
+    dev = t.device
+    if dist.get_backend() == "nccl":
+        t = t.to(torch.device("cuda", torch.cuda.current_device()))
     parts = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts, dim=0)
+    return torch.cat(parts, dim=0).to(dev)
 
 
 def full_state(
