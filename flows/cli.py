@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_params(run)
 
+    lineage = sub.add_parser(
+        "lineage", help="walk an output (file or folder) back through the stages to its corpus"
+    )
+    lineage.add_argument("output", type=Path)
+    lineage.add_argument("--root", type=Path, default=Path("."), help="the project folder")
+    lineage.add_argument("--json", action="store_true", help="the chain as JSON")
+
     ckpt = sub.add_parser("checkpoint", help="inspect checkpoints")
     csub = ckpt.add_subparsers(dest="checkpoint_command", required=True)
     digest = csub.add_parser(
@@ -104,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "checkpoint":
             return _checkpoint(args)
+        if args.command == "lineage":
+            return _lineage(args)
         load_config(
             args.params, args.overrides
         )  # validate before importing Prefect or touching anything
@@ -138,6 +147,111 @@ def _where(stage: str) -> None:
         "evaluate": "reports/metrics.json, reports/cost.json, reports/evaluate/report.md",
     }
     print(f"{stage} done: {places[stage]}")
+
+
+def _lineage(args: argparse.Namespace) -> int:
+    """Follow lineage records (each stage writes one beside its outputs) from an output back
+    to the corpus: which stage made it, from which inputs, under which params and code, and
+    whether each file still has the hash the record holds."""
+    import json
+
+    from tasks.report import content_hash
+
+    root = args.root
+    records = []
+    for pattern in ("data/*/lineage.json", "models/*/lineage.json", "reports/**/lineage.json"):
+        for f in sorted(root.glob(pattern)):
+            try:
+                records.append(json.loads(f.read_text()))
+            except (OSError, json.JSONDecodeError) as e:
+                print(f"warning: {f} is unreadable ({e}); skipped", file=sys.stderr)
+    producers: dict[str, dict] = {}
+    for r in records:
+        for out in r.get("outputs", {}).values():
+            producers[str(Path(out["path"]))] = r
+
+    def find(path: str) -> tuple[str, dict] | None:
+        if path in producers:
+            return path, producers[path]
+        inside = [p for p in producers if p.startswith(path.rstrip("/") + "/")]
+        return (inside[0], producers[inside[0]]) if inside else None
+
+    target = str(args.output)
+    start = find(target)
+    if start is None:
+        known = ", ".join(sorted(producers)) or "none (run the pipeline first)"
+        print(
+            f"error: no stage's lineage record lists {target} as an output; known outputs: {known}",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    chain: list[dict] = []
+
+    def visit(path: str, rec: dict, depth: int, seen: set[str]) -> None:
+        if path in seen:
+            chain.append({"output": path, "depth": depth, "seen": True})
+            return
+        seen.add(path)
+        recorded = next(
+            o["sha256"] for o in rec["outputs"].values() if str(Path(o["path"])) == path
+        )
+        local = root / path
+        now = content_hash(local) if local.exists() else None
+        step = {
+            "depth": depth,
+            "stage": rec.get("stage"),
+            "output": path,
+            "sha256": recorded,
+            "status": "ok" if now == recorded else ("missing" if now is None else "changed since"),
+            "inputs": {k: v["path"] for k, v in rec.get("inputs", {}).items()},
+            "code": rec.get("code", {}).get("commit"),
+            "flow_run_id": rec.get("flow_run_id"),
+            "wandb_run_id": rec.get("wandb_run_id"),
+            "pool": rec.get("pool"),
+            "started": rec.get("started"),
+            "wall_s": rec.get("wall_s"),
+            "cost": rec.get("cost"),
+        }
+        if rec.get("stage") == "prepare":
+            meta = root / path / "meta.json"
+            if meta.is_file():
+                m = json.loads(meta.read_text())
+                step["corpus"] = {
+                    "source": m.get("source"),
+                    "bytes": m.get("source_bytes"),
+                    "sha256": m.get("source_sha256"),
+                    "tokenizer_sha256": m.get("tokenizer_sha256"),
+                }
+        chain.append(step)
+        for inp in rec.get("inputs", {}).values():
+            nxt = find(str(Path(inp["path"])))
+            if nxt is not None:
+                visit(nxt[0], nxt[1], depth + 1, seen)
+
+    visit(start[0], start[1], 0, set())
+    if args.json:
+        print(json.dumps(chain, indent=1))
+        return 0
+    for st in chain:
+        pad = "  " * st["depth"]
+        if st.get("seen"):
+            print(f"{pad}{st['output']}  (above)")
+            continue
+        print(
+            f"{pad}{st['output']}  <- stage {st['stage']}  [{st['status']}]  sha256 {st['sha256'][:12]}"
+        )
+        print(
+            f"{pad}   code {str(st['code'])[:12]}  flow run {st['flow_run_id']}  pool {st['pool']}  "
+            f"{st['wall_s'] or 0:.1f}s  cost {st['cost']}"
+        )
+        if st["inputs"]:
+            print(f"{pad}   inputs: {', '.join(st['inputs'].values())}")
+        if "corpus" in st:
+            c = st["corpus"]
+            print(
+                f"{pad}   corpus: {c['source']} ({c['bytes']} bytes, sha256 {str(c['sha256'])[:12]})"
+            )
+    return 0
 
 
 def _store_root(root: Path) -> Path | None:

@@ -143,6 +143,50 @@ def test_dvc_repro_runs_the_pipeline(repo: tuple[Path, dict[str, str]]) -> None:
     assert len(digest[0]) == 64 and "step_00000012" in digest[1]
 
 
+def test_lineage_cli_walks_a_model_back_to_the_corpus(repo: tuple[Path, dict[str, str]]) -> None:
+    root, env = repo
+    r = _run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "lineage",
+            "models/finetune_domain/model.safetensors",
+            "--json",
+        ],
+        root,
+        env,
+    )
+    chain = [s for s in json.loads(r.stdout) if not s.get("seen")]
+    assert [s["stage"] for s in chain] == [
+        "finetune_domain",
+        "finetune_sql",
+        "pretrain",
+        "publish",
+        "prepare",
+    ]
+    assert all(s["status"] == "ok" and s["flow_run_id"] for s in chain)
+    meta = json.loads((root / "data/prepared/meta.json").read_text())
+    assert chain[-1]["corpus"]["sha256"] == meta["source_sha256"]
+    # A changed file is reported as such; an unknown output is an error naming the known ones.
+    model = root / "models/pretrain/model.safetensors"
+    saved = model.read_bytes()
+    try:
+        model.write_bytes(saved + b"x")
+        r = _run([sys.executable, "-m", "flows.cli", "lineage", "models/pretrain"], root, env)
+        assert "[changed since]" in r.stdout
+    finally:
+        model.write_bytes(saved)
+    bad = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "lineage", "models/nope"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "models/pretrain/model.safetensors" in bad.stderr
+
+
 def test_second_repro_is_a_no_op(repo: tuple[Path, dict[str, str]]) -> None:
     root, env = repo
     r = _run(["dvc", "repro"], root, env)
