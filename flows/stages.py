@@ -24,9 +24,13 @@ from tasks.evaluation import evaluate_perplexity, evaluate_sql
 from tasks.report import (
     StageRecord,
     cost_ledger,
+    phase_costs,
+    plot_cost,
     plot_expert_load,
     plot_training,
     publish_artifacts,
+    publish_cost_table,
+    storage_costs,
     write_json,
 )
 from tasks.storage import download_dataset, publish_dataset
@@ -130,7 +134,7 @@ def pretrain(params_file: str | None = None, overrides: list[str] | None = None)
     record = StageRecord(cfg, "pretrain", out)
     data_dir = download_dataset(cfg, receipt)
     with wandb_run(cfg, "pretrain") as (log_fn, run_id):
-        result = pretrain_model(cfg, data_dir, out, log_fn)
+        result = pretrain_model(cfg, data_dir, out, log_fn, _budget_left(cfg, "pretrain"))
     summary = _train_summary("pretrain", result, {"dataset_version": receipt["version"]})
     write_json(REPORTS / "pretrain.json", summary)
     record.write(
@@ -155,7 +159,9 @@ def _finetune(
     record = StageRecord(cfg, stage, out)
     data_dir = download_dataset(cfg, receipt)
     with wandb_run(cfg, stage) as (log_fn, run_id):
-        result = finetune_model(cfg, stage, data_dir, pairs_file, init_dir, out, log_fn)
+        result = finetune_model(
+            cfg, stage, data_dir, pairs_file, init_dir, out, log_fn, _budget_left(cfg, stage)
+        )
     summary = _train_summary(stage, result)
     write_json(REPORTS / f"{stage}.json", summary)
     record.write(
@@ -227,6 +233,22 @@ def evaluate(params_file: str | None = None, overrides: list[str] | None = None)
         s: json.loads((REPORTS / f"{s}.json").read_text()).get("expert_share") for s in TRAIN_STAGES
     }
     ledger = cost_ledger(cfg, [*records, own], shares)
+    ledger["by_phase"] = {
+        s: phase_costs(
+            [json.loads(x) for x in (MODELS / s / "metrics.jsonl").read_text().splitlines() if x]
+            if (MODELS / s / "metrics.jsonl").is_file()
+            else [],
+            getattr(cfg, "train" if s == "pretrain" else s).warmup_steps,
+        )
+        for s in TRAIN_STAGES
+    }
+    # Kept: the published archive and the three models; moved: one archive download per
+    # training stage and for evaluation (seed 002: storage and transfer are part of the bill).
+    model_bytes = sum((MODELS / s / "model.safetensors").stat().st_size for s in TRAIN_STAGES)
+    archive = int(receipt.get("archive_bytes", 0))
+    ledger["storage"] = storage_costs(cfg, archive + model_bytes, archive * (len(TRAIN_STAGES) + 1))
+    cost_png = plot_cost(ledger, out / "cost.png")
+    publish_cost_table(ledger)
     write_json(REPORTS / "cost.json", ledger)
     metrics["cost_total"] = ledger["total"]
     write_json(REPORTS / "metrics.json", metrics)
@@ -252,6 +274,14 @@ def evaluate(params_file: str | None = None, overrides: list[str] | None = None)
             for s in TRAIN_STAGES
         ),
     ]
+    lines += [
+        "",
+        f"Against every stage on {ledger['all_on_pool']['pool']}: "
+        f"{ledger['all_on_pool']['cost']:.5f}, a saving of {ledger['saving']:.5f} "
+        f"({ledger['saving_fraction']:.0%}).",
+        "",
+        f"![cost]({cost_png.name})",
+    ]
     if plot:
         lines += ["", f"![training loss]({plot.name})"]
     lines += [f"![expert load]({h.name})" for h in heatmaps if h]
@@ -264,6 +294,26 @@ def evaluate(params_file: str | None = None, overrides: list[str] | None = None)
         },
     )
     return metrics
+
+
+def _budget_left(cfg: Config, stage: str) -> float:
+    """What is left of cost.budget for `stage`: the budget minus what the upstream stages'
+    lineage records say they cost (0 = no budget)."""
+    if cfg.cost.budget <= 0:
+        return 0.0
+    spent = 0.0
+    upstream = TRAIN_STAGES[: TRAIN_STAGES.index(stage)]
+    for p in [Path(cfg.data.out_dir) / "lineage.json", PUBLISHED / "lineage.json"] + [
+        MODELS / s / "lineage.json" for s in upstream
+    ]:
+        if p.is_file():
+            spent += float(json.loads(p.read_text()).get("cost", 0.0))
+    left = cfg.cost.budget - spent
+    if left <= 0:
+        log.warning(
+            "cost.budget %.4f is already spent (%.4f) before %s", cfg.cost.budget, spent, stage
+        )
+    return max(left, 1e-9)
 
 
 def _lineage_files(cfg: Config) -> list[Path]:

@@ -168,6 +168,8 @@ class Trainer:
         eval_every: int = 0,
         eval_batches: int = 0,
         price_per_hour: float = 0.0,
+        budget_left: float = 0.0,
+        budget_alert: float = 0.8,
         log_fn: Callable[[dict[str, Any]], None] | None = None,
         metrics_path: Path | None = None,
         stop_after: int | None = None,
@@ -188,6 +190,10 @@ class Trainer:
         self.expert_warmup = expert_warmup  # False for finetuning: no uniform routing again
         self.val_batches, self.eval_every, self.eval_batches = val_batches, eval_every, eval_batches
         self.price_per_hour = price_per_hour
+        # What is left of the pipeline's budget for this stage (0 = no budget): warn at
+        # budget_alert of it, stop with a checkpoint when it is spent.
+        self.budget_left, self.budget_alert = budget_left, budget_alert
+        self._budget_warned = False
         self.log_fn = log_fn or (lambda row: None)
         self.metrics_path = metrics_path
         self.stop_after = stop_after  # testing aid: return after this many steps (simulates a kill)
@@ -535,6 +541,20 @@ class Trainer:
                 val_loss = self._validate()
                 if val_loss is not None:
                     early_reason = self._early_stop(val_loss, lr)
+            spent = self.elapsed_s / 3600 * self.price_per_hour
+            if self.budget_left > 0 and not early_reason:
+                if spent >= self.budget_left:
+                    early_reason = (
+                        f"budget: this stage spent {spent:.4f} of the {self.budget_left:.4f} left "
+                        "of cost.budget"
+                    )
+                    log.warning("stopping at step %d: %s", self.step, early_reason)
+                    self._emit({"step": self.step, "early_stop": early_reason})
+                elif spent >= self.budget_alert * self.budget_left and not self._budget_warned:
+                    self._budget_warned = True
+                    msg = f"{spent / self.budget_left:.0%} of the budget left for this stage spent"
+                    log.warning("step %d: %s", self.step, msg)
+                    self._emit({"step": self.step, "budget_alert": msg})
             budget = getattr(cfg, "time_budget_s", 0.0)
             if budget > 0 and self.elapsed_s >= budget and not early_reason:
                 early_reason = f"time budget of {budget:.0f} s used"

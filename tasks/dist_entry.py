@@ -1,7 +1,7 @@
 """One rank of a training stage under torchrun (started by `tasks.training.launch`).
 
 `python -m torch.distributed.run --standalone --nproc_per_node N -m tasks.dist_entry
- STAGE PARAMS_YAML DATA_DIR OUT_DIR [INIT_DIR PAIRS_FILE]`
+ STAGE PARAMS_YAML DATA_DIR OUT_DIR [INIT_DIR PAIRS_FILE BUDGET_LEFT]`
 """
 
 from __future__ import annotations
@@ -23,14 +23,15 @@ def main(argv: list[str]) -> int:
     stage, params, data_dir, out_dir = argv[0], Path(argv[1]), Path(argv[2]), Path(argv[3])
     init_dir = Path(argv[4]) if len(argv) > 4 and argv[4] else None
     pairs_file = argv[5] if len(argv) > 5 else ""
+    budget_left = float(argv[6]) if len(argv) > 6 else 0.0
     cfg = load_config(params)
     rank, _ = D.init(timeout_s=300)
     try:
         if stage == "pretrain":
-            result = pretrain_model.fn(cfg, data_dir, out_dir, lambda row: None)
+            result = pretrain_model.fn(cfg, data_dir, out_dir, lambda row: None, budget_left)
         else:
             result = finetune_model.fn(
-                cfg, stage, data_dir, pairs_file, init_dir, out_dir, lambda row: None
+                cfg, stage, data_dir, pairs_file, init_dir, out_dir, lambda row: None, budget_left
             )
         if rank == 0:
             (out_dir / ".dist" / "result.json").write_text(json.dumps(asdict(result)))

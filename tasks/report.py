@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moe.checkpoint import sha256_file
-from moe.config import Config
+from moe.config import STAGES, Config
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,117 @@ def cost_ledger(
             by_expert[key] = round(by_expert.get(key, 0.0) + frac * by_stage[stage]["cost"], 6)
     if by_expert:
         ledger["by_expert"] = by_expert
+    # The saving of this placement against running every stage on the dearest pool.
+    pools = cfg.pools.definitions
+    top = max(pools, key=lambda n: pools[n].price_per_hour)
+    all_top = sum(r["wall_s"] for r in records) / 3600 * pools[top].price_per_hour
+    ledger["all_on_pool"] = {"pool": top, "cost": round(all_top, 6)}
+    ledger["saving"] = round(all_top - total, 6)
+    ledger["saving_fraction"] = round(1 - total / all_top, 4) if all_top > 0 else 0.0
     return ledger
+
+
+def phase_costs(rows: list[dict[str, Any]], warmup_steps: int) -> dict[str, float]:
+    """Split a training stage's compute cost into seed 002's phases from its metrics rows
+    (each logged row carries the cumulative `cost`): warm-up (lr warm-up steps), plateau
+    (from the first logged step whose loss is within 2% of the final loss and never leaves
+    that band again), and convergence in between."""
+    logged = [r for r in rows if "loss" in r and "cost" in r]
+    if not logged:
+        return {}
+    final = logged[-1]["loss"]
+    plateau_from = logged[-1]["step"]
+    for r in reversed(logged):
+        if abs(r["loss"] - final) <= 0.02 * abs(final):
+            plateau_from = r["step"]
+        else:
+            break
+
+    def cost_at(step: int) -> float:
+        before = [r["cost"] for r in logged if r["step"] <= step]
+        return before[-1] if before else 0.0
+
+    total = logged[-1]["cost"]
+    warm = cost_at(warmup_steps)
+    plateau_start = max(cost_at(plateau_from), warm)
+    return {
+        "warm-up": round(warm, 6),
+        "convergence": round(plateau_start - warm, 6),
+        "plateau": round(total - plateau_start, 6),
+        "plateau_from_step": plateau_from,
+    }
+
+
+def storage_costs(cfg: Config, stored_bytes: int, transferred_bytes: int) -> dict[str, float]:
+    """A month of storage for what the run keeps, and the transfer it caused, at the
+    `cost` section's rates."""
+    gb = 1e9
+    return {
+        "stored_gb": round(stored_bytes / gb, 4),
+        "storage_per_month": round(stored_bytes / gb * cfg.cost.storage_per_gb_month, 6),
+        "transferred_gb": round(transferred_bytes / gb, 4),
+        "transfer": round(transferred_bytes / gb * cfg.cost.egress_per_gb, 6),
+    }
+
+
+def plot_cost(ledger: dict[str, Any], out: Path) -> Path:
+    """Bar charts: cost per stage (coloured by pool, with the all-on-the-dearest-pool cost
+    beside it), and cost per expert."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = {s: i for i, s in enumerate(STAGES)}
+    stages = sorted(ledger["by_stage"], key=lambda s: order.get(s, len(order)))
+    pools = sorted({v["pool"] for v in ledger["by_stage"].values()})
+    colours = {p: plt.get_cmap("tab10")(i) for i, p in enumerate(pools)}
+    panels = 2 if ledger.get("by_expert") else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
+    ax = axes[0][0]
+    costs = [ledger["by_stage"][s]["cost"] for s in stages]
+    ax.bar(stages, costs, color=[colours[ledger["by_stage"][s]["pool"]] for s in stages])
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color=colours[p], label=p) for p in pools], fontsize=8)
+    ax.set_ylabel(ledger["currency"])
+    top = ledger.get("all_on_pool", {})
+    ax.set_title(
+        f"total {ledger['total']:.4f} (all on {top.get('pool', '?')}: {top.get('cost', 0):.4f})"
+    )
+    ax.tick_params(axis="x", rotation=30)
+    if panels == 2:
+        ax2 = axes[0][1]
+        experts = list(ledger["by_expert"])
+        ax2.bar(
+            [e.removeprefix("expert_") for e in experts], [ledger["by_expert"][e] for e in experts]
+        )
+        ax2.set_xlabel("expert")
+        ax2.set_title("training cost by routed tokens")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def publish_cost_table(ledger: dict[str, Any]) -> None:
+    """A Prefect table artifact with the bill per stage."""
+    try:
+        from prefect.artifacts import create_table_artifact
+
+        create_table_artifact(
+            key="cost-by-stage",
+            table=[
+                {"stage": s, "pool": v["pool"], "wall_s": round(v["wall_s"], 1), "cost": v["cost"]}
+                for s, v in ledger["by_stage"].items()
+            ]
+            + [{"stage": "total", "pool": "", "wall_s": "", "cost": ledger["total"]}],
+            description=f"Cost per stage ({ledger['currency']}); saving against all on "
+            f"{ledger.get('all_on_pool', {}).get('pool', '?')}: {ledger.get('saving')}",
+        )
+    except Exception as e:  # noqa: BLE001 - an artifact must never fail a stage
+        log.warning("could not create the cost table artifact: %s", e)
 
 
 def publish_artifacts(stage: str, summary: dict[str, Any]) -> None:

@@ -118,6 +118,7 @@ def launch(
     log_fn: Callable[[dict[str, Any]], None],
     init_dir: Path | None = None,
     pairs_file: str = "",
+    budget_left: float = 0.0,
 ) -> TrainResult:
     """Run this training stage under torchrun with `nproc` processes on this machine (data
     parallel + expert parallel, moe/distributed.py); rank 0 writes the outputs. The metrics
@@ -145,6 +146,7 @@ def launch(
         str(out_dir),
         str(init_dir or ""),
         pairs_file,
+        str(budget_left),
     ]
     log.info("launching %s on %d processes: %s", stage, nproc, " ".join(cmd))
     proc = subprocess.run(cmd, cwd=Path.cwd())
@@ -190,10 +192,15 @@ def _price(cfg: Config, stage: str) -> float:
 
 @task(name="pretrain-model", cache_policy=NONE, **TRAIN_RETRIES)
 def pretrain_model(
-    cfg: Config, data_dir: Path, out_dir: Path, log_fn: Callable[[dict[str, Any]], None]
+    cfg: Config,
+    data_dir: Path,
+    out_dir: Path,
+    log_fn: Callable[[dict[str, Any]], None],
+    budget_left: float = 0.0,
 ) -> TrainResult:
+    """budget_left: what is left of cost.budget for this stage (0 = no budget)."""
     if cfg.train.nproc > 1 and not torch.distributed.is_initialized():
-        return launch(cfg, "pretrain", data_dir, out_dir, log_fn)
+        return launch(cfg, "pretrain", data_dir, out_dir, log_fn, budget_left=budget_left)
     train_store, val_store = TokenStore(data_dir, "train"), TokenStore(data_dir, "val")
     torch.manual_seed(cfg.train.seed)
     model = MoETransformer(cfg.model, cfg.moe, train_store.vocab_size)
@@ -219,6 +226,8 @@ def pretrain_model(
         eval_every=t.eval_every,
         eval_batches=t.eval_batches,
         price_per_hour=_price(cfg, "pretrain"),
+        budget_left=budget_left,
+        budget_alert=cfg.cost.alert_fraction,
         log_fn=log_fn,
         metrics_path=out_dir / "metrics.jsonl",
     )
@@ -252,10 +261,11 @@ def finetune_model(
     init_dir: Path,
     out_dir: Path,
     log_fn: Callable[[dict[str, Any]], None],
+    budget_left: float = 0.0,
 ) -> TrainResult:
     f: FinetuneConfig = getattr(cfg, stage)
     if f.nproc > 1 and not torch.distributed.is_initialized():
-        return launch(cfg, stage, data_dir, out_dir, log_fn, init_dir, pairs_file)
+        return launch(cfg, stage, data_dir, out_dir, log_fn, init_dir, pairs_file, budget_left)
     tok = load_tokenizer(data_dir / "tokenizer.json")
     examples = sft_examples(data_dir / "sql" / pairs_file, tok)
     model = load_model(init_dir)
@@ -294,6 +304,8 @@ def finetune_model(
         expert_warmup=False,
         router_lr_mult=model.mcfg.router_lr_mult,
         price_per_hour=_price(cfg, stage),
+        budget_left=budget_left,
+        budget_alert=cfg.cost.alert_fraction,
         log_fn=log_fn,
         metrics_path=out_dir / "metrics.jsonl",
     )

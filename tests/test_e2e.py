@@ -107,6 +107,12 @@ def test_dvc_repro_runs_the_pipeline(repo: tuple[Path, dict[str, str]]) -> None:
         sum(s["cost"] for s in cost["by_stage"].values()), abs=1e-5
     )
     assert set(cost["by_pool"]) == {"cpu", "gpu-h100", "gpu-a100", "gpu-4090"}
+    assert cost["all_on_pool"]["pool"] == "gpu-h100" and cost["saving"] > 0
+    for stage, phases in cost["by_phase"].items():
+        spent = phases["warm-up"] + phases["convergence"] + phases["plateau"]
+        assert 0 < spent <= cost["by_stage"][stage]["cost"] + 1e-6
+    assert cost["storage"]["stored_gb"] > 0
+    assert (root / "reports/evaluate/cost.png").is_file()
     assert (root / "reports/evaluate/training_loss.png").is_file()
 
     # Lineage: each stage's inputs are the previous stages' outputs, by content hash.

@@ -187,3 +187,17 @@ def test_early_stop_in_training_is_recorded_and_checkpointed(tmp_path: Path) -> 
     rows = [json.loads(r) for r in (tmp_path / "e.jsonl").read_text().splitlines()]
     assert [r for r in rows if "early_stop" in r][-1]["early_stop"].startswith("patience")
     assert rows[-1]["checkpoint_stall_s"] >= 0  # the save that followed the stop
+
+
+def test_budget_warns_then_stops_with_a_checkpoint(tmp_path: Path) -> None:
+    data = _data(tmp_path / "data")
+    t = _trainer(data, tmp_path / "b", 30)
+    # $3600/hour: a second of training costs $1; $0.5 left of the budget for this stage.
+    t.price_per_hour, t.budget_left, t.budget_alert = 3600.0, 0.5, 0.2
+    result = t.fit()
+    assert result.stop_reason.startswith("budget") and result.steps < 30
+    rows = [json.loads(r) for r in (tmp_path / "b.jsonl").read_text().splitlines()]
+    alerts = [r for r in rows if "budget_alert" in r]
+    stops = [r for r in rows if r.get("early_stop", "").startswith("budget")]
+    assert len(alerts) <= 1 and len(stops) == 1
+    assert CheckpointStore(tmp_path / "b").latest_valid().name == f"step_{result.steps:08d}"

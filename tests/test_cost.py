@@ -1,0 +1,62 @@
+"""The cost report adds up: stage costs sum to the total, phases sum to their stage's compute
+cost, the saving is measured against the dearest pool, and the chart is drawn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moe.config import Config
+from tasks.report import cost_ledger, phase_costs, plot_cost, storage_costs
+
+
+def _records() -> list[dict]:
+    return [
+        {"stage": "prepare", "pool": "cpu", "wall_s": 36.0, "cost": 0.001},
+        {"stage": "pretrain", "pool": "gpu-h100", "wall_s": 360.0, "cost": 0.32},
+        {"stage": "finetune_sql", "pool": "gpu-a100", "wall_s": 180.0, "cost": 0.055},
+    ]
+
+
+def test_ledger_adds_up_and_measures_the_saving() -> None:
+    cfg = Config()
+    shares = {"pretrain": [[0.5, 0.25, 0.25], [0.5, 0.25, 0.25]]}
+    ledger = cost_ledger(cfg, _records(), shares)
+    assert ledger["total"] == pytest.approx(sum(r["cost"] for r in _records()))
+    assert sum(ledger["by_pool"].values()) == pytest.approx(ledger["total"])
+    assert ledger["by_expert"]["expert_0"] == pytest.approx(0.16)
+    # All three stages on the dearest pool (H100, 3.20/h) for their wall time.
+    assert ledger["all_on_pool"]["pool"] == "gpu-h100"
+    assert ledger["all_on_pool"]["cost"] == pytest.approx(576 / 3600 * 3.20)
+    assert ledger["saving"] == pytest.approx(ledger["all_on_pool"]["cost"] - ledger["total"])
+
+
+def test_budget_alert_on_a_tiny_budget() -> None:
+    cfg = Config()
+    cfg.cost.budget = 0.3
+    ledger = cost_ledger(cfg, _records())
+    assert ledger["budget_alert"] is True and ledger["budget_used"] > 1
+
+
+def test_phases_sum_to_the_stage_cost() -> None:
+    rows = [
+        {"step": s, "loss": 8 - s * 0.05 if s < 60 else 5.0 + (s % 3) * 0.01, "cost": s * 0.01}
+        for s in range(10, 101, 10)
+    ]
+    phases = phase_costs(rows, warmup_steps=20)
+    assert phases["warm-up"] == pytest.approx(0.2)
+    assert phases["plateau_from_step"] == 60
+    total = phases["warm-up"] + phases["convergence"] + phases["plateau"]
+    assert total == pytest.approx(rows[-1]["cost"])
+    assert phase_costs([], 10) == {}
+
+
+def test_storage_and_chart(tmp_path: Path) -> None:
+    cfg = Config()
+    s = storage_costs(cfg, 2_000_000_000, 1_000_000_000)
+    assert s["storage_per_month"] == pytest.approx(2 * cfg.cost.storage_per_gb_month)
+    assert s["transfer"] == pytest.approx(cfg.cost.egress_per_gb)
+    ledger = cost_ledger(cfg, _records(), {"pretrain": [[0.5, 0.5]]})
+    png = plot_cost(ledger, tmp_path / "cost.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
