@@ -21,6 +21,13 @@ from tests.conftest import ROOT, tiny_params
 pytestmark = pytest.mark.slow
 
 
+PLANTED = {
+    "HF_TOKEN": "hf_PlantedSecret7Qx91",
+    "WANDB_API_KEY": "planted-wandb-key-0c4e2a91",
+    "AWS_SESSION_TOKEN": "planted-aws-session-5d8f",
+}
+
+
 def _copy_repo(dest: Path) -> None:
     files = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard"],
@@ -56,6 +63,8 @@ def repo(
         **prefect_server,
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
         "PYTHONPATH": str(dest),  # the copy's code, not the editable install's
+        # Planted secrets: they must not appear in any log, artifact, record or output.
+        **PLANTED,
     }
     return dest, env
 
@@ -75,6 +84,8 @@ def test_dvc_repro_runs_the_pipeline(repo: tuple[Path, dict[str, str]]) -> None:
     r = _run(["dvc", "repro"], root, env)
     for stage in ("prepare", "publish", "pretrain", "finetune_sql", "finetune_domain", "evaluate"):
         assert f"Running stage '{stage}'" in r.stdout
+    for value in PLANTED.values():
+        assert value not in r.stdout and value not in r.stderr  # the logs
 
     meta = json.loads((root / "data/prepared/meta.json").read_text())
     assert meta["splits"]["train"]["tokens"] > 10_000 and meta["dtype"] == "uint16"
@@ -147,6 +158,34 @@ def test_dvc_repro_runs_the_pipeline(repo: tuple[Path, dict[str, str]]) -> None:
         ["moe-pipeline", "checkpoint", "digest", "models/pretrain"], root, env
     ).stdout.split()
     assert len(digest[0]) == 64 and "step_00000012" in digest[1]
+
+
+def test_planted_secrets_appear_in_no_output_record_or_artifact(
+    repo: tuple[Path, dict[str, str]],
+) -> None:
+    root, env = repo
+    needles = [v.encode() for v in PLANTED.values()]
+    scanned = 0
+    written = [root / d for d in ("data", "models", "reports", "store", "wandb", ".dvc")]
+    for path in [p for d in written if d.is_dir() for p in d.rglob("*")] + [root / "dvc.lock"]:
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        scanned += 1
+        for n in needles:
+            assert n not in data, f"a planted secret is in {path.relative_to(root)}"
+    assert scanned > 50  # outputs, records, params dumps, W&B offline files, the store, DVC cache
+    # Prefect artifacts (the summaries and the cost table) through the server's API.
+    req = urllib.request.Request(
+        env["PREFECT_API_URL"].rstrip("/") + "/artifacts/filter",
+        data=json.dumps({"limit": 200}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        artifacts = resp.read()
+    assert b"cost-by-stage" in artifacts and b"pretrain-summary" in artifacts
+    for n in needles:
+        assert n not in artifacts
 
 
 def test_lineage_cli_walks_a_model_back_to_the_corpus(repo: tuple[Path, dict[str, str]]) -> None:
