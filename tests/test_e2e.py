@@ -260,3 +260,36 @@ def test_dvc_push_and_pull_restore_outputs(repo: tuple[Path, dict[str, str]]) ->
     _run(["dvc", "pull"], root, env)
     assert model.read_bytes() == original
     assert "Running stage" not in _run(["dvc", "repro"], root, env).stdout
+
+
+def test_dvc_push_and_pull_through_an_s3_remote(
+    repo: tuple[Path, dict[str, str]], moto_server: str
+) -> None:
+    """The same outputs through an S3 remote (dvc-s3) on the moto server: what a team uses
+    instead of the local folder remote."""
+    import boto3
+
+    root, env = repo
+    boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1").create_bucket(
+        Bucket="dvc-remote"
+    )
+    s3env = {
+        **env,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    _run(["dvc", "remote", "add", "--local", "-f", "s3", "s3://dvc-remote/cache"], root, s3env)
+    _run(["dvc", "remote", "modify", "--local", "s3", "endpointurl", moto_server], root, s3env)
+    _run(["dvc", "push", "-r", "s3"], root, s3env)
+    objects = boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1").list_objects_v2(
+        Bucket="dvc-remote"
+    )
+    assert objects["KeyCount"] > 5
+    model = root / "models/pretrain/model.safetensors"
+    original = model.read_bytes()
+    shutil.rmtree(root / "models")
+    shutil.rmtree(root / ".dvc" / "cache")
+    _run(["dvc", "pull", "-r", "s3"], root, s3env)
+    assert model.read_bytes() == original
+    assert "Running stage" not in _run(["dvc", "repro"], root, s3env).stdout
