@@ -6,6 +6,7 @@ before it starts), so a machine that dies costs at most `checkpoint_every` steps
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
@@ -186,6 +187,13 @@ def _fit_and_save(cfg: Config, trainer: Trainer, out_dir: Path, run_key: str) ->
     return result
 
 
+def _resumable(cfg: Config, section: str) -> Config:
+    """The config as far as resuming cares: the process count is not part of a training
+    state (checkpoints hold every expert under its global id), so changing it resumes."""
+    sec = getattr(cfg, section)
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(sec, nproc=1)})
+
+
 def _price(cfg: Config, stage: str) -> float:
     return cfg.pools.definitions[cfg.pools.stages[stage]].price_per_hour
 
@@ -211,7 +219,9 @@ def pretrain_model(
     )
     t = cfg.train
     fingerprint = (
-        cfg.fingerprint("model", "moe", "train") + ":" + sha256_file(data_dir / "meta.json")
+        _resumable(cfg, "train").fingerprint("model", "moe", "train")
+        + ":"
+        + sha256_file(data_dir / "meta.json")
     )
     trainer = Trainer(
         model,
@@ -288,7 +298,7 @@ def finetune_model(
         batches = MixedBatches(batches, replay)
     fingerprint = ":".join(
         (
-            cfg.fingerprint(stage),
+            _resumable(cfg, stage).fingerprint(stage),
             sha256_file(init_dir / "model.safetensors"),
             sha256_file(data_dir / "meta.json"),
         )
