@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -113,8 +114,11 @@ class StageRecord:
             "flow_run_id": flow_run_id(),
             "wandb_run_id": wandb_run_id,
             "pool": self.pool,
+            "worker": socket.gethostname(),
+            "params_hash": self.cfg.fingerprint(),
             "price_per_hour": self.price_per_hour,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.t0)),
+            "ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "wall_s": round(wall_s, 3),
             # NOTE: priced at the pool's rate for the time this run took on *this* machine;
             # on the pool's GPU the same stage is faster, so this is an upper bound there.
@@ -124,7 +128,24 @@ class StageRecord:
         }
         self.cfg.dump(self.out_dir / "params.yaml")
         write_json(self.out_dir / "lineage.json", record)
+        self._to_object_store(record)
         return record
+
+    def _to_object_store(self, record: dict[str, Any]) -> None:
+        """A copy of the record in the object store, beside the data (`lineage/<stage>/`), so
+        a run's history outlives the machine that ran it."""
+        from tasks.storage import open_store
+
+        run = record["flow_run_id"] or "local"
+        key = f"lineage/{self.stage}/{record['started'].replace(':', '')}-{run}.json"
+        try:
+            store = open_store(self.cfg.storage)
+            store.put(self.out_dir / "lineage.json", key)
+            record["object_store_key"] = f"{store.uri}/{key}"
+        except Exception as e:  # noqa: BLE001 - the local record stands; say so
+            log.warning(
+                "could not copy the %s lineage record to the object store: %s", self.stage, e
+            )
 
 
 def cost_ledger(

@@ -94,6 +94,10 @@ def test_dvc_repro_runs_the_pipeline(repo: tuple[Path, dict[str, str]]) -> None:
     ]
     receipt = json.loads((root / "data/published/receipt.json").read_text())
     assert (root / "store" / receipt["manifest_key"]).is_file()
+    # Every stage's lineage record is also in the object store, beside the data.
+    for stage in ("prepare", "publish", "pretrain", "finetune_sql", "finetune_domain", "evaluate"):
+        copies = list((root / "store" / "lineage" / stage).glob("*.json"))
+        assert copies and json.loads(copies[-1].read_text())["stage"] == stage
     for stage in ("pretrain", "finetune_sql", "finetune_domain"):
         assert (root / "models" / stage / "model.safetensors").is_file()
         report = json.loads((root / "reports" / f"{stage}.json").read_text())
