@@ -405,13 +405,15 @@ class CheckpointStore:
                     for e in range(t.shape[0]):
                         tier = "L2" if e in cold.get(layer, set()) else "L1"
                         entries.append((group, name, e, tier, t[e]))
-            bases: dict[str, Any] = {}  # entry key -> (step, manifest entry) for deltas
+            base_index: dict[int, dict[str, Any]] = {}  # base step -> {key: manifest entry}
             tensors_meta: list[dict[str, Any]] = []
             handles = {tier: open(tmp / f"{tier}.bin", "wb") for tier in ("L0", "L1", "L2")}
             try:
                 for group, name, e, tier, t in entries:
                     key = f"{group}/{name}" + ("" if e is None else f"[{e}]")
-                    codec, base_t, base_step = self._choose(key, tier, t, full, last_full, bases)
+                    codec, base_t, base_step = self._choose(
+                        key, tier, t, full, last_full, base_index
+                    )
                     level = self.cold_level if tier == "L2" else self.hot_level
                     enc = encode(t, codec, base=base_t, level=level)
                     if base_t is not None:
@@ -499,18 +501,16 @@ class CheckpointStore:
         t: torch.Tensor,
         full: set[str],
         last_full: dict[str, tuple[int, dict[str, Any]]],
-        cache: dict[str, Any],
+        base_index: dict[int, dict[str, Any]],
     ) -> tuple[str, torch.Tensor | None, int | None]:
         """(codec, base tensor, base step) for one entry."""
         full_codec = self._full_codec(tier)
         if tier in full or tier not in last_full:
             return full_codec, None, None
         base_step, manifest = last_full[tier]
-        if "index" not in cache:
-            cache["index"] = {}
-        index = cache["index"].setdefault(
-            base_step, {m["key"]: m for m in manifest.get("tensors", [])}
-        )
+        if base_step not in base_index:  # built once per base, not once per tensor
+            base_index[base_step] = {m["key"]: m for m in manifest.get("tensors", [])}
+        index = base_index[base_step]
         meta = index.get(key)
         if (
             meta is None

@@ -177,7 +177,7 @@ def _gather_experts(t: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def full_state(
-    model: MoETransformer, tensors: dict[str, torch.Tensor], world: int, names: dict[str, str]
+    tensors: dict[str, torch.Tensor], world: int, names: dict[str, str]
 ) -> dict[str, torch.Tensor]:
     """Tensors with every expert under its global id: expert slices are gathered from all
     ranks (every rank must call this). `names` maps a tensor name to its parameter's name

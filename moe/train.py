@@ -224,8 +224,8 @@ class Trainer:
         opt_tensors, opt_rest = flatten_optimizer(self.optimizer.state_dict())
         names = self._param_names()
         opt_names = {k: names.get(k.split(".", 1)[0], "") for k in opt_tensors}
-        model_t = D.full_state(self.model, model_tensors(self.model), self.world, {})
-        opt_tensors = D.full_state(self.model, opt_tensors, self.world, opt_names)
+        model_t = D.full_state(model_tensors(self.model), self.world, {})
+        opt_tensors = D.full_state(opt_tensors, self.world, opt_names)
         if self.rank != 0:
             return None
         rng_tensors, rng_meta = _rng_state()
@@ -248,7 +248,7 @@ class Trainer:
             opt_tensors,
             rng_tensors,
             state,
-            param_names=self._param_names(),
+            param_names=names,
             expert_load=self._expert_load(),
         )
 

@@ -16,6 +16,7 @@ retention later deletes stay in the store: expire them with a bucket lifecycle r
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -32,12 +33,17 @@ log = logging.getLogger(__name__)
 TENSOR_FILES = ("L0.bin", "L1.bin", "L2.bin")
 
 
-def checkpoint_store(cfg: Config, root: Path) -> CheckpointStore:
-    """The stage's checkpoint store, able to fetch offloaded files back when offload is on."""
+def checkpoint_store(cfg: Config, root: Path, run_key: str | None = None) -> CheckpointStore:
+    """The stage's checkpoint store. With offload on it fetches offloaded files back, and
+    given the run's key it also offloads after each save (on the writer thread)."""
     store = CheckpointStore.from_config(root, cfg.checkpoint)
     if cfg.checkpoint.offload:
         objects = open_store(cfg.storage)
         store.fetch = lambda key, dest: objects.get(key, dest)
+        if run_key is not None:
+            store.on_saved = lambda _path: offload(
+                store, objects, run_key, cfg.checkpoint.cold_storage_class
+            )
     return store
 
 
@@ -51,9 +57,9 @@ def offload(
     # The newest checkpoint and the bases its deltas need stay on fast disk (hot tiers): the
     # next resume reads them, and the next save diffs against them.
     hot = {newest} if newest else set()
-    for info in store.info():
-        if info.path == newest:
-            hot |= {store.root / f"step_{b:08d}" for b in info.bases}
+    if newest is not None:  # its manifest names its bases (no second hashing pass)
+        bases = json.loads((newest / "manifest.json").read_text()).get("bases", [])
+        hot |= {store.root / f"step_{int(b):08d}" for b in bases}
     moved: list[str] = []
     kept_bytes = 0
     for path in store.checkpoint_dirs():

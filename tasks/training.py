@@ -21,7 +21,7 @@ from prefect.tasks import exponential_backoff
 from safetensors.torch import load_file, save_file
 
 from moe import distributed as D
-from moe.checkpoint import CheckpointStore, load_model_tensors, model_tensors, sha256_file
+from moe.checkpoint import load_model_tensors, model_tensors, sha256_file
 from moe.config import Config, FinetuneConfig, GrowthConfig, ModelConfig, MoEConfig
 from moe.data import BatchSampler, MixedBatches, SFTBatches, SFTExample, TokenStore
 from moe.errors import InputError
@@ -31,8 +31,7 @@ from moe.sql import load_pairs, prompt_text, response_text
 from moe.tokenizer import EOT, PAD, load_tokenizer
 from moe.train import Trainer, TrainResult
 from tasks import retry_unless_input_error
-from tasks.checkpoints import checkpoint_store, offload, offload_checkpoints
-from tasks.storage import open_store
+from tasks.checkpoints import checkpoint_store, offload_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -99,18 +98,6 @@ def write_metrics_csv(out_dir: Path) -> Path:
     return dest
 
 
-def _store(cfg: Config, out_dir: Path, run_key: str) -> CheckpointStore:
-    """The stage's tiered checkpoint store; with `checkpoint.offload`, cold tiers and older
-    checkpoints move to the object store after each save (off the training thread)."""
-    store = checkpoint_store(cfg, out_dir / "checkpoints")
-    if cfg.checkpoint.offload:
-        objects = open_store(cfg.storage)
-        store.on_saved = lambda _path: offload(
-            store, objects, run_key, cfg.checkpoint.cold_storage_class
-        )
-    return store
-
-
 def launch(
     cfg: Config,
     stage: str,
@@ -172,7 +159,7 @@ def _fit_and_save(cfg: Config, trainer: Trainer, out_dir: Path, run_key: str) ->
     trainer.store.close()
     model = trainer.model
     if trainer.world > 1:
-        full = D.full_state(model, model_tensors(model), trainer.world, {})
+        full = D.full_state(model_tensors(model), trainer.world, {})
         if trainer.rank != 0:
             return result
         model = MoETransformer(model.cfg, model.mcfg, model.vocab_size)
@@ -227,7 +214,7 @@ def pretrain_model(
         model,
         t,
         BatchSampler(train_store, t.batch_size, cfg.model.seq_len, t.seed),
-        _store(cfg, out_dir, run_key := f"pretrain/{fingerprint[:16]}"),
+        checkpoint_store(cfg, out_dir / "checkpoints", run_key := f"pretrain/{fingerprint[:16]}"),
         fingerprint=fingerprint,
         schedule="cosine",
         min_lr=t.min_lr,
@@ -307,7 +294,7 @@ def finetune_model(
         model,
         f,
         batches,
-        _store(cfg, out_dir, run_key := f"{stage}/{fingerprint[:16]}"),
+        checkpoint_store(cfg, out_dir / "checkpoints", run_key := f"{stage}/{fingerprint[:16]}"),
         fingerprint=fingerprint,
         schedule="linear",
         min_lr=0.0,

@@ -82,14 +82,13 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if mode == "step":
         loss = step(model, opt, rank, world)
-        full = D.full_state(model, model_tensors(model), world, {})
+        full = D.full_state(model_tensors(model), world, {})
         if rank == 0:
             save_file(full, str(out / f"step_w{world}.safetensors"))
             (out / f"step_w{world}.json").write_text(json.dumps({"loss": loss}))
     elif mode == "ckpt":
         store = CheckpointStore(out / "ckpt_w1")
         ck = store.load(store.latest_valid())
-        names = {}
         # Build the optimizer state first (one step), then overwrite it from the checkpoint.
         step(model, opt, rank, world)
         names = param_names(model, opt)
@@ -99,17 +98,17 @@ def main() -> None:
                 D.local_slice(ck.optimizer, rank, world, names), ck.state["optimizer"]
             )
         )
-        back = D.full_state(model, model_tensors(model), world, {})
+        back = D.full_state(model_tensors(model), world, {})
         for k, v in ck.model.items():
             assert torch.equal(back[k], v), f"rank {rank}: {k} differs after restore"
         opt_t, _ = flatten_optimizer(opt.state_dict())
-        back_opt = D.full_state(model, opt_t, world, names)
+        back_opt = D.full_state(opt_t, world, names)
         for k, v in ck.optimizer.items():
             assert torch.equal(back_opt[k], v), f"rank {rank}: optimizer {k} differs"
         step(model, opt, rank, world)
-        full = D.full_state(model, model_tensors(model), world, {})
+        full = D.full_state(model_tensors(model), world, {})
         opt_t, rest = flatten_optimizer(opt.state_dict())
-        full_opt = D.full_state(model, opt_t, world, names)
+        full_opt = D.full_state(opt_t, world, names)
         if rank == 0:
             CheckpointStore(out / f"ckpt_w{world}").save(
                 2, full, full_opt, {}, {"step": 2, "optimizer": rest}
