@@ -7,6 +7,7 @@ and a message naming the key, before any work and without touching existing outp
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -34,6 +35,15 @@ def _add_params(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_force(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="run even a stage whose params, code and inputs did not change since it ran "
+        "(default: such a stage is skipped and says so; MOE_FORCE=1 does the same)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-pipeline", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     stage = sub.add_parser("stage", help="run one stage's flow in this process")
     stage.add_argument("name", choices=STAGES)
     _add_params(stage)
+    _add_force(stage)
 
     run = sub.add_parser("run", help="run the whole pipeline in this process")
     run.add_argument(
@@ -60,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="only these stages (in pipeline order)",
     )
     _add_params(run)
+    _add_force(run)
 
     lineage = sub.add_parser(
         "lineage", help="walk an output (file or folder) back through the stages to its corpus"
@@ -67,6 +79,27 @@ def build_parser() -> argparse.ArgumentParser:
     lineage.add_argument("output", type=Path)
     lineage.add_argument("--root", type=Path, default=Path("."), help="the project folder")
     lineage.add_argument("--json", action="store_true", help="the chain as JSON")
+
+    stack = sub.add_parser(
+        "stack",
+        help="the local stack: Prefect server, S3 (moto), a worker per pool, the deployments",
+    )
+    ssub = stack.add_subparsers(dest="stack_command", required=True)
+    sup = ssub.add_parser("up", help="start what is not running (idempotent)")
+    sup.add_argument("--params", metavar="FILE", default=None, help="whose pools to create")
+    sup.add_argument("--no-ui", action="store_true", help="serve the API without the web UI")
+    ssub.add_parser("status", help="each process of the stack and each pool's workers")
+    ssub.add_parser("down", help="stop exactly the processes `up` started")
+    srun = ssub.add_parser(
+        "run", help="run the pipeline deployment: each stage on its pool's worker"
+    )
+    srun.add_argument("--stages", nargs="+", choices=STAGES, default=None)
+    srun.add_argument(
+        "--handoff", default=None, help="an earlier run's hand-off key (re-run later stages)"
+    )
+    _add_params(srun)
+    for p in ssub.choices.values():
+        p.add_argument("--root", type=Path, default=Path("."), help="the project folder")
 
     ckpt = sub.add_parser("checkpoint", help="inspect checkpoints")
     csub = ckpt.add_subparsers(dest="checkpoint_command", required=True)
@@ -113,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             return _checkpoint(args)
         if args.command == "lineage":
             return _lineage(args)
+        if args.command == "stack":
+            return _stack(args)
         load_config(
             args.params, args.overrides
         )  # validate before importing Prefect or touching anything
@@ -120,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
 
+    if getattr(args, "force", False):
+        os.environ["MOE_FORCE"] = "1"
     try:
         if args.command == "stage":
             from flows.stages import STAGE_FLOWS
@@ -134,6 +171,31 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    return 0
+
+
+def _stack(args: argparse.Namespace) -> int:
+    import json
+
+    from flows import stack
+
+    try:
+        if args.stack_command == "up":
+            stack.up(args.root, args.params, ui=not args.no_ui)
+        elif args.stack_command == "status":
+            print(json.dumps(stack.status(args.root), indent=1))
+        elif args.stack_command == "down":
+            if not stack.down(args.root):
+                print("nothing of the stack was running")
+        else:
+            result = stack.run(args.root, args.params, args.overrides, args.stages, args.handoff)
+            work = args.root.resolve() / stack.STATE_DIR / "work"
+            print(f"pipeline {result['state']}: {result['message'] or ''}".rstrip(": "))
+            print(f"working folders of the pools (outputs, reports, checkpoints): {work}/<pool>")
+            return 0 if result["completed"] else 1
+    except stack.StackError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

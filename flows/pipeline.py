@@ -1,14 +1,23 @@
-"""The pipeline flow: every stage in order, in this process (the laptop driver)."""
+"""The pipeline flow: every stage in order.
+
+`dispatch="local"` runs the stages as subflows in this process (the laptop driver, `moe-pipeline
+run`). `dispatch="deployments"` starts each stage's deployment with `run_deployment`, so it runs
+on a worker of its own pool (pools.stages), and the stages pass their outputs to each other
+through the object store (tasks/handoff.py), never through a shared disk. The resolved
+configuration travels as a flow parameter, so every stage runs with exactly the same params.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import uuid
+from typing import Any, Literal
 
 from prefect import flow
+from prefect.runtime import flow_run
 
 from flows.stages import STAGE_FLOWS
-from moe.config import STAGES, load_config
+from moe.config import STAGES, Config, load_config
 
 log = logging.getLogger(__name__)
 
@@ -18,16 +27,89 @@ def pipeline(
     params_file: str | None = None,
     overrides: list[str] | None = None,
     stages: list[str] | None = None,
+    dispatch: Literal["local", "deployments"] = "local",
+    handoff: str | None = None,
+    params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run `stages` (default: all) in order as subflows; stops at the first failure."""
-    load_config(params_file, overrides or [])  # validate once before any stage starts
+    """Run `stages` (default: all) in order; stops at the first failure.
+
+    With dispatch="deployments", `handoff` names the run whose hand-offs the stages share
+    (default: this flow run's id); give an earlier run's key to re-run its later stages.
+    `params` (a resolved configuration) takes the place of `params_file`.
+    """
+    cfg = load_config(params_file, overrides or [], params)  # validate once before any stage starts
     chosen = list(stages or STAGES)
     unknown = [s for s in chosen if s not in STAGE_FLOWS]
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}; stages are {', '.join(STAGES)}")
+    ordered = [name for name in STAGES if name in chosen]
+    if dispatch == "deployments":
+        return _dispatch(cfg, ordered, handoff or str(flow_run.get_id() or uuid.uuid4()))
+    if dispatch != "local":
+        raise ValueError(f"dispatch must be 'local' or 'deployments', got {dispatch!r}")
     results: dict[str, Any] = {}
-    for name in STAGES:
-        if name in chosen:
-            log.info("stage %s", name)
-            results[name] = STAGE_FLOWS[name](params_file, overrides or [])
+    for name in ordered:
+        log.info("stage %s", name)
+        results[name] = STAGE_FLOWS[name](params_file, overrides or [], params)
+    return results
+
+
+def _dispatch(cfg: Config, stages: list[str], run: str) -> dict[str, Any]:
+    """Each stage as a run of its deployment (`<stage>/<stage>`) on its pool's worker."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
+
+    from tasks.handoff import pull_inputs
+
+    if cfg.pools.stages["prepare"] != cfg.pools.stages["publish"]:
+        log.info("prepare and publish run on different pools: the prepared data is handed off")
+    with get_client(sync_client=True) as client:
+        for pool in sorted({cfg.pools.stages[s] for s in stages}):
+            try:
+                workers = client.read_workers_for_work_pool(pool)
+            except ObjectNotFound:
+                raise RuntimeError(
+                    f"work pool {pool!r} (pools.stages in params) does not exist on "
+                    f"{client.api_url}: create it and start a worker (moe-pipeline stack up, "
+                    "or infra/README.md)"
+                ) from None
+            if not any(w.status.value == "ONLINE" for w in workers):
+                log.warning(
+                    "no worker is online on pool %r: its stages wait until one starts "
+                    "(prefect worker start --pool %s)",
+                    pool,
+                    pool,
+                )
+    params = cfg.to_dict()
+    results: dict[str, Any] = {"handoff": run}
+    log.info("hand-off run key %s: stages exchange outputs under runs/%s/", run, run)
+    for name in stages:
+        pool = cfg.pools.stages[name]
+        log.info("stage %s -> deployment %s/%s on pool %s", name, name, name, pool)
+        try:
+            fr = run_deployment(
+                f"{name}/{name}",
+                parameters={"params": params, "handoff": run},
+                timeout=None,
+                poll_interval=2,
+            )
+        except ObjectNotFound:
+            raise RuntimeError(
+                f"deployment {name}/{name} does not exist: deploy prefect.yaml "
+                "(prefect deploy --all, or moe-pipeline stack up)"
+            ) from None
+        state = fr.state
+        if state is None or not state.is_completed():
+            raise RuntimeError(
+                f"stage {name} (flow run {fr.id} on pool {pool}) ended "
+                f"{state.name if state else 'without a state'}: "
+                f"{(state.message if state else '') or 'see its logs in the Prefect UI'}. "
+                f"Fix it and re-run the pipeline with handoff={run!r} and the stages from "
+                f"{name} on: they fetch the finished stages' hand-offs, and training resumes "
+                "from its newest checkpoint on the pool's disk"
+            )
+        results[name] = {"flow_run_id": str(fr.id), "pool": pool, "state": state.name}
+    if "evaluate" in stages:  # the report where the pipeline runs, too
+        pull_inputs(cfg, "report", run, upto=["evaluate"])
     return results

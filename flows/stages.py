@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -21,6 +22,7 @@ from moe.config import Config, load_config
 from moe.errors import InputError
 from tasks.data import build_sql_sets, build_tokenizer, commit_folder, tokenize_corpus
 from tasks.evaluation import evaluate_perplexity, evaluate_sql
+from tasks.handoff import pull_inputs, push_outputs, stage_outputs
 from tasks.report import (
     StageRecord,
     cost_ledger,
@@ -31,6 +33,7 @@ from tasks.report import (
     publish_artifacts,
     publish_cost_table,
     storage_costs,
+    up_to_date,
     write_json,
 )
 from tasks.storage import download_dataset, publish_dataset
@@ -54,15 +57,75 @@ def _receipt() -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _load(params_file: str | None, overrides: list[str] | None) -> Config:
-    return load_config(params_file, overrides or [])
+def _load(
+    stage: str,
+    params_file: str | None,
+    overrides: list[str] | None,
+    params: dict[str, Any] | None,
+    handoff: str | None,
+) -> Config:
+    """The stage's configuration; with a hand-off run key (dispatch: deployments), first fetch
+    and verify what the earlier stages handed off through the object store."""
+    cfg = load_config(params_file, overrides or [], params)
+    if handoff and stage != "prepare":
+        pull_inputs(cfg, stage, handoff)
+    return cfg
+
+
+def _hand_off(cfg: Config, stage: str, handoff: str | None) -> None:
+    if handoff:
+        push_outputs(cfg, stage, handoff)
+
+
+def _skipped(
+    cfg: Config, stage: str, out_dir: Path, inputs: dict[str, Path], handoff: str | None
+) -> dict[str, Any] | None:
+    """The stage's last summary if its params, code and inputs are unchanged since it ran and
+    its outputs are intact (tasks/report.py:up_to_date): the stage is skipped and says so.
+    MOE_FORCE=1 runs it anyway (`moe-pipeline stage|run --force`)."""
+    if os.environ.get("MOE_FORCE", "") not in ("", "0"):
+        return None
+    rec = up_to_date(cfg, stage, out_dir, inputs, stage_outputs(cfg, stage))
+    if rec is None:
+        return None
+    log.info(
+        "stage %s skipped: its params, code and inputs (%s) are unchanged since its run that "
+        "ended %s (flow run %s); its outputs in %s are kept (MOE_FORCE=1 runs it anyway)",
+        stage,
+        ", ".join(inputs) or "none",
+        rec.get("ended"),
+        rec.get("flow_run_id"),
+        out_dir,
+    )
+    publish_artifacts(stage, {"skipped": True, "unchanged_since": rec.get("ended")})
+    _hand_off(cfg, stage, handoff)
+    return {**rec.get("metrics", {}), "skipped": True}
+
+
+def _corpus(cfg: Config) -> dict[str, Path]:
+    """The corpus as a content-hashed input, where it is a local file or folder (the stdlib
+    corpus is identified by the Python version, a hub dataset by its id, in the params hash)."""
+    src = Path(cfg.data.source).expanduser()
+    return {"corpus": src} if cfg.data.source != "stdlib" and src.exists() else {}
+
+
+# Every stage flow takes the same parameters: a params file and `--set` overrides (the CLI and
+# dvc.yaml), or `params`, a resolved configuration, and `handoff`, the run key under which
+# stages on different machines pass their outputs through the object store (flows/pipeline.py).
 
 
 @flow(name="prepare", log_prints=True)
-def prepare(params_file: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+def prepare(
+    params_file: str | None = None,
+    overrides: list[str] | None = None,
+    params: dict[str, Any] | None = None,
+    handoff: str | None = None,
+) -> dict[str, Any]:
     """Tokenize the corpus into memmap token files and generate the SQL pair sets (CPU)."""
-    cfg = _load(params_file, overrides)
+    cfg = _load("prepare", params_file, overrides, params, handoff)
     out = Path(cfg.data.out_dir)
+    if (done := _skipped(cfg, "prepare", out, _corpus(cfg), handoff)) is not None:
+        return done
     record = StageRecord(cfg, "prepare", out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -84,20 +147,28 @@ def prepare(params_file: str | None = None, overrides: list[str] | None = None) 
         "tokens_per_s": meta["tokens_per_s"],
         **{f"sql_{k}": v for k, v in sql.items()},
     }
-    record.write(inputs={}, outputs={"prepared": out}, metrics=summary)
+    record.write(inputs=_corpus(cfg), outputs={"prepared": out}, metrics=summary)
     publish_artifacts("prepare", summary)
+    _hand_off(cfg, "prepare", handoff)
     return summary
 
 
 @flow(name="publish", log_prints=True)
-def publish(params_file: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+def publish(
+    params_file: str | None = None,
+    overrides: list[str] | None = None,
+    params: dict[str, Any] | None = None,
+    handoff: str | None = None,
+) -> dict[str, Any]:
     """Archive the prepared data with zstd and upload it with a sha256 manifest (CPU)."""
-    cfg = _load(params_file, overrides)
+    cfg = _load("publish", params_file, overrides, params, handoff)
     prepared = Path(cfg.data.out_dir)
     if not (prepared / "meta.json").is_file():
         raise InputError(
             f"{prepared}/meta.json is missing: run the prepare stage first (moe-pipeline stage prepare)"
         )
+    if (done := _skipped(cfg, "publish", PUBLISHED, {"prepared": prepared}, handoff)) is not None:
+        return done
     record = StageRecord(cfg, "publish", PUBLISHED)
     work = Path(".cache/publish")
     published = publish_dataset(cfg, prepared, work)
@@ -118,6 +189,7 @@ def publish(params_file: str | None = None, overrides: list[str] | None = None) 
         metrics=published.to_dict(),
     )
     publish_artifacts("publish", published.to_dict())
+    _hand_off(cfg, "publish", handoff)
     return published.to_dict()
 
 
@@ -126,11 +198,19 @@ def _train_summary(stage: str, result: Any, extra: dict[str, Any] | None = None)
 
 
 @flow(name="pretrain", log_prints=True)
-def pretrain(params_file: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+def pretrain(
+    params_file: str | None = None,
+    overrides: list[str] | None = None,
+    params: dict[str, Any] | None = None,
+    handoff: str | None = None,
+) -> dict[str, Any]:
     """Download and verify the published data, then pretrain the MoE model (GPU)."""
-    cfg = _load(params_file, overrides)
+    cfg = _load("pretrain", params_file, overrides, params, handoff)
     receipt = _receipt()
     out = MODELS / "pretrain"
+    inputs = {"receipt": PUBLISHED / "receipt.json"}
+    if (done := _skipped(cfg, "pretrain", out, inputs, handoff)) is not None:
+        return done
     record = StageRecord(cfg, "pretrain", out)
     data_dir = download_dataset(cfg, receipt)
     with wandb_run(cfg, "pretrain") as (log_fn, run_id):
@@ -138,24 +218,37 @@ def pretrain(params_file: str | None = None, overrides: list[str] | None = None)
     summary = _train_summary("pretrain", result, {"dataset_version": receipt["version"]})
     write_json(REPORTS / "pretrain.json", summary)
     record.write(
-        inputs={"receipt": PUBLISHED / "receipt.json"},
+        inputs=inputs,
         outputs={"model": out / "model.safetensors"},
         metrics=summary,
         wandb_run_id=run_id,
         compute_s=result.wall_s,
     )
     publish_artifacts("pretrain", summary)
+    _hand_off(cfg, "pretrain", handoff)
     return summary
 
 
 def _finetune(
-    stage: str, pairs_file: str, init: str, params_file: str | None, overrides: list[str] | None
+    stage: str,
+    pairs_file: str,
+    init: str,
+    params_file: str | None,
+    overrides: list[str] | None,
+    params: dict[str, Any] | None,
+    handoff: str | None,
 ) -> dict[str, Any]:
-    cfg = _load(params_file, overrides)
+    cfg = _load(stage, params_file, overrides, params, handoff)
     receipt = _receipt()
     out, init_dir = MODELS / stage, MODELS / init
     if not (init_dir / "model.safetensors").is_file():
         raise InputError(f"{init_dir}/model.safetensors is missing: run the {init} stage first")
+    inputs = {
+        "receipt": PUBLISHED / "receipt.json",
+        "init_model": init_dir / "model.safetensors",
+    }
+    if (done := _skipped(cfg, stage, out, inputs, handoff)) is not None:
+        return done
     record = StageRecord(cfg, stage, out)
     data_dir = download_dataset(cfg, receipt)
     with wandb_run(cfg, stage) as (log_fn, run_id):
@@ -165,43 +258,63 @@ def _finetune(
     summary = _train_summary(stage, result)
     write_json(REPORTS / f"{stage}.json", summary)
     record.write(
-        inputs={
-            "receipt": PUBLISHED / "receipt.json",
-            "init_model": init_dir / "model.safetensors",
-        },
+        inputs=inputs,
         outputs={"model": out / "model.safetensors"},
         metrics=summary,
         wandb_run_id=run_id,
         compute_s=result.wall_s,
     )
     publish_artifacts(stage, summary)
+    _hand_off(cfg, stage, handoff)
     return summary
 
 
 @flow(name="finetune_sql", log_prints=True)
 def finetune_sql(
-    params_file: str | None = None, overrides: list[str] | None = None
+    params_file: str | None = None,
+    overrides: list[str] | None = None,
+    params: dict[str, Any] | None = None,
+    handoff: str | None = None,
 ) -> dict[str, Any]:
     """Stage one of finetuning: the generic SQL pairs, from the pretrained model (GPU)."""
-    return _finetune("finetune_sql", "generic.jsonl", "pretrain", params_file, overrides)
+    return _finetune(
+        "finetune_sql", "generic.jsonl", "pretrain", params_file, overrides, params, handoff
+    )
 
 
 @flow(name="finetune_domain", log_prints=True)
 def finetune_domain(
-    params_file: str | None = None, overrides: list[str] | None = None
+    params_file: str | None = None,
+    overrides: list[str] | None = None,
+    params: dict[str, Any] | None = None,
+    handoff: str | None = None,
 ) -> dict[str, Any]:
     """Stage two of finetuning: the target-domain pairs, from the SQL model (GPU)."""
     return _finetune(
-        "finetune_domain", "domain_train.jsonl", "finetune_sql", params_file, overrides
+        "finetune_domain",
+        "domain_train.jsonl",
+        "finetune_sql",
+        params_file,
+        overrides,
+        params,
+        handoff,
     )
 
 
 @flow(name="evaluate", log_prints=True)
-def evaluate(params_file: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+def evaluate(
+    params_file: str | None = None,
+    overrides: list[str] | None = None,
+    params: dict[str, Any] | None = None,
+    handoff: str | None = None,
+) -> dict[str, Any]:
     """Perplexity and SQL accuracy of every stage's model, the bill and the report."""
-    cfg = _load(params_file, overrides)
+    cfg = _load("evaluate", params_file, overrides, params, handoff)
     receipt = _receipt()
     out = REPORTS / "evaluate"
+    inputs = {s: MODELS / s / "model.safetensors" for s in TRAIN_STAGES}
+    if (done := _skipped(cfg, "evaluate", out, inputs, handoff)) is not None:
+        return done
     record = StageRecord(cfg, "evaluate", out)
     data_dir = download_dataset(cfg, receipt)
     metrics: dict[str, Any] = {
@@ -223,9 +336,9 @@ def evaluate(params_file: str | None = None, overrides: list[str] | None = None)
     ]
 
     records = [json.loads(p.read_text()) for p in _lineage_files(cfg)]
-    own = record.write(
-        inputs={s: MODELS / s / "model.safetensors" for s in TRAIN_STAGES},
-        outputs={"metrics": REPORTS / "metrics.json"},
+    own = record.write(  # its cost enters the ledger; rewritten below with the outputs' hashes
+        inputs=inputs,
+        outputs={},
         metrics={k: v for k, v in metrics.items() if not isinstance(v, dict)},
     )
     commit = next(r["code"]["commit"] for r in records if r["stage"] == "pretrain")
@@ -293,6 +406,12 @@ def evaluate(params_file: str | None = None, overrides: list[str] | None = None)
             **{f"{s}_ppl": round(metrics[s]["val"]["perplexity"], 3) for s in TRAIN_STAGES},
         },
     )
+    record.write(
+        inputs=inputs,
+        outputs={"metrics": REPORTS / "metrics.json", "cost": REPORTS / "cost.json"},
+        metrics={k: v for k, v in metrics.items() if not isinstance(v, dict)},
+    )
+    _hand_off(cfg, "evaluate", handoff)
     return metrics
 
 

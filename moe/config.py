@@ -9,6 +9,7 @@ and (when read from a file) the line.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -865,16 +866,27 @@ def from_dict(
 
 
 def load_config(
-    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    params: dict[str, Any] | None = None,
 ) -> Config:
     """Load `path` (default: ./params.yaml if it exists, else the embedded default) + overrides.
 
+    `params` (a resolved configuration as a mapping, e.g. a flow parameter sent by the
+    pipeline to a stage on another machine) takes the place of the file.
     Raises ConfigError naming every bad key; touches nothing on disk.
     """
     raw: dict[str, Any] = {}
     lines: dict[str, int] = {}
     source = "embedded default"
-    if path is None and Path("params.yaml").is_file():
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ConfigError(
+                [f"params must be a mapping of sections, got {type(params).__name__}"],
+                "flow parameters",
+            )
+        raw, source, path = copy.deepcopy(params), "flow parameters", None
+    elif path is None and Path("params.yaml").is_file():
         path = "params.yaml"
     if path is not None:
         path = Path(path)

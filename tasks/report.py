@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import socket
 import subprocess
 import time
@@ -60,6 +61,10 @@ def content_hash(path: Path) -> str:
 
 
 def code_version() -> dict[str, Any]:
+    """The git commit of the code (and whether moe/tasks/flows differ from it). Where the code
+    is a copy without git (an image, a stack worker's folder), MOE_CODE_COMMIT says it."""
+    if os.environ.get("MOE_CODE_COMMIT") and not Path(".git").exists():
+        return {"commit": os.environ["MOE_CODE_COMMIT"], "dirty": None}
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
@@ -84,6 +89,75 @@ def flow_run_id() -> str | None:
         return str(flow_run.id) if flow_run.id else None
     except Exception:  # noqa: BLE001 - outside a flow run
         return None
+
+
+def _dvc_stage(stage: str) -> dict[str, Any]:
+    """The stage's entry in dvc.yaml: the one list of the params and code each stage reads."""
+    import yaml
+
+    path = Path("dvc.yaml")
+    if not path.is_file():
+        return {}
+    return yaml.safe_load(path.read_text()).get("stages", {}).get(stage, {})
+
+
+def stage_params_hash(cfg: Config, stage: str) -> str:
+    """sha256 of the params this stage reads (dvc.yaml's `params` of the stage), so that a
+    change to a later stage's params does not invalidate an earlier stage."""
+    full = cfg.to_dict()
+    picked: dict[str, Any] = {}
+    for key in _dvc_stage(stage).get("params") or list(full):
+        node: Any = full
+        for part in str(key).split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        picked[str(key)] = node
+    if stage == "prepare" and cfg.data.source == "stdlib":
+        picked["python"] = platform.python_version()  # the corpus is this Python's stdlib
+    return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()
+
+
+def code_deps(stage: str) -> dict[str, str]:
+    """sha256 of each source file dvc.yaml lists as a dependency of the stage."""
+    out = {}
+    for dep in _dvc_stage(stage).get("deps") or []:
+        p = Path(str(dep))
+        if p.suffix == ".py" and p.is_file():
+            out[str(p)] = sha256_file(p)
+    return out
+
+
+def up_to_date(
+    cfg: Config, stage: str, out_dir: Path, inputs: dict[str, Path], outputs: list[Path]
+) -> dict[str, Any] | None:
+    """The lineage record of the stage's last run if that run is still valid: same params
+    (the stage's), same code, same content hashes of its inputs, outputs present and
+    unchanged, and it finished (not cut by a budget). Else None: the stage must run."""
+    path = out_dir / "lineage.json"
+    if not path.is_file():
+        return None
+    try:
+        rec = json.loads(path.read_text())
+    except ValueError:
+        return None
+    if rec.get("stage_params_hash") != stage_params_hash(cfg, stage):
+        return None
+    if rec.get("code_deps") != code_deps(stage):
+        return None
+    stop = str(rec.get("metrics", {}).get("stop_reason", ""))
+    if "budget" in stop or stop == "stop_after":
+        return None
+    if not rec.get("outputs") or set(rec.get("inputs", {})) != set(inputs):
+        return None
+    for name, p in inputs.items():
+        if not p.exists() or rec["inputs"][name].get("sha256") != content_hash(p):
+            return None
+    for o in rec.get("outputs", {}).values():
+        p = Path(o["path"])
+        if not p.exists() or content_hash(p) != o["sha256"]:
+            return None
+    if not all(p.exists() for p in outputs):
+        return None
+    return rec
 
 
 class StageRecord:
@@ -114,8 +188,11 @@ class StageRecord:
             "flow_run_id": flow_run_id(),
             "wandb_run_id": wandb_run_id,
             "pool": self.pool,
-            "worker": socket.gethostname(),
+            # the Prefect worker that ran it (the local stack names them), and its machine
+            "worker": "@".join(filter(None, [os.environ.get("MOE_WORKER"), socket.gethostname()])),
             "params_hash": self.cfg.fingerprint(),
+            "stage_params_hash": stage_params_hash(self.cfg, self.stage),
+            "code_deps": code_deps(self.stage),
             "price_per_hour": self.price_per_hour,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.t0)),
             "ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -243,6 +243,24 @@ def test_second_repro_is_a_no_op(repo: tuple[Path, dict[str, str]]) -> None:
     assert "Data and pipelines are up to date" in r.stdout
 
 
+def test_unchanged_stages_are_skipped_and_say_so(repo: tuple[Path, dict[str, str]]) -> None:
+    """Outside DVC too (moe-pipeline run, a deployment): a stage whose params, code and input
+    hashes match its lineage record is skipped, says so, and leaves its outputs alone."""
+    root, env = repo
+    model = root / "models/pretrain/model.safetensors"
+    before = model.stat().st_mtime_ns
+    r = _run(["moe-pipeline", "run"], root, env)
+    out = r.stdout + r.stderr
+    for stage in ("prepare", "publish", "pretrain", "finetune_sql", "finetune_domain", "evaluate"):
+        assert f"stage {stage} skipped" in out, out[-3000:]
+    assert model.stat().st_mtime_ns == before
+    # the chain the skip compares: evaluate's recorded input is pretrain's recorded output
+    rec = _lineage(root, "reports/evaluate")
+    assert rec["inputs"]["pretrain"]["sha256"] == _lineage(root, "models/pretrain")["outputs"][
+        "model"
+    ]["sha256"]
+
+
 def test_finetune_domain_param_reruns_only_downstream(repo: tuple[Path, dict[str, str]]) -> None:
     root, env = repo
     params = yaml.safe_load((root / "params.yaml").read_text())

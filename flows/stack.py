@@ -1,0 +1,488 @@
+"""The local stack: the whole orchestration on one machine, on 127.0.0.1.
+
+`moe-pipeline stack up` starts a Prefect server and a moto S3 server, creates the bucket, one
+work pool per entry of `pools.definitions` (process type, infra/pools/process.json), deploys
+prefect.yaml, and starts one process worker per pool. Each worker has its own working folder
+under `.stack/work/<pool>/` with a copy of the code (what an image per pool would hold), so
+stages on different pools share no disk: they exchange outputs through the S3 bucket.
+`stack run` starts the pipeline deployment with `dispatch: deployments`; `stack status` shows
+what runs; `stack down` stops exactly the processes `up` started (pid and start time recorded
+in `.stack/stack.json`), and keeps the database, logs and working folders.
+
+`up` is idempotent: it restarts only what is not running (a killed worker, for instance).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from moe.config import Config, load_config
+
+STATE_DIR = ".stack"
+BUCKET = "moe-stack"
+# Files a worker's working folder gets: the code and its configuration (not data or outputs).
+CODE = ("moe", "tasks", "flows", "params.yaml", "prefect.yaml", "dvc.yaml", "pyproject.toml")
+
+
+class StackError(RuntimeError):
+    """Something the user can fix (named in the message)."""
+
+
+def _state_path(root: Path) -> Path:
+    return root / STATE_DIR / "stack.json"
+
+
+def load_state(root: Path) -> dict[str, Any]:
+    path = _state_path(root)
+    return json.loads(path.read_text()) if path.is_file() else {"procs": {}}
+
+
+def _save(root: Path, state: dict[str, Any]) -> None:
+    path = _state_path(root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    os.replace(tmp, path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _proc(entry: dict[str, Any] | None) -> psutil.Process | None:
+    """The process an entry recorded, if it still runs (same pid *and* start time: a pid the
+    system gave to another process since is not ours)."""
+    if not entry:
+        return None
+    try:
+        p = psutil.Process(entry["pid"])
+        if abs(p.create_time() - entry["started"]) > 1 or p.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return p
+    except psutil.NoSuchProcess:
+        return None
+
+
+def _spawn(
+    root: Path, state: dict[str, Any], name: str, cmd: list[str], env: dict[str, str], cwd: Path
+) -> None:
+    log = root / STATE_DIR / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    state["procs"][name] = {
+        "pid": proc.pid,
+        "started": psutil.Process(proc.pid).create_time(),
+        "cmd": cmd,
+        "log": str(log),
+    }
+    _save(root, state)
+
+
+def _wait_http(url: str, entry: dict[str, Any], what: str, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            if _proc(entry) is None:
+                raise StackError(f"{what} exited; see {entry['log']}") from None
+            if time.time() > deadline:
+                raise StackError(
+                    f"{what} did not answer {url} in {timeout:.0f} s; see {entry['log']}"
+                ) from None
+            time.sleep(0.5)
+
+
+def _exe(name: str) -> str:
+    exe = Path(sys.executable).with_name(name)
+    if not exe.is_file():
+        raise StackError(f"{exe} is missing: install the project (make venv) and use its python")
+    return str(exe)
+
+
+# Real cloud credentials are not handed to the stack's processes: its bucket lives on moto.
+_DROPPED = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL")
+
+
+def _base_env(root: Path) -> dict[str, str]:
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k not in _DROPPED
+    }
+    env.update(
+        PREFECT_HOME=str(root / STATE_DIR / "prefect-home"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        DO_NOT_TRACK="1",
+    )
+    return env
+
+
+def _api_env(root: Path, state: dict[str, Any]) -> dict[str, str]:
+    return {**_base_env(root), "PREFECT_API_URL": state["api_url"]}
+
+
+def _s3_env() -> dict[str, str]:
+    """Credentials for the stack's moto server (any value works there)."""
+    return {
+        "AWS_ACCESS_KEY_ID": "stack",
+        "AWS_SECRET_ACCESS_KEY": "stack",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+
+
+def stack_overrides(state: dict[str, Any]) -> list[str]:
+    """The params overrides that point the stages at the stack's object store."""
+    return [
+        "storage.backend=s3",
+        f"storage.bucket={state['bucket']}",
+        f"storage.endpoint_url={state['s3_endpoint']}",
+    ]
+
+
+def up(
+    root: Path,
+    params_file: str | None = None,
+    ui: bool = True,
+    query_seconds: float = 2.0,
+    say: Any = print,
+) -> dict[str, Any]:
+    """Start (or complete) the stack; returns its state."""
+    root = root.resolve()
+    cfg = load_config(params_file or (root / "params.yaml"))
+    state = load_state(root)
+    state.setdefault("procs", {})
+    state["root"] = str(root)
+
+    server = state["procs"].get("prefect-server")
+    if _proc(server) is None:
+        port = state.get("api_port") or _free_port()
+        state.update(api_port=port, api_url=f"http://127.0.0.1:{port}/api")
+        env = {**_base_env(root), "PREFECT_UI_ENABLED": "true" if ui else "false"}
+        _spawn(
+            root,
+            state,
+            "prefect-server",
+            [_exe("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env,
+            root,
+        )
+        say(f"starting the Prefect server on 127.0.0.1:{port}")
+    _wait_http(
+        f"{state['api_url']}/health", state["procs"]["prefect-server"], "prefect server", 180
+    )
+
+    moto = state["procs"].get("moto-s3")
+    if _proc(moto) is None:
+        port = state.get("s3_port") or _free_port()
+        state.update(s3_port=port, s3_endpoint=f"http://127.0.0.1:{port}")
+        _spawn(
+            root,
+            state,
+            "moto-s3",
+            [_exe("moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+            _base_env(root),
+            root,
+        )
+        say(f"starting the moto S3 server on 127.0.0.1:{port}")
+    _wait_http(state["s3_endpoint"], state["procs"]["moto-s3"], "moto S3 server", 60)
+    state["bucket"] = BUCKET
+    _ensure_bucket(state)
+    _save(root, state)
+
+    pools = sorted(cfg.pools.definitions)
+    _ensure_pools(root, state, pools)
+    workspaces = _sync_workspaces(root, pools)
+    _deploy(root, state, say)
+    for pool in pools:
+        name = f"worker-{pool}"
+        if _proc(state["procs"].get(name)) is not None:
+            continue
+        env = {
+            **_api_env(root, state),
+            **_s3_env(),
+            "MOE_PIPELINE_DIR": str(workspaces[pool]),
+            "PYTHONPATH": str(workspaces[pool]),
+            "MOE_WORKER": name,
+            "MOE_CODE_COMMIT": _commit(root),
+            "PREFECT_WORKER_QUERY_SECONDS": str(query_seconds),
+            "PREFECT_WORKER_HEARTBEAT_SECONDS": "5",
+            "PREFECT_LOGGING_EXTRA_LOGGERS": "moe,tasks,flows",
+        }
+        _spawn(
+            root,
+            state,
+            name,
+            [
+                _exe("prefect"),
+                "worker",
+                "start",
+                "--pool",
+                pool,
+                "--name",
+                name,
+                "--type",
+                "process",
+            ],
+            env,
+            workspaces[pool],
+        )
+        say(f"starting {name} in {workspaces[pool]}")
+    _wait_workers(root, state, pools)
+    state["overrides"] = stack_overrides(state)
+    _save(root, state)
+    say(f"stack up: Prefect API {state['api_url']}, S3 {state['s3_endpoint']}/{state['bucket']}")
+    if ui:
+        say(f"Prefect UI: http://127.0.0.1:{state['api_port']}")
+    return state
+
+
+def _commit(root: Path) -> str:
+    """The commit the workers' code copies come from (lineage records name it)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        )
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+def _ensure_bucket(state: dict[str, Any]) -> None:
+    import boto3
+
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=state["s3_endpoint"],
+        region_name="us-east-1",
+        aws_access_key_id="stack",
+        aws_secret_access_key="stack",
+    )
+    if state["bucket"] not in [b["Name"] for b in s3.list_buckets().get("Buckets", [])]:
+        s3.create_bucket(Bucket=state["bucket"])
+
+
+def _client(root: Path, state: dict[str, Any]) -> Any:
+    from prefect.client.orchestration import SyncPrefectClient
+
+    return SyncPrefectClient(state["api_url"])
+
+
+def _ensure_pools(root: Path, state: dict[str, Any], pools: list[str]) -> None:
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    template = json.loads((root / "infra" / "pools" / "process.json").read_text())
+    with _client(root, state) as client:
+        for pool in pools:
+            try:
+                client.create_work_pool(
+                    WorkPoolCreate(name=pool, type="process", base_job_template=template)
+                )
+            except ObjectAlreadyExists:
+                client.update_work_pool(pool, WorkPoolUpdate(base_job_template=template))
+
+
+def _sync_workspaces(root: Path, pools: list[str]) -> dict[str, Path]:
+    """Copy the code into each pool's working folder (refreshed on every `up`; the outputs
+    and checkpoints already there are kept)."""
+    out = {}
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for pool in pools:
+        ws = root / STATE_DIR / "work" / pool
+        ws.mkdir(parents=True, exist_ok=True)
+        for name in CODE:
+            src, dst = root / name, ws / name
+            if src.is_dir():
+                shutil.copytree(src, dst, ignore=ignore, dirs_exist_ok=True)
+            elif src.is_file():
+                shutil.copy2(src, dst)
+        out[pool] = ws
+    return out
+
+
+def _deploy(root: Path, state: dict[str, Any], say: Any) -> None:
+    say("deploying prefect.yaml (one deployment per stage, and the pipeline)")
+    proc = subprocess.run(
+        [_exe("prefect"), "--no-prompt", "deploy", "--all"],
+        cwd=root,
+        env=_api_env(root, state),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        raise StackError(
+            "prefect deploy --all failed (prefect.yaml):\n" + (proc.stdout + proc.stderr)[-3000:]
+        )
+
+
+def _wait_workers(
+    root: Path, state: dict[str, Any], pools: list[str], timeout: float = 180
+) -> None:
+    deadline = time.time() + timeout
+    with _client(root, state) as client:
+        while True:
+            missing = []
+            for pool in pools:
+                names = {
+                    w.name
+                    for w in client.read_workers_for_work_pool(pool)
+                    if w.status.value == "ONLINE"
+                }
+                if f"worker-{pool}" not in names:
+                    missing.append(pool)
+                    if _proc(state["procs"].get(f"worker-{pool}")) is None:
+                        raise StackError(
+                            f"the worker of pool {pool} exited; see "
+                            f"{state['procs'][f'worker-{pool}']['log']}"
+                        )
+            if not missing:
+                return
+            if time.time() > deadline:
+                raise StackError(f"workers of {missing} did not come online in {timeout:.0f} s")
+            time.sleep(1)
+
+
+def status(root: Path) -> dict[str, Any]:
+    """What the stack runs: each process (alive or not) and each pool's workers."""
+    root = root.resolve()
+    state = load_state(root)
+    procs = {
+        name: {"pid": e["pid"], "running": _proc(e) is not None, "log": e["log"]}
+        for name, e in state["procs"].items()
+    }
+    pools: dict[str, Any] = {}
+    if procs.get("prefect-server", {}).get("running"):
+        try:
+            with _client(root, state) as client:
+                for wp in client.read_work_pools():
+                    pools[wp.name] = {
+                        "type": wp.type,
+                        "workers": {
+                            w.name: w.status.value
+                            for w in client.read_workers_for_work_pool(wp.name)
+                        },
+                    }
+        except Exception as e:  # noqa: BLE001 - a status report names the failure
+            pools = {"error": str(e)}
+    return {
+        "api_url": state.get("api_url"),
+        "s3_endpoint": state.get("s3_endpoint"),
+        "bucket": state.get("bucket"),
+        "processes": procs,
+        "pools": pools,
+    }
+
+
+def down(root: Path, say: Any = print, timeout: float = 30) -> list[str]:
+    """Stop the processes `up` started (workers first, then S3, then the server), each with
+    the processes it started (flow runs); returns their names."""
+    root = root.resolve()
+    state = load_state(root)
+    order = sorted(
+        state["procs"], key=lambda n: (not n.startswith("worker-"), n == "prefect-server")
+    )
+    stopped = []
+    for name in order:
+        p = _proc(state["procs"][name])
+        if p is not None:
+            kill_tree(p, timeout)
+            stopped.append(name)
+            say(f"stopped {name} (pid {p.pid})")
+        del state["procs"][name]
+        _save(root, state)
+    return stopped
+
+
+def kill_tree(p: psutil.Process, timeout: float = 30, sig: str = "term") -> None:
+    """Stop a process and every process under it (SIGTERM, then SIGKILL after `timeout`)."""
+    try:
+        family = [*p.children(recursive=True), p]
+    except psutil.NoSuchProcess:
+        return
+    for q in family:
+        try:
+            q.kill() if sig == "kill" else q.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(family, timeout=timeout)
+    for q in alive:
+        try:
+            q.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+
+
+def run(
+    root: Path,
+    params_file: str | None = None,
+    overrides: list[str] | None = None,
+    stages: list[str] | None = None,
+    handoff: str | None = None,
+    say: Any = print,
+) -> dict[str, Any]:
+    """Start the pipeline deployment on the stack (dispatch: deployments) and wait for it."""
+    root = root.resolve()
+    state = load_state(root)
+    if _proc(state["procs"].get("prefect-server")) is None:
+        raise StackError("the stack is not up: run `moe-pipeline stack up` first")
+    cfg = load_config(
+        params_file or (root / "params.yaml"), [*state["overrides"], *(overrides or [])]
+    )
+    return run_pipeline_deployment(state["api_url"], cfg, stages, handoff, say)
+
+
+def run_pipeline_deployment(
+    api_url: str,
+    cfg: Config,
+    stages: list[str] | None = None,
+    handoff: str | None = None,
+    say: Any = print,
+) -> dict[str, Any]:
+    from prefect.client.orchestration import SyncPrefectClient
+
+    with SyncPrefectClient(api_url) as client:
+        dep = client.read_deployment_by_name("pipeline/pipeline")
+        fr = client.create_flow_run_from_deployment(
+            dep.id,
+            parameters={
+                "params": cfg.to_dict(),
+                "stages": stages,
+                "dispatch": "deployments",
+                "handoff": handoff,
+            },
+        )
+        say(f"pipeline flow run {fr.id} ({fr.name}) on pool {dep.work_pool_name}")
+        last = None
+        while True:
+            fr = client.read_flow_run(fr.id)
+            if fr.state and fr.state.name != last:
+                last = fr.state.name
+                say(f"pipeline: {last}")
+            if fr.state and fr.state.is_final():
+                break
+            time.sleep(2)
+        return {
+            "flow_run_id": str(fr.id),
+            "state": fr.state.name,
+            "completed": fr.state.is_completed(),
+            "message": fr.state.message,
+        }

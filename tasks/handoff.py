@@ -1,0 +1,153 @@
+"""Hand-off between stages that run on different machines: through the object store only.
+
+With `dispatch: deployments` each stage runs on its own pool's worker, which has its own disk.
+After a stage, the outputs that later stages read (the receipt, models, summaries, lineage
+records, the report) go to `runs/<run>/<stage>/` in the object store with a manifest of their
+sha256 digests, written last (its presence means the upload is complete). Before a stage, the
+hand-offs of every earlier stage are fetched and verified. A file already present with the
+right digest is not fetched again, so a stage re-run after its worker died downloads nothing
+twice, and stages that share a pool's disk fetch nothing at all.
+
+The training data itself does not travel this way: publish uploads it once, and training
+stages download and verify it from the receipt (tasks/storage.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NONE
+
+from moe.checkpoint import sha256_file
+from moe.config import STAGES, Config
+from moe.errors import InputError
+from tasks.storage import RETRIES, _check_key, open_store
+
+log = logging.getLogger(__name__)
+
+MODELS = Path("models")
+REPORTS = Path("reports")
+PUBLISHED = Path("data/published")
+
+
+def stage_outputs(cfg: Config, stage: str) -> list[Path]:
+    """The files of `stage` that later stages (or the user, for evaluate) read, relative to
+    the stage's working folder. Training checkpoints stay on the pool's disk (and, with
+    `checkpoint.offload`, in the object store's checkpoint area)."""
+    prepared = Path(cfg.data.out_dir)
+    if stage == "prepare":
+        if cfg.pools.stages["publish"] == cfg.pools.stages["prepare"]:
+            # publish runs on the same pool's disk: only the records travel
+            names = ["lineage.json", "params.yaml", "meta.json"]
+            return [prepared / n for n in names if (prepared / n).is_file()]
+        return _files(prepared)  # publish runs elsewhere: it needs the whole prepared folder
+    if stage == "publish":
+        return _files(PUBLISHED)
+    if stage == "evaluate":
+        return [REPORTS / "metrics.json", REPORTS / "cost.json", *_files(REPORTS / "evaluate")]
+    return [
+        *(p for p in _files(MODELS / stage) if "checkpoints" not in p.relative_to(MODELS).parts),
+        REPORTS / f"{stage}.json",
+    ]
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
+
+
+def _prefix(run: str, stage: str) -> str:
+    _check_key(run)
+    if "/" in run:
+        raise InputError(f"hand-off run key {run!r} may not contain '/'")
+    return f"runs/{run}/{stage}"
+
+
+@task(name="hand-off-outputs", cache_policy=NONE, **RETRIES)
+def push_outputs(cfg: Config, stage: str, run: str) -> dict[str, Any]:
+    """Upload `stage`'s outputs under runs/<run>/<stage>/, the manifest last."""
+    store, prefix = open_store(cfg.storage), _prefix(run, stage)
+    files: dict[str, dict[str, Any]] = {}
+    t0 = time.perf_counter()
+    for path in stage_outputs(cfg, stage):
+        if not path.is_file():
+            raise InputError(f"{path} is missing after the {stage} stage; nothing was handed off")
+        rel = path.as_posix()
+        _check_key(rel)
+        digest = sha256_file(path)
+        key = f"{prefix}/files/{rel}"
+        # a retry after a failed upload skips what already arrived intact
+        if not (store.exists(f"{key}.sha256") and store.read_text(f"{key}.sha256") == digest):
+            store.put(path, key)
+            _put_text(store, f"{key}.sha256", digest)
+        files[rel] = {"sha256": digest, "bytes": path.stat().st_size}
+    manifest = {"stage": stage, "run": run, "files": files, "created": time.time()}
+    _put_text(store, f"{prefix}/manifest.json", json.dumps(manifest, indent=1))
+    total = sum(f["bytes"] for f in files.values())
+    log.info(
+        "handed off %d files (%.1f MB) of %s to %s/%s in %.1f s",
+        len(files),
+        total / 1e6,
+        stage,
+        store.uri,
+        prefix,
+        time.perf_counter() - t0,
+    )
+    return manifest
+
+
+@task(name="fetch-hand-offs", cache_policy=NONE, **RETRIES)
+def pull_inputs(cfg: Config, stage: str, run: str, upto: list[str] | None = None) -> int:
+    """Fetch and verify the hand-offs of every stage before `stage` (or those in `upto`);
+    returns the number of files downloaded. Missing upstream hand-offs are an InputError."""
+    store = open_store(cfg.storage)
+    earlier = upto if upto is not None else list(STAGES[: STAGES.index(stage)])
+    fetched = 0
+    for up in earlier:
+        prefix = _prefix(run, up)
+        if not store.exists(f"{prefix}/manifest.json"):
+            raise InputError(
+                f"{store.uri}/{prefix}/manifest.json is missing: the {up} stage of run {run} "
+                f"has not finished; run it first (its outputs reach {stage} only through the "
+                "object store)"
+            )
+        manifest = json.loads(store.read_text(f"{prefix}/manifest.json"))
+        for rel, meta in manifest["files"].items():
+            _check_key(rel)  # a manifest may not point outside the working folder
+            dest = Path(rel)
+            if dest.is_file() and sha256_file(dest) == meta["sha256"]:
+                continue
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
+            os.close(fd)
+            tmp = Path(tmp_name)
+            try:
+                store.get(f"{prefix}/files/{rel}", tmp)
+                got = sha256_file(tmp)
+                if got != meta["sha256"]:
+                    raise ValueError(
+                        f"{store.uri}/{prefix}/files/{rel}: sha256 {got} does not match the "
+                        f"manifest ({meta['sha256']}); the hand-off of {up} is damaged"
+                    )
+                os.replace(tmp, dest)
+            finally:
+                tmp.unlink(missing_ok=True)
+            fetched += 1
+    if fetched:
+        log.info("fetched %d hand-off files of %s for %s", fetched, ", ".join(earlier), stage)
+    return fetched
+
+
+def _put_text(store: Any, key: str, text: str) -> None:
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(text)
+    try:
+        store.put(Path(f.name), key)
+    finally:
+        os.unlink(f.name)

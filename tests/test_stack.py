@@ -1,0 +1,264 @@
+"""The local stack (flows/stack.py): a real Prefect server, a moto S3 server, one process
+worker per pool, the deployments of prefect.yaml. The pipeline deployment runs every stage on
+its own pool's worker, each in its own working folder, handing data over through S3; a worker
+killed in the middle of pretraining is restarted and the stage resumes from its checkpoint;
+`stack down` leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import psutil
+import pytest
+import yaml
+
+from flows import stack
+from moe.config import STAGES, load_config
+from tests.conftest import ROOT, tiny_params
+
+pytestmark = [pytest.mark.stack, pytest.mark.slow]
+
+PLANTED = {
+    "HF_TOKEN": "hf_StackPlanted0Secret4f",
+    "WANDB_API_KEY": "stack-planted-wandb-93ab17",
+    "AWS_SESSION_TOKEN": "stack-planted-session-6c2d",
+}
+SHARED: dict[str, Any] = {}  # what one test leaves for the next (they run in file order)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    for k, v in over.items():
+        base[k] = _merge(base.get(k, {}), v) if isinstance(v, dict) else v
+    return base
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    root = tmp_path_factory.mktemp("stack-project")
+    for name in (*stack.CODE, "infra"):
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, root / name)
+    params = _merge(yaml.safe_load((ROOT / "params.yaml").read_text()), tiny_params())
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(root)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "stack test"], check=True)
+    SHARED["commit"] = subprocess.run(
+        [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    saved = {k: os.environ.get(k) for k in PLANTED}
+    os.environ.update(PLANTED)
+    try:
+        stack.up(root, ui=False, query_seconds=1, say=lambda m: None)
+        yield root
+    finally:
+        stack.down(root, say=lambda m: None)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _client(root: Path) -> Any:
+    from prefect.client.orchestration import SyncPrefectClient
+
+    return SyncPrefectClient(stack.load_state(root)["api_url"])
+
+
+def _s3(root: Path) -> tuple[Any, str]:
+    state = stack.load_state(root)
+    client = boto3.client(
+        "s3",
+        endpoint_url=state["s3_endpoint"],
+        region_name="us-east-1",
+        aws_access_key_id="stack",
+        aws_secret_access_key="stack",
+    )
+    return client, state["bucket"]
+
+
+def _objects(root: Path) -> dict[str, bytes]:
+    s3, bucket = _s3(root)
+    keys = [
+        o["Key"]
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+        for o in page.get("Contents", [])
+    ]
+    return {k: s3.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
+
+
+def _flow_runs(root: Path, deployment: str) -> list[Any]:
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    with _client(root) as c:
+        return c.read_flow_runs(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployment]))
+        )
+
+
+def _start(root: Path, deployment: str, parameters: dict[str, Any]) -> Any:
+    with _client(root) as c:
+        dep = c.read_deployment_by_name(f"{deployment}/{deployment}")
+        return c.create_flow_run_from_deployment(dep.id, parameters=parameters)
+
+
+def _wait(root: Path, flow_run_id: Any, timeout: float = 400) -> Any:
+    deadline = time.time() + timeout
+    with _client(root) as c:
+        while True:
+            fr = c.read_flow_run(flow_run_id)
+            if fr.state and fr.state.is_final():
+                return fr
+            assert time.time() < deadline, f"flow run {flow_run_id} still {fr.state.name}"
+            time.sleep(1)
+
+
+def test_pipeline_runs_every_stage_on_its_pools_worker(root: Path) -> None:
+    result = stack.run(root, say=lambda m: None)
+    assert result["completed"], result
+    cfg = load_config(root / "params.yaml")
+    SHARED["handoff"] = result["flow_run_id"]  # the pipeline's default hand-off key
+
+    objects = _objects(root)
+    stage_runs = {}
+    for stage in STAGES:
+        runs = _flow_runs(root, stage)
+        assert len(runs) == 1, (stage, runs)
+        fr = runs[0]
+        assert fr.state.is_completed(), (stage, fr.state)
+        pool = cfg.pools.stages[stage]
+        assert fr.work_pool_name == pool
+        assert str(fr.parent_task_run_id) and fr.parameters["handoff"] == SHARED["handoff"]
+        stage_runs[stage] = str(fr.id)
+        # the lineage record in S3 names the worker of the stage's own pool and its flow run
+        [record] = [
+            json.loads(v)
+            for k, v in objects.items()
+            if k.startswith(f"moe-pipeline/lineage/{stage}/") and str(fr.id) in k
+        ]
+        assert record["worker"].startswith(f"worker-{pool}@"), record["worker"]
+        assert record["flow_run_id"] == str(fr.id) and record["pool"] == pool
+        assert record["code"]["commit"] == SHARED["commit"]  # the copies' commit, via env
+        assert f"moe-pipeline/runs/{SHARED['handoff']}/{stage}/manifest.json" in objects
+    # no shared disk: each pool's folder holds what its stages made or fetched
+    work = root / stack.STATE_DIR / "work"
+    assert (work / "gpu-h100/models/pretrain/checkpoints/latest").is_file()
+    assert not (work / "gpu-h100/data/prepared/train.bin").exists()
+    assert not (work / "cpu/models").exists()
+    assert json.loads((work / "cpu/reports/metrics.json").read_text())["cost_total"] > 0
+
+    with _client(root) as c:
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        artifacts = c.read_artifacts(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(stage_runs.values())))
+        )
+    keys = {a.key for a in artifacts}
+    assert {f"{s.replace('_', '-')}-summary" for s in STAGES} <= keys, keys
+    SHARED["artifacts"] = [str(a.data) for a in artifacts]
+    SHARED["stage_runs"] = stage_runs
+
+
+def test_killed_worker_restarts_and_the_stage_resumes(root: Path) -> None:
+    cfg = load_config(
+        root / "params.yaml",
+        [
+            *stack.load_state(root)["overrides"],
+            "train.max_steps=100000",
+            "train.time_budget_s=45",
+            "train.checkpoint_every=10",
+            "train.eval_every=1000",
+        ],
+    )
+    params = {"params": cfg.to_dict(), "handoff": SHARED["handoff"]}
+    latest = root / stack.STATE_DIR / "work/gpu-h100/models/pretrain/checkpoints/latest"
+    first = _start(root, "pretrain", params)
+    deadline = time.time() + 240
+    while True:  # until this run has written a checkpoint of its own (step 20 or later)
+        text = latest.read_text().strip() if latest.is_file() else ""
+        if text and int(text.split("_")[-1]) >= 20:
+            break
+        assert time.time() < deadline, "pretrain wrote no checkpoint"
+        time.sleep(0.2)
+    worker = stack._proc(stack.load_state(root)["procs"]["worker-gpu-h100"])
+    assert worker is not None
+    stack.kill_tree(worker, sig="kill")  # the machine dies: worker and flow run at once
+    killed_at = int(latest.read_text().strip().split("_")[-1])
+
+    stack.up(root, ui=False, query_seconds=1, say=lambda m: None)  # restarts only the worker
+    fr = _wait(root, _start(root, "pretrain", params).id)
+    assert fr.state.is_completed(), fr.state
+    summary = json.loads(
+        (root / stack.STATE_DIR / "work/gpu-h100/reports/pretrain.json").read_text()
+    )
+    assert summary["resumed_from"] is not None and summary["resumed_from"] >= killed_at
+    assert summary["steps"] > summary["resumed_from"]
+    assert "time budget" in summary["stop_reason"]
+    with _client(root) as c:
+        assert not c.read_flow_run(first.id).state.is_completed()
+
+
+def test_an_unchanged_stage_is_skipped_on_its_worker(root: Path) -> None:
+    cfg = load_config(root / "params.yaml", stack.load_state(root)["overrides"])
+    fr = _wait(root, _start(root, "publish", {"params": cfg.to_dict(), "handoff": "again"}).id)
+    assert fr.state.is_completed()
+    with _client(root) as c:
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+        logs = c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[fr.id])))
+    assert any("stage publish skipped" in log.message for log in logs), [
+        log.message for log in logs
+    ]
+    # a skipped stage still hands its outputs off under the new run key
+    assert "moe-pipeline/runs/again/publish/manifest.json" in _objects(root)
+
+
+def test_planted_secrets_appear_nowhere(root: Path) -> None:
+    texts = [*SHARED["artifacts"]]
+    for p in root.rglob("*"):
+        if p.is_file() and p.stat().st_size < 50 << 20 and ".venv" not in p.parts:
+            texts.append(p.read_bytes().decode("utf-8", "replace"))
+    texts += [v.decode("utf-8", "replace") for v in _objects(root).values()]
+    with _client(root) as c:
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+        ids = list(SHARED["stage_runs"].values())
+        texts += [
+            log.message
+            for log in c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)))
+        ]
+        texts += [json.dumps(c.read_flow_run(i).parameters) for i in ids]
+    for name, secret in PLANTED.items():
+        assert not any(secret in t for t in texts), f"{name} leaked"
+
+
+def test_down_stops_exactly_what_up_started(root: Path) -> None:
+    state = stack.load_state(root)
+    family = []
+    for entry in state["procs"].values():
+        p = stack._proc(entry)
+        assert p is not None
+        family += [p, *p.children(recursive=True)]
+    stopped = stack.down(root, say=lambda m: None)
+    assert set(stopped) == {
+        "prefect-server",
+        "moto-s3",
+        *(f"worker-{p}" for p in load_config(root / "params.yaml").pools.definitions),
+    }
+    for p in family:
+        assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE, p
+    assert stack.status(root)["processes"] == {}
+    assert (root / stack.STATE_DIR / "work/cpu/reports/metrics.json").is_file()  # nothing lost
