@@ -19,7 +19,7 @@ from prefect.runtime import flow_run
 from flows.stages import STAGE_FLOWS
 from moe.config import STAGES, Config, load_config
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("flows.pipeline")  # by name: a deployment loads this file as a script
 
 
 @flow(name="pipeline", log_prints=True)
@@ -92,7 +92,7 @@ def _dispatch(cfg: Config, stages: list[str], run: str) -> dict[str, Any]:
                 f"{name}/{name}",
                 parameters={"params": params, "handoff": run},
                 timeout=None,
-                poll_interval=2,
+                poll_interval=1,
             )
         except ObjectNotFound:
             raise RuntimeError(

@@ -14,6 +14,7 @@ in `.stack/stack.json`), and keeps the database, logs and working folders.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -209,7 +210,12 @@ def up(
     pools = sorted(cfg.pools.definitions)
     _ensure_pools(root, state, pools)
     workspaces = _sync_workspaces(root, pools)
-    _deploy(root, state, say)
+    # deploy when the server is new or prefect.yaml changed (a restart of a worker needs none)
+    spec = hashlib.sha256((root / "prefect.yaml").read_bytes()).hexdigest()
+    if state.get("deployed") != [spec, state["procs"]["prefect-server"]["started"]]:
+        _deploy(root, state, say)
+        state["deployed"] = [spec, state["procs"]["prefect-server"]["started"]]
+        _save(root, state)
     for pool in pools:
         name = f"worker-{pool}"
         if _proc(state["procs"].get(name)) is not None:

@@ -40,7 +40,7 @@ from tasks.storage import download_dataset, publish_dataset
 from tasks.tracking import wandb_run
 from tasks.training import finetune_model, pretrain_model
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("flows.stages")  # by name: a deployment loads this file as a script
 
 PUBLISHED = Path("data/published")
 MODELS = Path("models")
