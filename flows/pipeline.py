@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from pathlib import Path
 from typing import Any, Literal
 
 from prefect import flow
@@ -62,6 +63,12 @@ def _dispatch(cfg: Config, stages: list[str], run: str) -> dict[str, Any]:
 
     from tasks.handoff import pull_inputs
 
+    if cfg.storage.backend == "local" and not Path(cfg.storage.root).is_absolute():
+        raise ValueError(
+            f"storage.backend is local with a relative root ({cfg.storage.root!r}): stages on "
+            "other machines cannot reach it. Set storage.backend: s3 and storage.bucket (or hf), "
+            "or an absolute storage.root that every worker shares"
+        )
     if cfg.pools.stages["prepare"] != cfg.pools.stages["publish"]:
         log.info("prepare and publish run on different pools: the prepared data is handed off")
     with get_client(sync_client=True) as client:

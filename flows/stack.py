@@ -214,6 +214,7 @@ def up(
     spec = hashlib.sha256((root / "prefect.yaml").read_bytes()).hexdigest()
     if state.get("deployed") != [spec, state["procs"]["prefect-server"]["started"]]:
         _deploy(root, state, say)
+        _point_pipeline_at_stack(root, state)
         state["deployed"] = [spec, state["procs"]["prefect-server"]["started"]]
         _save(root, state)
     for pool in pools:
@@ -336,6 +337,25 @@ def _deploy(root: Path, state: dict[str, Any], say: Any) -> None:
     if proc.returncode != 0:
         raise StackError(
             "prefect deploy --all failed (prefect.yaml):\n" + (proc.stdout + proc.stderr)[-3000:]
+        )
+
+
+def _point_pipeline_at_stack(root: Path, state: dict[str, Any]) -> None:
+    """The pipeline deployment's default parameters use the stack's bucket, so that a run
+    started from the UI (or its schedule) works as `stack run` does."""
+    from prefect.client.schemas.actions import DeploymentUpdate
+
+    with _client(root, state) as client:
+        dep = client.read_deployment_by_name("pipeline/pipeline")
+        client.update_deployment(
+            dep.id,
+            DeploymentUpdate(
+                parameters={
+                    **(dep.parameters or {}),
+                    "dispatch": "deployments",
+                    "overrides": stack_overrides(state),
+                }
+            ),
         )
 
 

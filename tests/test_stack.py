@@ -127,10 +127,11 @@ def _wait(root: Path, flow_run_id: Any, timeout: float = 400) -> Any:
 
 
 def test_pipeline_runs_every_stage_on_its_pools_worker(root: Path) -> None:
-    result = stack.run(root, say=lambda m: None)
-    assert result["completed"], result
+    # as from the UI: the deployment's own defaults (dispatch: deployments, the stack's bucket)
+    pipeline = _wait(root, _start(root, "pipeline", {}).id, timeout=600)
+    assert pipeline.state.is_completed(), pipeline.state
     cfg = load_config(root / "params.yaml")
-    SHARED["handoff"] = result["flow_run_id"]  # the pipeline's default hand-off key
+    SHARED["handoff"] = str(pipeline.id)  # the pipeline's default hand-off key
 
     objects = _objects(root)
     stage_runs = {}
@@ -212,8 +213,9 @@ def test_killed_worker_restarts_and_the_stage_resumes(root: Path) -> None:
 
 
 def test_an_unchanged_stage_is_skipped_on_its_worker(root: Path) -> None:
-    cfg = load_config(root / "params.yaml", stack.load_state(root)["overrides"])
-    fr = _wait(root, _start(root, "prepare", {"params": cfg.to_dict(), "handoff": "again"}).id)
+    result = stack.run(root, stages=["prepare"], handoff="again", say=lambda m: None)
+    assert result["completed"], result
+    [fr] = [r for r in _flow_runs(root, "prepare") if r.parameters.get("handoff") == "again"]
     assert fr.state.is_completed()
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
