@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from moe.config import Config
 from moe.data import CorpusStats, iter_documents, write_token_store
 from moe.sql import generate_sql_sets
-from moe.tokenizer import EOT, load_tokenizer, tokenizer_hash, train_tokenizer
+from moe.tokenizer import EOT, batch_encoder, load_tokenizer, tokenizer_hash, train_tokenizer
 from tasks import retry_unless_input_error
 
 log = logging.getLogger(__name__)
@@ -80,9 +80,6 @@ def tokenize_corpus(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, 
         cfg.data.source, cfg.data.text_field, cfg.data.max_bytes, stats, cfg.data.on_bad_record
     )
 
-    def encode_batch(texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in tok.encode_batch(texts)]
-
     with Progress(
         TextColumn("tokenizing"),
         BarColumn(),
@@ -94,7 +91,7 @@ def tokenize_corpus(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, 
         job = bar.add_task("tokenize", total=None)
         splits = write_token_store(
             docs,
-            encode_batch,
+            batch_encoder(tok),
             eot,
             tok.get_vocab_size(),
             work,

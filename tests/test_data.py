@@ -199,3 +199,12 @@ def test_sql_runs_and_scoring(tmp_path: Path) -> None:
     assert not sql_runs(db, "")
     assert not sql_runs(db, "SELECT 1; SELECT 2")
     assert not sql_runs(db, "DELETE FROM doctor")  # the database is opened read-only
+
+
+def test_fast_batch_encoder_gives_the_same_ids_as_encode_batch() -> None:
+    from moe.data import CorpusStats, iter_documents
+    from moe.tokenizer import batch_encoder, train_tokenizer
+
+    texts = list(iter_documents("stdlib", "text", 300_000, CorpusStats()))
+    tok = train_tokenizer(texts, vocab_size=512)
+    assert batch_encoder(tok)(texts) == [e.ids for e in tok.encode_batch(texts)]

@@ -256,9 +256,10 @@ def test_unchanged_stages_are_skipped_and_say_so(repo: tuple[Path, dict[str, str
     assert model.stat().st_mtime_ns == before
     # the chain the skip compares: evaluate's recorded input is pretrain's recorded output
     rec = _lineage(root, "reports/evaluate")
-    assert rec["inputs"]["pretrain"]["sha256"] == _lineage(root, "models/pretrain")["outputs"][
-        "model"
-    ]["sha256"]
+    assert (
+        rec["inputs"]["pretrain"]["sha256"]
+        == _lineage(root, "models/pretrain")["outputs"]["model"]["sha256"]
+    )
 
 
 def test_finetune_domain_param_reruns_only_downstream(repo: tuple[Path, dict[str, str]]) -> None:

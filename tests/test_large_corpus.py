@@ -23,13 +23,13 @@ SCRIPT = """
 import json, resource, sys, time
 from pathlib import Path
 from moe.data import CorpusStats, iter_documents, write_token_store
-from moe.tokenizer import EOT, train_tokenizer
+from moe.tokenizer import EOT, batch_encoder, train_tokenizer
 src, out = sys.argv[1], Path(sys.argv[2])
 tok = train_tokenizer(iter_documents(src, "text", 8_000_000, CorpusStats()), vocab_size=4096)
 stats = CorpusStats()
 t0 = time.time()
 counts = write_token_store(
-    iter_documents(src, "text", 0, stats), lambda b: [e.ids for e in tok.encode_batch(b)],
+    iter_documents(src, "text", 0, stats), batch_encoder(tok),
     tok.token_to_id(EOT), tok.get_vocab_size(), out, {"val": 0.01}, seed=0,
 )
 print(json.dumps({"bytes": stats.bytes, "documents": stats.documents, "counts": counts,
