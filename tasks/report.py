@@ -206,6 +206,7 @@ class StageRecord:
         self.cfg.dump(self.out_dir / "params.yaml")
         write_json(self.out_dir / "lineage.json", record)
         self._to_object_store(record)
+        _lineage_artifact(record)
         return record
 
     def _to_object_store(self, record: dict[str, Any]) -> None:
@@ -384,6 +385,50 @@ def publish_cost_table(ledger: dict[str, Any]) -> None:
         )
     except Exception as e:  # noqa: BLE001 - an artifact must never fail a stage
         log.warning("could not create the cost table artifact: %s", e)
+
+
+def _lineage_artifact(record: dict[str, Any]) -> None:
+    """The lineage record as a Prefect artifact on the stage's flow run (the UI's lineage
+    view): hashes, params hash, commit, runs, pool, worker, times, cost."""
+    try:
+        from prefect.artifacts import create_markdown_artifact
+
+        if not record.get("flow_run_id"):
+            return
+        rows = [
+            *(
+                f"| input {k} | `{v['path']}` | `{v['sha256'][:16]}` |"
+                for k, v in record["inputs"].items()
+            ),
+            *(
+                f"| output {k} | `{v['path']}` | `{v['sha256'][:16]}` |"
+                for k, v in record["outputs"].items()
+            ),
+        ]
+        facts = {
+            "params hash": record["params_hash"][:16],
+            "code": record["code"]["commit"][:12],
+            "W&B run": record.get("wandb_run_id"),
+            "pool / worker": f"{record['pool']} / {record['worker']}",
+            "start / end": f"{record['started']} / {record['ended']}",
+            "wall s": record["wall_s"],
+            "cost": f"{record['cost']} {record['currency']}",
+            "object store copy": record.get("object_store_key"),
+        }
+        md = (
+            f"# Lineage of {record['stage']}\n\n| | path | sha256 |\n|---|---|---|\n"
+            + "\n".join(rows)
+            + "\n\n| field | value |\n|---|---|\n"
+            + "\n".join(f"| {k} | {v} |" for k, v in facts.items())
+            + "\n"
+        )
+        create_markdown_artifact(
+            key=f"{record['stage'].replace('_', '-')}-lineage",
+            markdown=scrub(md),
+            description=f"Lineage record of the {record['stage']} stage",
+        )
+    except Exception as e:  # noqa: BLE001 - an artifact must never fail a stage
+        log.warning("could not create the lineage artifact of %s: %s", record.get("stage"), e)
 
 
 def publish_artifacts(stage: str, summary: dict[str, Any]) -> None:

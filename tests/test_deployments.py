@@ -4,6 +4,8 @@ params.yaml assigns to the stage, with an entrypoint that exists."""
 from __future__ import annotations
 
 import importlib
+import json
+import re
 from pathlib import Path
 
 import yaml
@@ -26,3 +28,49 @@ def test_every_stage_has_a_deployment_on_its_pool() -> None:
         flow = getattr(importlib.import_module(module.removesuffix(".py").replace("/", ".")), func)
         assert flow.name in (d["name"], "pipeline")
     assert all(s["active"] is False for s in deployments["pipeline"]["schedules"])
+
+
+def _placeholders(node: object) -> set[str]:
+    if isinstance(node, str):
+        return set(re.findall(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}", node))
+    if isinstance(node, dict):
+        return set().union(*(_placeholders(v) for v in node.values())) if node else set()
+    if isinstance(node, list):
+        return set().union(*(_placeholders(v) for v in node)) if node else set()
+    return set()
+
+
+def test_base_job_templates_define_every_variable_and_request_gpus() -> None:
+    templates = {
+        p.stem: json.loads(p.read_text()) for p in sorted((ROOT / "infra/pools").glob("*.json"))
+    }
+    assert set(templates) == {"process", "docker", "kubernetes"}
+    for name, t in templates.items():
+        used = _placeholders(t["job_configuration"])
+        defined = set(t["variables"]["properties"])
+        assert used <= defined, (name, used - defined)
+    docker = templates["docker"]["variables"]["properties"]
+    [request] = docker["device_requests"]["default"]
+    assert request["Capabilities"] == [["gpu"]] and request["Driver"] == "nvidia"
+    k8s = templates["kubernetes"]
+    container = k8s["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][
+        0
+    ]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpus }}"
+    assert "nvidia.com/gpu.product" in k8s["variables"]["properties"]["node_selector"]["default"]
+
+
+def test_a_prefect_server_accepts_the_templates(prefect_server: dict[str, str]) -> None:
+    """Work pools of each type are created from infra/pools/*.json on a real server (the
+    docker and kubernetes workers themselves cannot run here)."""
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    with SyncPrefectClient(prefect_server["PREFECT_API_URL"]) as client:
+        for kind in ("process", "docker", "kubernetes"):
+            template = json.loads((ROOT / f"infra/pools/{kind}.json").read_text())
+            name = f"template-check-{kind}"
+            client.create_work_pool(
+                WorkPoolCreate(name=name, type=kind, base_job_template=template), overwrite=True
+            )
+            assert client.read_work_pool(name).base_job_template == template

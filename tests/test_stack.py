@@ -168,7 +168,9 @@ def test_pipeline_runs_every_stage_on_its_pools_worker(root: Path) -> None:
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(stage_runs.values())))
         )
     keys = {a.key for a in artifacts}
-    assert {f"{s.replace('_', '-')}-summary" for s in STAGES} <= keys, keys
+    assert {
+        f"{s.replace('_', '-')}-{kind}" for s in STAGES for kind in ("summary", "lineage")
+    } <= keys, keys
     SHARED["artifacts"] = [str(a.data) for a in artifacts]
     SHARED["stage_runs"] = stage_runs
 
