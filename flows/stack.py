@@ -57,9 +57,13 @@ def _save(root: Path, state: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _free_port() -> int:
+def _free_port(preferred: int | None = None) -> int:
+    """`preferred` (the port of the last start, so URLs stay the same) if it is free."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        try:
+            s.bind(("127.0.0.1", preferred or 0))
+        except OSError:
+            s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
@@ -171,9 +175,11 @@ def up(
     state.setdefault("procs", {})
     state["root"] = str(root)
 
+    moved = False  # a server or S3 endpoint on a new port: the workers must follow
     server = state["procs"].get("prefect-server")
     if _proc(server) is None:
-        port = state.get("api_port") or _free_port()
+        port = _free_port(state.get("api_port"))
+        moved |= port != state.get("api_port")
         state.update(api_port=port, api_url=f"http://127.0.0.1:{port}/api")
         env = {**_base_env(root), "PREFECT_UI_ENABLED": "true" if ui else "false"}
         _spawn(
@@ -191,7 +197,8 @@ def up(
 
     moto = state["procs"].get("moto-s3")
     if _proc(moto) is None:
-        port = state.get("s3_port") or _free_port()
+        port = _free_port(state.get("s3_port"))
+        moved |= port != state.get("s3_port")
         state.update(s3_port=port, s3_endpoint=f"http://127.0.0.1:{port}")
         _spawn(
             root,
@@ -214,12 +221,16 @@ def up(
     spec = hashlib.sha256((root / "prefect.yaml").read_bytes()).hexdigest()
     if state.get("deployed") != [spec, state["procs"]["prefect-server"]["started"]]:
         _deploy(root, state, say)
-        _point_pipeline_at_stack(root, state)
         state["deployed"] = [spec, state["procs"]["prefect-server"]["started"]]
         _save(root, state)
+    _point_pipeline_at_stack(root, state)
     for pool in pools:
         name = f"worker-{pool}"
-        if _proc(state["procs"].get(name)) is not None:
+        running = _proc(state["procs"].get(name))
+        if running is not None and moved:
+            say(f"restarting {name}: the server or S3 moved to a new port")
+            kill_tree(running)
+        elif running is not None:
             continue
         env = {
             **_api_env(root, state),

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from tasks.report import (
     up_to_date,
     write_json,
 )
-from tasks.storage import download_dataset, publish_dataset
+from tasks.storage import download_dataset, open_store, publish_dataset
 from tasks.tracking import wandb_run
 from tasks.training import finetune_model, pretrain_model
 
@@ -78,7 +79,12 @@ def _hand_off(cfg: Config, stage: str, handoff: str | None) -> None:
 
 
 def _skipped(
-    cfg: Config, stage: str, out_dir: Path, inputs: dict[str, Path], handoff: str | None
+    cfg: Config,
+    stage: str,
+    out_dir: Path,
+    inputs: dict[str, Path],
+    handoff: str | None,
+    still_there: Callable[[], bool] = lambda: True,
 ) -> dict[str, Any] | None:
     """The stage's last summary if its params, code and inputs are unchanged since it ran and
     its outputs are intact (tasks/report.py:up_to_date): the stage is skipped and says so.
@@ -86,7 +92,7 @@ def _skipped(
     if os.environ.get("MOE_FORCE", "") not in ("", "0"):
         return None
     rec = up_to_date(cfg, stage, out_dir, inputs, stage_outputs(cfg, stage))
-    if rec is None:
+    if rec is None or not still_there():
         return None
     log.info(
         "stage %s skipped: its params, code and inputs (%s) are unchanged since its run that "
@@ -167,7 +173,12 @@ def publish(
         raise InputError(
             f"{prepared}/meta.json is missing: run the prepare stage first (moe-pipeline stage prepare)"
         )
-    if (done := _skipped(cfg, "publish", PUBLISHED, {"prepared": prepared}, handoff)) is not None:
+
+    def in_store() -> bool:  # an emptied bucket (or another one) needs a new upload
+        key = json.loads((PUBLISHED / "receipt.json").read_text())["manifest_key"]
+        return open_store(cfg.storage).exists(key)
+
+    if done := _skipped(cfg, "publish", PUBLISHED, {"prepared": prepared}, handoff, in_store):
         return done
     record = StageRecord(cfg, "publish", PUBLISHED)
     work = Path(".cache/publish")
