@@ -223,7 +223,7 @@ def up(
         _deploy(root, state, say)
         state["deployed"] = [spec, state["procs"]["prefect-server"]["started"]]
         _save(root, state)
-    _point_pipeline_at_stack(root, state)
+    _point_pipeline_at_stack(state)
     for pool in pools:
         name = f"worker-{pool}"
         running = _proc(state["procs"].get(name))
@@ -262,7 +262,7 @@ def up(
             workspaces[pool],
         )
         say(f"starting {name} in {workspaces[pool]}")
-    _wait_workers(root, state, pools)
+    _wait_workers(state, pools)
     state["overrides"] = stack_overrides(state)
     _save(root, state)
     say(f"stack up: Prefect API {state['api_url']}, S3 {state['s3_endpoint']}/{state['bucket']}")
@@ -282,21 +282,27 @@ def _commit(root: Path) -> str:
     return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
-def _ensure_bucket(state: dict[str, Any]) -> None:
+def s3_client(state: dict[str, Any]) -> Any:
+    """A boto3 S3 client for the stack's moto server."""
     import boto3
 
-    s3 = boto3.client(
+    return boto3.client(
         "s3",
         endpoint_url=state["s3_endpoint"],
         region_name="us-east-1",
         aws_access_key_id="stack",
         aws_secret_access_key="stack",
     )
+
+
+def _ensure_bucket(state: dict[str, Any]) -> None:
+    s3 = s3_client(state)
     if state["bucket"] not in [b["Name"] for b in s3.list_buckets().get("Buckets", [])]:
         s3.create_bucket(Bucket=state["bucket"])
 
 
-def _client(root: Path, state: dict[str, Any]) -> Any:
+def api_client(state: dict[str, Any]) -> Any:
+    """A Prefect client for the stack's server."""
     from prefect.client.orchestration import SyncPrefectClient
 
     return SyncPrefectClient(state["api_url"])
@@ -307,7 +313,7 @@ def _ensure_pools(root: Path, state: dict[str, Any], pools: list[str]) -> None:
     from prefect.exceptions import ObjectAlreadyExists
 
     template = json.loads((root / "infra" / "pools" / "process.json").read_text())
-    with _client(root, state) as client:
+    with api_client(state) as client:
         for pool in pools:
             try:
                 client.create_work_pool(
@@ -351,12 +357,12 @@ def _deploy(root: Path, state: dict[str, Any], say: Any) -> None:
         )
 
 
-def _point_pipeline_at_stack(root: Path, state: dict[str, Any]) -> None:
+def _point_pipeline_at_stack(state: dict[str, Any]) -> None:
     """The pipeline deployment's default parameters use the stack's bucket, so that a run
     started from the UI (or its schedule) works as `stack run` does."""
     from prefect.client.schemas.actions import DeploymentUpdate
 
-    with _client(root, state) as client:
+    with api_client(state) as client:
         dep = client.read_deployment_by_name("pipeline/pipeline")
         client.update_deployment(
             dep.id,
@@ -370,11 +376,9 @@ def _point_pipeline_at_stack(root: Path, state: dict[str, Any]) -> None:
         )
 
 
-def _wait_workers(
-    root: Path, state: dict[str, Any], pools: list[str], timeout: float = 180
-) -> None:
+def _wait_workers(state: dict[str, Any], pools: list[str], timeout: float = 180) -> None:
     deadline = time.time() + timeout
-    with _client(root, state) as client:
+    with api_client(state) as client:
         while True:
             missing = []
             for pool in pools:
@@ -408,7 +412,7 @@ def status(root: Path) -> dict[str, Any]:
     pools: dict[str, Any] = {}
     if procs.get("prefect-server", {}).get("running"):
         try:
-            with _client(root, state) as client:
+            with api_client(state) as client:
                 for wp in client.read_work_pools():
                     pools[wp.name] = {
                         "type": wp.type,

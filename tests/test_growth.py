@@ -60,7 +60,7 @@ def test_new_expert_is_orthogonal_and_output_is_unchanged() -> None:
     for e in range(4):
         cos = torch.dot(new, old_w13[e].flatten()) / (new.norm() * old_w13[e].norm())
         assert abs(float(cos.detach())) < 1e-5
-    assert float(new.norm()) == __import__("pytest").approx(
+    assert float(new.norm().detach()) == __import__("pytest").approx(
         float(old_w13.flatten(1).norm(dim=1).mean()), rel=1e-4
     )
     after = model(idx)[0]

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import boto3
 import psutil
 import pytest
 import yaml
@@ -73,21 +72,12 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 def _client(root: Path) -> Any:
-    from prefect.client.orchestration import SyncPrefectClient
-
-    return SyncPrefectClient(stack.load_state(root)["api_url"])
+    return stack.api_client(stack.load_state(root))
 
 
 def _s3(root: Path) -> tuple[Any, str]:
     state = stack.load_state(root)
-    client = boto3.client(
-        "s3",
-        endpoint_url=state["s3_endpoint"],
-        region_name="us-east-1",
-        aws_access_key_id="stack",
-        aws_secret_access_key="stack",
-    )
-    return client, state["bucket"]
+    return stack.s3_client(state), state["bucket"]
 
 
 def _objects(root: Path) -> dict[str, bytes]:
