@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 
-from moe.config import Config, load_config
+from moe.config import load_config
 
 STATE_DIR = ".stack"
 BUCKET = "moe-stack"
@@ -488,42 +488,43 @@ def run(
     cfg = load_config(
         params_file or (root / "params.yaml"), [*state["overrides"], *(overrides or [])]
     )
-    return run_pipeline_deployment(state["api_url"], cfg, stages, handoff, say)
+    fr = start_deployment(
+        state,
+        "pipeline",
+        {"params": cfg.to_dict(), "stages": stages, "dispatch": "deployments", "handoff": handoff},
+    )
+    say(f"pipeline flow run {fr.id} ({fr.name}) started")
+    fr = wait_flow_run(state, fr.id, say=lambda s: say(f"pipeline: {s}"))
+    return {
+        "flow_run_id": str(fr.id),
+        "state": fr.state.name,
+        "completed": fr.state.is_completed(),
+        "message": fr.state.message,
+    }
 
 
-def run_pipeline_deployment(
-    api_url: str,
-    cfg: Config,
-    stages: list[str] | None = None,
-    handoff: str | None = None,
-    say: Any = print,
-) -> dict[str, Any]:
-    from prefect.client.orchestration import SyncPrefectClient
+def start_deployment(state: dict[str, Any], name: str, parameters: dict[str, Any]) -> Any:
+    """A flow run of deployment `<name>/<name>` on the stack (returned at once)."""
+    with api_client(state) as client:
+        dep = client.read_deployment_by_name(f"{name}/{name}")
+        return client.create_flow_run_from_deployment(dep.id, parameters=parameters)
 
-    with SyncPrefectClient(api_url) as client:
-        dep = client.read_deployment_by_name("pipeline/pipeline")
-        fr = client.create_flow_run_from_deployment(
-            dep.id,
-            parameters={
-                "params": cfg.to_dict(),
-                "stages": stages,
-                "dispatch": "deployments",
-                "handoff": handoff,
-            },
-        )
-        say(f"pipeline flow run {fr.id} ({fr.name}) on pool {dep.work_pool_name}")
-        last = None
+
+def wait_flow_run(
+    state: dict[str, Any], flow_run_id: Any, timeout: float | None = None, say: Any = None
+) -> Any:
+    """The flow run once it is in a final state; `say` hears each new state name."""
+    deadline = None if timeout is None else time.time() + timeout
+    last = None
+    with api_client(state) as client:
         while True:
-            fr = client.read_flow_run(fr.id)
+            fr = client.read_flow_run(flow_run_id)
             if fr.state and fr.state.name != last:
                 last = fr.state.name
-                say(f"pipeline: {last}")
+                if say:
+                    say(last)
             if fr.state and fr.state.is_final():
-                break
-            time.sleep(2)
-        return {
-            "flow_run_id": str(fr.id),
-            "state": fr.state.name,
-            "completed": fr.state.is_completed(),
-            "message": fr.state.message,
-        }
+                return fr
+            if deadline is not None and time.time() > deadline:
+                raise StackError(f"flow run {flow_run_id} is still {last} after {timeout:.0f} s")
+            time.sleep(1)

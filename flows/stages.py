@@ -347,11 +347,7 @@ def evaluate(
     ]
 
     records = [json.loads(p.read_text()) for p in _lineage_files(cfg)]
-    own = record.write(  # its cost enters the ledger; rewritten below with the outputs' hashes
-        inputs=inputs,
-        outputs={},
-        metrics={k: v for k, v in metrics.items() if not isinstance(v, dict)},
-    )
+    own = record.build(inputs={}, outputs={})  # this stage's time so far enters the ledger
     commit = next(r["code"]["commit"] for r in records if r["stage"] == "pretrain")
     shares = {
         s: json.loads((REPORTS / f"{s}.json").read_text()).get("expert_share") for s in TRAIN_STAGES

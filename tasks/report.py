@@ -177,6 +177,24 @@ class StageRecord:
         wandb_run_id: str | None = None,
         compute_s: float | None = None,
     ) -> dict[str, Any]:
+        """Build the record and keep it: lineage.json and params.yaml beside the outputs, a
+        copy in the object store, a Prefect artifact."""
+        record = self.build(inputs, outputs, metrics, wandb_run_id, compute_s)
+        self.cfg.dump(self.out_dir / "params.yaml")
+        write_json(self.out_dir / "lineage.json", record)
+        self._to_object_store(record)
+        _lineage_artifact(record)
+        return record
+
+    def build(
+        self,
+        inputs: dict[str, Path],
+        outputs: dict[str, Path],
+        metrics: dict[str, Any] | None = None,
+        wandb_run_id: str | None = None,
+        compute_s: float | None = None,
+    ) -> dict[str, Any]:
+        """The record as of now, written nowhere (evaluate prices itself before it ends)."""
         wall_s = time.time() - self.t0
         billed_s = wall_s if compute_s is None else max(wall_s, compute_s)
         record = {
@@ -203,10 +221,6 @@ class StageRecord:
             "currency": self.cfg.cost.currency,
             "metrics": metrics or {},
         }
-        self.cfg.dump(self.out_dir / "params.yaml")
-        write_json(self.out_dir / "lineage.json", record)
-        self._to_object_store(record)
-        _lineage_artifact(record)
         return record
 
     def _to_object_store(self, record: dict[str, Any]) -> None:

@@ -64,6 +64,13 @@ def moto_server() -> Iterator[str]:
     proc.wait(timeout=10)
 
 
+def merge(base: dict, over: dict) -> dict:
+    """`over` layered into `base` (nested mappings merged, other values replaced)."""
+    for k, v in over.items():
+        base[k] = merge(base.get(k, {}), v) if isinstance(v, dict) else v
+    return base
+
+
 def tiny_params() -> dict:
     """A configuration small enough to run the whole pipeline in about a minute on 2 cores."""
     return {

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT, tiny_params
+from tests.conftest import ROOT, merge, tiny_params
 
 pytestmark = pytest.mark.slow
 
@@ -44,19 +44,13 @@ def _copy_repo(dest: Path) -> None:
     subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
 
 
-def _merge(base: dict, over: dict) -> dict:
-    for k, v in over.items():
-        base[k] = _merge(base.get(k, {}), v) if isinstance(v, dict) else v
-    return base
-
-
 @pytest.fixture(scope="module")
 def repo(
     tmp_path_factory: pytest.TempPathFactory, prefect_server: dict[str, str]
 ) -> tuple[Path, dict[str, str]]:
     dest = tmp_path_factory.mktemp("repo")
     _copy_repo(dest)
-    params = _merge(yaml.safe_load((dest / "params.yaml").read_text()), tiny_params())
+    params = merge(yaml.safe_load((dest / "params.yaml").read_text()), tiny_params())
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     env = {
         **os.environ,

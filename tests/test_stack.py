@@ -21,7 +21,7 @@ import yaml
 
 from flows import stack
 from moe.config import STAGES, load_config
-from tests.conftest import ROOT, tiny_params
+from tests.conftest import ROOT, merge, tiny_params
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
@@ -33,12 +33,6 @@ PLANTED = {
 SHARED: dict[str, Any] = {}  # what one test leaves for the next (they run in file order)
 
 
-def _merge(base: dict, over: dict) -> dict:
-    for k, v in over.items():
-        base[k] = _merge(base.get(k, {}), v) if isinstance(v, dict) else v
-    return base
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     root = tmp_path_factory.mktemp("stack-project")
@@ -48,7 +42,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(src, root / name)
-    params = _merge(yaml.safe_load((ROOT / "params.yaml").read_text()), tiny_params())
+    params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), tiny_params())
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(root)]
     subprocess.run([*git, "init", "-q"], check=True)
@@ -100,20 +94,11 @@ def _flow_runs(root: Path, deployment: str) -> list[Any]:
 
 
 def _start(root: Path, deployment: str, parameters: dict[str, Any]) -> Any:
-    with _client(root) as c:
-        dep = c.read_deployment_by_name(f"{deployment}/{deployment}")
-        return c.create_flow_run_from_deployment(dep.id, parameters=parameters)
+    return stack.start_deployment(stack.load_state(root), deployment, parameters)
 
 
 def _wait(root: Path, flow_run_id: Any, timeout: float = 400) -> Any:
-    deadline = time.time() + timeout
-    with _client(root) as c:
-        while True:
-            fr = c.read_flow_run(flow_run_id)
-            if fr.state and fr.state.is_final():
-                return fr
-            assert time.time() < deadline, f"flow run {flow_run_id} still {fr.state.name}"
-            time.sleep(1)
+    return stack.wait_flow_run(stack.load_state(root), flow_run_id, timeout)
 
 
 def test_pipeline_runs_every_stage_on_its_pools_worker(root: Path) -> None:
