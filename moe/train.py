@@ -173,6 +173,7 @@ class Trainer:
         log_fn: Callable[[dict[str, Any]], None] | None = None,
         metrics_path: Path | None = None,
         stop_after: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.device = resolve_device(cfg.device)
         # Under torchrun: data parallel + expert parallel (moe/distributed.py). Each rank
@@ -197,6 +198,9 @@ class Trainer:
         self.log_fn = log_fn or (lambda row: None)
         self.metrics_path = metrics_path
         self.stop_after = stop_after  # testing aid: return after this many steps (simulates a kill)
+        # Every decision that reads the time (cost, budget stops, time_budget_s, the lr under a
+        # time budget) reads this clock: tests inject one so they do not depend on CPU speed.
+        self.clock = clock
         self.amp_dtype = autocast_dtype(self.device, cfg.dtype)
         self.router_lr_mult = router_lr_mult
         self.optimizer = build_optimizer(model, cfg, router_lr_mult)
@@ -410,13 +414,13 @@ class Trainer:
             self.metrics_path.unlink()  # a fresh run starts a fresh log
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]
-        window_loss, window_tokens, window_t0 = 0.0, 0, time.perf_counter()
+        window_loss, window_tokens, window_t0 = 0.0, 0, self.clock()
         last_loss = float("nan")
         val_loss: float | None = None
         stop_reason = "max_steps"
         steps_this_run = 0
         while self.step < cfg.max_steps:
-            t_step = time.perf_counter()
+            t_step = self.clock()
             lr = lr_at(
                 self._schedule_step(),
                 cfg.max_steps,
@@ -497,7 +501,7 @@ class Trainer:
             steps_this_run += 1
             last_loss = loss_sum / cfg.grad_accum
             window_loss += last_loss
-            self.elapsed_s += time.perf_counter() - t_step
+            self.elapsed_s += self.clock() - t_step
             if self.world > 1:
                 # Ranks agree on the time used (lr under a time budget, cost-aware stop).
                 t = torch.tensor([self.elapsed_s], dtype=torch.float64, device=self.device)
@@ -505,7 +509,7 @@ class Trainer:
                 self.elapsed_s = float(t)
 
             if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
-                dt = time.perf_counter() - window_t0
+                dt = self.clock() - window_t0
                 stats = self.load.window()
                 row = {
                     "step": self.step,
@@ -534,7 +538,7 @@ class Trainer:
                     row["tokens_per_s"],
                     stats["cv"],
                 )
-                window_loss, window_tokens, window_t0 = 0.0, 0, time.perf_counter()
+                window_loss, window_tokens, window_t0 = 0.0, 0, self.clock()
 
             early_reason = None
             if self.eval_every and (self.step % self.eval_every == 0 or self.step == cfg.max_steps):
@@ -561,11 +565,11 @@ class Trainer:
                 log.warning("stopping at step %d: %s", self.step, early_reason)
                 self._emit({"step": self.step, "early_stop": early_reason})
             if early_reason or self.step % cfg.checkpoint_every == 0 or self.step == cfg.max_steps:
-                t_save = time.perf_counter()
+                t_save = self.clock()
                 self._save(val_loss)
                 # What the save cost the training thread (the copy; encoding and writing
                 # happen on the store's worker thread in background mode).
-                self._emit({"step": self.step, "checkpoint_stall_s": time.perf_counter() - t_save})
+                self._emit({"step": self.step, "checkpoint_stall_s": self.clock() - t_save})
             if early_reason:
                 stop_reason = early_reason
                 break

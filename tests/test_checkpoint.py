@@ -10,7 +10,6 @@ import logging
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -138,29 +137,38 @@ def test_incomplete_write_is_ignored(tmp_path: Path) -> None:
 
 def test_process_killed_mid_save_leaves_previous_restorable(tmp_path: Path) -> None:
     """A real process writes step 1, then is SIGKILLed while writing a large step 2."""
+    # The child announces the moment it is inside step 2's write (after its first tier file
+    # is encoded) and then waits there: the kill lands mid-write on any CPU, fast or slow.
     script = textwrap.dedent(
         f"""
         import sys, time, torch
+        import moe.checkpoint as C
         from moe.checkpoint import CheckpointStore
         store = CheckpointStore({str(tmp_path)!r}, cold_codec="bg-lzma")
         store.save(1, {{"w": torch.ones(4)}}, {{}}, {{}}, {{"step": 1}})
         print("saved", flush=True)
-        big = {{"blocks.0.ffn.experts.w": torch.randn(64, 1024, 1024)}}
+        real_encode = C.encode
+        def encode_then_wait(*a, **k):
+            out = real_encode(*a, **k)
+            print("writing", flush=True)
+            time.sleep(600)
+            return out
+        C.encode = encode_then_wait
+        big = {{"blocks.0.ffn.experts.w": torch.randn(4, 64, 64)}}
         store.save(2, big, {{}}, {{}}, {{"step": 2}},
-                   expert_load={{"blocks.0.ffn": [0.0] * 63 + [1.0]}})  # all cold: slow lzma
+                   expert_load={{"blocks.0.ffn": [0.0, 0.0, 0.0, 1.0]}})
         print("finished", flush=True)
         """
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path.cwd()
     )
-    assert proc.stdout.readline().strip() == "saved"
-    deadline = time.time() + 60
-    while not list(tmp_path.glob(".tmp-step_00000002-*")) and time.time() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.5)
-    proc.kill()
-    proc.wait()
+    try:
+        assert proc.stdout.readline().strip() == "saved"
+        assert proc.stdout.readline().strip() == "writing"
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
     assert list(tmp_path.glob(".tmp-step_00000002-*"))  # it died mid-write
     store = CheckpointStore(tmp_path)
     path = store.latest_valid()

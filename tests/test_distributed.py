@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -93,11 +92,10 @@ def test_checkpoints_cross_world_sizes(tmp_path: Path) -> None:
 
 
 def test_a_dead_rank_fails_the_run_fast(tmp_path: Path) -> None:
-    t0 = time.perf_counter()
+    # No hang: the process group times out after 20 s, and subprocess.run's timeout (120 s)
+    # fails this test (TimeoutExpired) if rank 0 waited for the dead rank for ever.
     proc = _torchrun("die", tmp_path, timeout=120)
-    elapsed = time.perf_counter() - t0
     assert proc.returncode != 0
-    assert elapsed < 90  # the process group timeout is 20 s: no hang
     assert "exitcode" in proc.stderr or "exit code" in proc.stderr.lower(), proc.stderr[-2000:]
 
 

@@ -222,27 +222,33 @@ def test_s3_outage_is_ridden_out_by_task_retries(
     _prepared(tmp_path)
     env = {**os.environ, **prefect_server, "PYTHONPATH": str(ROOT), "AWS_MAX_ATTEMPTS": "1"}
     # The S3 server is down when the upload starts ...
-    job = subprocess.Popen(
-        [sys.executable, "-c", OUTAGE_SCRIPT, str(tmp_path), endpoint],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.time() + 120
-    while not (tmp_path / "ready").exists() and time.time() < deadline and job.poll() is None:
+    out_f, err_f = tmp_path / "job.out", tmp_path / "job.err"
+    with open(out_f, "w") as o, open(err_f, "w") as e:
+        job = subprocess.Popen(
+            [sys.executable, "-c", OUTAGE_SCRIPT, str(tmp_path), endpoint],
+            env=env,
+            stdout=o,
+            stderr=e,
+            text=True,
+        )
+    # ... until an attempt has failed against the closed port and Prefect said it will retry
+    # (read from the job's log, not a fixed sleep: the same on a fast or a slow machine) ...
+    deadline = time.time() + 180
+    while "Retry 1/6" not in out_f.read_text() + err_f.read_text():
+        assert job.poll() is None, err_f.read_text()[-3000:]
+        assert time.time() < deadline, "no failed attempt was retried"
         time.sleep(0.2)
-    time.sleep(3)  # the first attempt fails against the closed port
-    # ... and comes back a few seconds later (empty: moto keeps state in memory).
+    # ... and comes back (empty: moto keeps state in memory).
     server = _start_moto(port)
     try:
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
             Bucket="outage"
         )
-        out, err = job.communicate(timeout=180)
+        job.wait(timeout=180)
     finally:
         server.terminate()
         server.wait(timeout=10)
+    out, err = out_f.read_text(), err_f.read_text()
     assert job.returncode == 0, err[-3000:]
     result = json.loads(out.strip().splitlines()[-1])
     assert result["verified"]

@@ -192,12 +192,16 @@ def test_early_stop_in_training_is_recorded_and_checkpointed(tmp_path: Path) -> 
 def test_budget_warns_then_stops_with_a_checkpoint(tmp_path: Path) -> None:
     data = _data(tmp_path / "data")
     t = _trainer(data, tmp_path / "b", 30)
-    # $3600/hour: a second of training costs $1; $0.5 left of the budget for this stage.
-    t.price_per_hour, t.budget_left, t.budget_alert = 3600.0, 0.5, 0.2
+    # An injected clock: every reading is 1/16 s after the last, so each step costs exactly
+    # 1/16 s of training time on any CPU. At $3600/hour that is $0.0625 a step; with $0.5 left
+    # for this stage the alert (at 30%: $0.15) comes at step 3 and the stop at step 8.
+    ticks = iter(range(10**6))
+    t.clock = lambda: next(ticks) / 16
+    t.price_per_hour, t.budget_left, t.budget_alert = 3600.0, 0.5, 0.3
     result = t.fit()
-    assert result.stop_reason.startswith("budget") and result.steps < 30
+    assert result.stop_reason.startswith("budget") and result.steps == 8
     rows = [json.loads(r) for r in (tmp_path / "b.jsonl").read_text().splitlines()]
     alerts = [r for r in rows if "budget_alert" in r]
     stops = [r for r in rows if r.get("early_stop", "").startswith("budget")]
-    assert len(alerts) <= 1 and len(stops) == 1
+    assert [r["step"] for r in alerts] == [3] and [r["step"] for r in stops] == [8]
     assert CheckpointStore(tmp_path / "b").latest_valid().name == f"step_{result.steps:08d}"
