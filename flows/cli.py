@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import flows  # noqa: F401 - offline defaults before Prefect is imported
-from moe.config import STAGES, ConfigError, load_config
+from moe.config import STAGES, Config, load_config
 from moe.errors import InputError
 
 EXIT_CONFIG = 2  # bad configuration or input: nothing was run or written
@@ -148,10 +148,11 @@ def main(argv: list[str] | None = None) -> int:
             return _lineage(args)
         if args.command == "stack":
             return _stack(args)
-        load_config(
-            args.params, args.overrides
-        )  # validate before importing Prefect or touching anything
-    except ConfigError as e:
+        # Validate the params and what the stages need before importing Prefect or touching
+        # anything: bad input is one message and exit 2, never a flow run's traceback.
+        cfg = load_config(args.params, args.overrides)
+        preflight(cfg, [args.name] if args.command == "stage" else (args.stages or STAGES))
+    except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
 
@@ -172,6 +173,76 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     return 0
+
+
+# What each stage reads that an earlier stage writes (local paths, as dvc.yaml lists them).
+_NEEDS = {
+    "publish": [("data/prepared/meta.json", "prepare")],
+    "pretrain": [("data/published/receipt.json", "publish")],
+    "finetune_sql": [
+        ("data/published/receipt.json", "publish"),
+        ("models/pretrain/model.safetensors", "pretrain"),
+    ],
+    "finetune_domain": [
+        ("data/published/receipt.json", "publish"),
+        ("models/finetune_sql/model.safetensors", "finetune_sql"),
+    ],
+    "evaluate": [
+        ("data/published/receipt.json", "publish"),
+        *(
+            (f"models/{s}/model.safetensors", s)
+            for s in ("pretrain", "finetune_sql", "finetune_domain")
+        ),
+    ],
+}
+
+
+def preflight(cfg: Config, stages: list[str] | tuple[str, ...]) -> None:
+    """Raise InputError for what the stages need and cannot get: a corpus with no readable
+    text, or an upstream output that no stage of this run makes and that is missing or no
+    longer matches the hash its stage's lineage record holds."""
+    from moe.data import check_source
+
+    if "prepare" in stages:
+        d = cfg.data
+        check_source(d.source, d.text_field, d.on_bad_record, d.encoding, d.doc_max_bytes)
+    made = set()
+    for stage in stages:
+        for rel, producer in _NEEDS.get(stage, []):
+            if producer in made or producer in stages:
+                continue
+            path = Path(cfg.data.out_dir, "meta.json") if producer == "prepare" else Path(rel)
+            if not path.is_file():
+                raise InputError(
+                    f"stage {stage} needs {path}, which is missing: run the {producer} stage "
+                    f"first (moe-pipeline stage {producer}, or dvc repro)"
+                )
+            _verify_against_lineage(path, producer, stage)
+        made.add(stage)
+
+
+def _verify_against_lineage(path: Path, producer: str, stage: str) -> None:
+    """`path` still has the sha256 its producer's lineage record holds (where it has one)."""
+    import json
+
+    record = path.parent / "lineage.json"
+    if path.suffix != ".safetensors" or not record.is_file():
+        return
+    try:
+        outputs = json.loads(record.read_text()).get("outputs", {})
+    except (OSError, ValueError):
+        return
+    want = next((o["sha256"] for o in outputs.values() if Path(o["path"]) == path), None)
+    if want is None:
+        return
+    from tasks.report import content_hash
+
+    if content_hash(path) != want:
+        raise InputError(
+            f"stage {stage} needs {path}, which changed since the {producer} stage wrote it "
+            f"(its sha256 no longer matches {record}): run {producer} again "
+            f"(moe-pipeline stage {producer} --force) or restore the file (dvc checkout)"
+        )
 
 
 def _stack(args: argparse.Namespace) -> int:

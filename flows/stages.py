@@ -21,6 +21,7 @@ from prefect import flow
 
 from moe.config import Config, load_config
 from moe.errors import InputError
+from tasks import quiet_input_errors
 from tasks.data import build_sql_sets, build_tokenizer, commit_folder, tokenize_corpus
 from tasks.evaluation import evaluate_perplexity, evaluate_sql
 from tasks.handoff import pull_inputs, push_outputs, stage_outputs
@@ -42,6 +43,7 @@ from tasks.tracking import wandb_run
 from tasks.training import finetune_model, pretrain_model
 
 log = logging.getLogger("flows.stages")  # by name: a deployment loads this file as a script
+quiet_input_errors()  # bad input that reaches a flow: one line in its log, no traceback
 
 PUBLISHED = Path("data/published")
 MODELS = Path("models")

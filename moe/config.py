@@ -9,10 +9,12 @@ and (when read from a file) the line.
 
 from __future__ import annotations
 
+import codecs
 import copy
 import dataclasses
 import hashlib
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +52,13 @@ class DataConfig:
         "error"  # a malformed JSONL line: stop, or skip and count
     )
     max_bytes: int = 4_000_000  # cap on corpus size read (0 = no cap)
+    # Text files (.txt/.md/.py/.sql/.rst) are decoded with this codec (any Python codec name:
+    # utf-8, latin-1, cp1252, ...); a file that does not decode is named and refused (a lone
+    # file) or skipped and listed (in a folder). The stdlib corpus is always UTF-8.
+    encoding: str = "utf-8"
+    # A text file longer than this (in characters) is cut into documents at paragraph breaks,
+    # so that one big file (a book as nanoGPT's input.txt) splits into train/val/replay.
+    doc_max_bytes: int = 16_384
     val_fraction: float = 0.05  # fraction of documents held out for validation
     replay_fraction: float = 0.05  # held back from pretraining for finetune replay (seed 000 §7.1)
     seed: int = 1337
@@ -60,6 +69,13 @@ class DataConfig:
 
     def check(self, p: _Problems) -> None:
         p.require(self.max_bytes >= 0, "max_bytes", self.max_bytes, "must be >= 0")
+        try:
+            codecs.lookup(self.encoding)
+            known = True
+        except LookupError:
+            known = False
+        p.require(known, "encoding", self.encoding, "not a known text encoding (e.g. utf-8)")
+        p.require(self.doc_max_bytes >= 256, "doc_max_bytes", self.doc_max_bytes, "must be >= 256")
         p.require(
             0.0 < self.val_fraction < 0.5, "val_fraction", self.val_fraction, "must be in (0, 0.5)"
         )
@@ -734,6 +750,10 @@ def _convert(value: Any, tp: Any, p: _Problems, key: str) -> Any:
                 out = float(value)
             except ValueError:
                 pass
+        if out is not bad and not math.isfinite(out):
+            # No knob means anything at inf or nan: refused here, once, for every float field.
+            p.add(key, value, "must be a finite number (not inf or nan)")
+            return None
     elif tp is str:
         if isinstance(value, str):
             out = value
@@ -758,6 +778,66 @@ def _build(cls: type, raw: dict[str, Any], p: _Problems) -> Any:
             kwargs[key] = converted
     obj = cls(**kwargs)
     return obj
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, stricter where a params file can go wrong silently or hang:
+    a key given twice in one mapping is an error naming both lines (PyYAML keeps the last),
+    and anchors/aliases are refused at the first alias (a few lines of nested aliases expand
+    exponentially: the "billion laughs")."""
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"alias *{event.anchor} is not allowed in a params file: write the value out "
+                "in full (anchors and aliases are refused, they can expand without bound)",
+                event.start_mark,
+            )
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} is given twice in one mapping (lines {seen[key]} and {line}): "
+                    "keep one",
+                    key_node.start_mark,
+                )
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path, source: str) -> tuple[Any, str]:
+    """The parsed file and its text; every way a file can be unreadable is a ConfigError."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError([f"cannot read the file: {e.strerror or e}"], source) from e
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            [
+                f"not UTF-8 text: byte 0x{data[e.start]:02x} at line {line} (byte offset "
+                f"{e.start}); save the file as UTF-8"
+            ],
+            source,
+        ) from e
+    try:
+        return yaml.load(text, Loader=_StrictLoader), text  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        where = str(e).replace('"<unicode string>"', str(path))
+        raise ConfigError([f"not valid YAML: {where}"], source) from e
 
 
 def _yaml_lines(text: str) -> dict[str, int]:
@@ -791,7 +871,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError([f"--set {item!r}: the key must be a dotted path like train.lr"], "--set")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = yaml.load(text, Loader=_StrictLoader) if text.strip() else ""  # noqa: S506
     except yaml.YAMLError as e:
         raise ConfigError([f"--set {item!r}: the value is not valid YAML ({e})"], "--set") from e
     return key.split("."), value
@@ -898,11 +978,7 @@ def load_config(
                 ],
                 source,
             )
-        text = path.read_text()
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConfigError([f"not valid YAML: {e}"], source) from e
+        loaded, text = _read_yaml(path, source)
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

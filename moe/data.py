@@ -9,6 +9,7 @@ one batch of documents, whatever the corpus size.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import itertools
 import json
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".sql", ".rst"}
 TABLE_SUFFIXES = {".json": "json", ".parquet": "parquet"}  # read through HF datasets
+DOC_MAX_BYTES = 16_384  # data.doc_max_bytes: a longer text file is cut into documents
 
 
 # --------------------------------------------------------------------------- corpus
@@ -73,7 +75,12 @@ def _stdlib_documents(stats: CorpusStats) -> Iterator[str]:
 
 
 def _file_documents(
-    source: Path, text_field: str, on_bad_record: str, stats: CorpusStats
+    source: Path,
+    text_field: str,
+    on_bad_record: str,
+    stats: CorpusStats,
+    encoding: str = "utf-8",
+    doc_max_bytes: int = DOC_MAX_BYTES,
 ) -> Iterator[str]:
     files = sorted(f for f in source.rglob("*") if f.is_file()) if source.is_dir() else [source]
     for f in files:
@@ -83,15 +90,86 @@ def _file_documents(
         elif suffix in TABLE_SUFFIXES:
             yield from _hf_documents(TABLE_SUFFIXES[suffix], str(f), text_field)
         elif suffix in TEXT_SUFFIXES:
-            try:
-                yield f.read_bytes().decode("utf-8")
-            except UnicodeDecodeError:
+            problem = _undecodable(f, encoding)
+            if problem is None:
+                yield from text_file_documents(f, encoding, doc_max_bytes)
+            elif source.is_dir():  # one bad file in a folder: skipped, counted and named
                 stats.skipped_undecodable += 1
-                stats.skipped_files.append(str(f))
+                stats.skipped_files.append(f"{f} ({problem})")
+            else:
+                raise InputError(f"data.source {f}: {problem}")
         elif not source.is_dir():
             raise InputError(
                 f"data.source {source}: unsupported file type {suffix!r}; use .txt/.md/.py, .jsonl/.json or .parquet"
             )
+
+
+READ_BLOCK = 1 << 20  # text files are read in blocks of this size: memory does not grow with lines
+
+
+def _undecodable(path: Path, encoding: str) -> str | None:
+    """Why `path` cannot be read as `encoding` text (file, byte offset and line), or None.
+    A streaming pass, so that a file that fails half-way is refused before any of it is used."""
+    decoder = codecs.getincrementaldecoder(encoding)("strict")
+    offset, line = 0, 1
+    try:
+        with open(path, "rb") as fh:
+            while block := fh.read(READ_BLOCK):
+                try:
+                    decoder.decode(block)
+                except UnicodeDecodeError as e:
+                    at = offset + max(e.start, 0)
+                    line += block[: max(e.start, 0)].count(b"\n")
+                    return (
+                        f"not {encoding} text: undecodable byte at line {line} (byte offset {at});"
+                        " set data.encoding to the file's encoding (e.g. latin-1, cp1252) or"
+                        " convert it to UTF-8"
+                    )
+                offset += len(block)
+                line += block.count(b"\n")
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return f"not {encoding} text: the file ends inside a character; set data.encoding"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    return None
+
+
+def text_file_documents(
+    path: Path, encoding: str = "utf-8", doc_max_bytes: int = DOC_MAX_BYTES
+) -> Iterator[str]:
+    """A text file as documents of at most ~doc_max_bytes characters, read in blocks.
+
+    A file that fits is one document (a source file, a short article). A longer one, such as a
+    whole book in one `input.txt`, is cut at paragraph breaks (a blank line) into documents of
+    up to doc_max_bytes, so that it splits into train/val/replay; a paragraph longer than that
+    is cut at its last line break or space before the limit, and text with neither (one huge
+    line) at the limit itself. Memory stays bounded by one block plus one document whatever
+    the line lengths."""
+    decoder = codecs.getincrementaldecoder(encoding)("strict")
+    buf = ""
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(READ_BLOCK)
+            buf += decoder.decode(block, final=not block)
+            while len(buf) > doc_max_bytes:
+                cut = _cut(buf, doc_max_bytes)
+                yield buf[:cut]
+                buf = buf[cut:]
+            if not block:
+                break
+    if buf.strip():
+        yield buf
+
+
+def _cut(text: str, limit: int) -> int:
+    """Where to end a document of at most `limit` characters: after the last paragraph break,
+    else the last line break, else the last space, else at the limit."""
+    for sep in ("\n\n", "\n", " "):
+        at = text.rfind(sep, limit // 4, limit)
+        if at > 0:
+            return at + len(sep)
+    return limit
 
 
 def _jsonl_documents(
@@ -149,8 +227,9 @@ def _hf_documents(
             if offline
             else ""
         )
+        local = " is no local file or folder, and" if hub_id else ":"
         raise InputError(
-            f"data.source {hub_id or data_files}: could not load the dataset{hint}: {e}"
+            f"data.source {hub_id or data_files}{local} could not load the dataset{hint}: {e}"
         ) from e
     for i, row in enumerate(ds):
         if text_field not in row:
@@ -163,18 +242,26 @@ def _hf_documents(
 
 
 def iter_documents(
-    source: str, text_field: str, max_bytes: int, stats: CorpusStats, on_bad_record: str = "error"
+    source: str,
+    text_field: str,
+    max_bytes: int,
+    stats: CorpusStats,
+    on_bad_record: str = "error",
+    encoding: str = "utf-8",
+    doc_max_bytes: int = DOC_MAX_BYTES,
 ) -> Iterator[str]:
     """Documents of `source` ("stdlib", a local file/folder, or a hub dataset id), capped."""
     if source == "stdlib":
         it = _stdlib_documents(stats)
     elif Path(source).exists():
-        it = _file_documents(Path(source), text_field, on_bad_record, stats)
-    elif "/" in source and not source.startswith((".", "/")):
+        it = _file_documents(
+            Path(source), text_field, on_bad_record, stats, encoding, doc_max_bytes
+        )
+    elif source.count("/") == 1 and not source.startswith((".", "/", "~")):
         it = _hf_documents("", None, text_field, hub_id=source)
     else:
         raise InputError(
-            f"data.source {source!r}: no such file or folder (and not a hub id like owner/name)"
+            f"data.source {source!r}: no such file or folder (nor a hub dataset id like owner/name)"
         )
     h = hashlib.sha256()
     try:
@@ -190,10 +277,32 @@ def iter_documents(
     finally:  # also when the reader stops early
         stats.sha256 = h.hexdigest()
     if stats.documents == 0:
+        skipped = f"; skipped: {'; '.join(stats.skipped_files[:3])}" if stats.skipped_files else ""
         raise InputError(
-            f"data.source {source!r}: no documents with decodable text"
-            f" ({stats.skipped_undecodable} undecodable file(s) skipped)"
+            f"data.source {source!r}: no documents with text (read .txt/.md/.py/.sql/.rst,"
+            f" .jsonl/.json and .parquet files; {stats.skipped_undecodable} undecodable file(s)"
+            f" skipped{skipped})"
         )
+
+
+def check_source(
+    source: str,
+    text_field: str = "text",
+    on_bad_record: str = "error",
+    encoding: str = "utf-8",
+    doc_max_bytes: int = DOC_MAX_BYTES,
+) -> None:
+    """Raise InputError unless `source` yields at least one document: what prepare checks
+    before its flow starts (missing, empty, binary-only or unreadable corpora)."""
+    if source == "stdlib":
+        return
+    docs = iter_documents(
+        source, text_field, 1, CorpusStats(), on_bad_record, encoding, doc_max_bytes
+    )
+    try:
+        next(docs, None)  # reads up to the first document, or raises naming what is wrong
+    finally:
+        docs.close()
 
 
 # --------------------------------------------------------------------------- token store
@@ -316,7 +425,9 @@ def write_token_store(
         if c["tokens"] == 0:
             raise InputError(
                 f"the {name} split is empty: {index} documents are too few for the held-out"
-                f" fractions {fractions}; give a larger corpus (data.max_bytes) or smaller fractions"
+                f" fractions {fractions}; give a larger corpus (or a larger data.max_bytes),"
+                " smaller fractions, or a smaller data.doc_max_bytes (a long text file is cut"
+                " into documents of at most that many characters)"
             )
     return counts
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +36,17 @@ def sql_accuracy(
     db_dir: Path,
     max_new_tokens: int,
     eot_id: int,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Greedy-generate SQL for each pair and score it three ways: valid (it runs on the pair's
     sqlite database), execution match (same result rows as the reference) and exact match
-    (whitespace- and case-normalised text)."""
+    (whitespace- and case-normalised text). `progress(n)` is told how many pairs are done."""
     model.eval()
     # The response is one line: stop at the end token or at any token that holds a newline.
     stop_ids = {eot_id} | {i for i in range(tok.get_vocab_size()) if "\n" in tok.decode([i])}
     exact = executes = valid = 0
     samples = []
+    done = 0
     for pair in pairs:
         prompt = tok.encode(prompt_text(pair)).ids
         prompt = prompt[-(model.cfg.seq_len - 1) :]
@@ -55,6 +58,8 @@ def sql_accuracy(
         exact += ok_exact
         executes += ok_exec
         valid += ok_valid
+        if progress:
+            progress(done := done + 1)
         if len(samples) < 5:
             samples.append(
                 {

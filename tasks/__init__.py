@@ -37,3 +37,24 @@ def retry_unless_input_error(task: object, task_run: object, state: object) -> b
     except Exception:  # noqa: BLE001 - any other failure is worth a retry
         return True
     return True
+
+
+class _InputErrorWithoutTraceback(logging.Filter):
+    """Bad input is the user's to fix, and its message says how: Prefect's run loggers log it
+    as one line instead of with a traceback of the engine's frames. Other errors keep theirs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from moe.errors import InputError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, InputError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_input_errors() -> None:
+    """Install the filter on Prefect's flow- and task-run loggers (idempotent)."""
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _InputErrorWithoutTraceback) for f in logger.filters):
+            logger.addFilter(_InputErrorWithoutTraceback())

@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,13 @@ def _train_cap(cfg: Config) -> int:
     return min(caps) if caps else 0
 
 
+def corpus_documents(cfg: Config, max_bytes: int, stats: CorpusStats) -> Iterator[str]:
+    d = cfg.data
+    return iter_documents(
+        d.source, d.text_field, max_bytes, stats, d.on_bad_record, d.encoding, d.doc_max_bytes
+    )
+
+
 @task(
     name="train-tokenizer",
     cache_policy=NONE,
@@ -48,9 +56,7 @@ def build_tokenizer(cfg: Config, work: Path) -> Path:
     stats = CorpusStats()
     t0 = time.perf_counter()
     tok = train_tokenizer(
-        iter_documents(
-            cfg.data.source, cfg.data.text_field, _train_cap(cfg), stats, cfg.data.on_bad_record
-        ),
+        corpus_documents(cfg, _train_cap(cfg), stats),
         cfg.tokenizer.vocab_size,
         cfg.tokenizer.min_frequency,
     )
@@ -76,9 +82,7 @@ def tokenize_corpus(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, 
     eot = tok.token_to_id(EOT)
     stats = CorpusStats()
     t0 = time.perf_counter()
-    docs = iter_documents(
-        cfg.data.source, cfg.data.text_field, cfg.data.max_bytes, stats, cfg.data.on_bad_record
-    )
+    docs = corpus_documents(cfg, cfg.data.max_bytes, stats)
 
     with Progress(
         TextColumn("tokenizing"),

@@ -15,6 +15,7 @@ from moe.evaluate import perplexity, sql_accuracy
 from moe.sql import load_pairs
 from moe.tokenizer import EOT, load_tokenizer
 from tasks import retry_unless_input_error
+from tasks.progress import progress
 from tasks.training import load_model
 
 log = logging.getLogger(__name__)
@@ -43,14 +44,17 @@ def evaluate_sql(cfg: Config, data_dir: Path, model_dir: Path) -> dict[str, Any]
     model = load_model(model_dir)
     tok = load_tokenizer(data_dir / "tokenizer.json")
     pairs = load_pairs(data_dir / "sql" / "domain_test.jsonl")[: cfg.evaluate.max_examples]
-    out = sql_accuracy(
-        model,
-        tok,
-        pairs,
-        data_dir / "sql" / "dbs",
-        cfg.evaluate.max_new_tokens,
-        tok.token_to_id(EOT),
-    )
+    name = f"evaluate-{model_dir.name}"
+    with progress(name, len(pairs), "questions") as update:
+        out = sql_accuracy(
+            model,
+            tok,
+            pairs,
+            data_dir / "sql" / "dbs",
+            cfg.evaluate.max_new_tokens,
+            tok.token_to_id(EOT),
+            progress=update,
+        )
     log.info(
         "%s: SQL execution accuracy %.3f, exact match %.3f on %d held-out domain pairs",
         model_dir,

@@ -32,6 +32,7 @@ from moe.tokenizer import EOT, PAD, load_tokenizer
 from moe.train import Trainer, TrainResult
 from tasks import retry_unless_input_error
 from tasks.checkpoints import checkpoint_store, offload_checkpoints
+from tasks.progress import training_log
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +155,11 @@ def launch(
 
 def _fit_and_save(cfg: Config, trainer: Trainer, out_dir: Path, run_key: str) -> TrainResult:
     """Train (resuming if a checkpoint fits), then write the final weights and the CSV log.
-    Under torchrun every rank trains; the experts are gathered and rank 0 writes."""
-    result = trainer.fit()
+    Under torchrun every rank trains; the experts are gathered and rank 0 writes. A bar on a
+    terminal and a Prefect progress artifact follow the steps (tasks/progress.py)."""
+    stage = run_key.split("/", 1)[0]
+    with training_log(stage, trainer.cfg.max_steps, trainer.log_fn) as trainer.log_fn:
+        result = trainer.fit()
     trainer.store.close()
     model = trainer.model
     if trainer.world > 1:

@@ -124,6 +124,38 @@ def test_missing_source_and_offline_hub_fail_clearly() -> None:
         list(iter_documents("someone/some-dataset", "text", 0, CorpusStats()))
 
 
+def test_a_long_text_file_is_cut_into_bounded_documents_at_paragraph_breaks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import moe.data as data
+
+    monkeypatch.setattr(data, "READ_BLOCK", 7)  # blocks end inside multi-byte characters
+    paragraphs = [f"Paragraph {i}: café, naïve, 東京. " * (1 + i % 5) for i in range(60)]
+    text = "\n\n".join(paragraphs) + "\n"
+    f = tmp_path / "book.txt"
+    f.write_text(text)
+    docs = list(data.text_file_documents(f, doc_max_bytes=300))
+    assert "".join(docs) == text  # nothing lost, nothing repeated
+    assert len(docs) > 10 and all(len(d) <= 300 for d in docs)
+    assert all(d.endswith("\n\n") for d in docs[:-1])  # every cut at a paragraph break
+    # A file that fits is one document, as before.
+    assert list(data.text_file_documents(f, doc_max_bytes=len(text))) == [text]
+    # One line with no break and no space: cut at the limit itself.
+    f.write_text("x" * 1000)
+    assert [len(d) for d in data.text_file_documents(f, doc_max_bytes=300)] == [300, 300, 300, 100]
+
+
+def test_a_folder_of_system_documentation_is_a_corpus(tmp_path: Path) -> None:
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i, p in enumerate(sorted(Path("/usr/share/doc").glob("*/copyright"))[:200]):
+        (folder / f"{i:03d}-{p.parent.name}.txt").write_bytes(p.read_bytes())
+    stats = CorpusStats()
+    docs = list(iter_documents(str(folder), "text", 0, stats, encoding="utf-8"))
+    assert stats.documents == len(docs) >= 150 and all(len(d) <= 16_384 for d in docs)
+    assert stats.documents + stats.skipped_undecodable >= len(list(folder.iterdir()))
+
+
 def test_tokenizer_trains_locally_and_round_trips(tmp_path: Path) -> None:
     tok = train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, vocab_size=300)
     tok.save(str(tmp_path / "t.json"))
