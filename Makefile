@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_SILENT ?= true
 
-.PHONY: venv demo test lint format bench clean
+.PHONY: venv demo test lint format bench clean browser
 
 venv: $(STAMP)
 
@@ -30,8 +30,19 @@ demo: venv
 	@echo "Done. Metrics: reports/metrics.json   Bill: reports/cost.json   Report: reports/evaluate/report.md"
 	@echo "Models: models/{pretrain,finetune_sql,finetune_domain}/   Lineage: */lineage.json"
 
-test: venv
+test: venv browser
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
+
+# Debian's headless Chromium for the UI tests (they fail under CI=true without it, and skip
+# saying why elsewhere). Installed only where this user may run apt-get.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium (apt-get) for the Prefect UI tests"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	      { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1; } || \
+	      echo "could not install chromium: the UI tests will say so"; \
+	  else echo "chromium is not installed (apt-get install chromium): the UI tests will say so"; fi; }
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -181,7 +181,12 @@ def up(
         port = _free_port(state.get("api_port"))
         moved |= port != state.get("api_port")
         state.update(api_port=port, api_url=f"http://127.0.0.1:{port}/api")
-        env = {**_base_env(root), "PREFECT_UI_ENABLED": "true" if ui else "false"}
+        env = {
+            **_base_env(root),
+            "PREFECT_UI_ENABLED": "true" if ui else "false",
+            # The UI calls this API URL (by default port 4200, whatever --port says).
+            "PREFECT_UI_API_URL": state["api_url"],
+        }
         _spawn(
             root,
             state,
@@ -425,6 +430,7 @@ def status(root: Path) -> dict[str, Any]:
             pools = {"error": str(e)}
     return {
         "api_url": state.get("api_url"),
+        "ui_url": state["api_url"].removesuffix("/api") if state.get("api_url") else None,
         "s3_endpoint": state.get("s3_endpoint"),
         "bucket": state.get("bucket"),
         "processes": procs,

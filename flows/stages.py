@@ -374,6 +374,7 @@ def evaluate(
     write_json(REPORTS / "cost.json", ledger)
     metrics["cost_total"] = ledger["total"]
     write_json(REPORTS / "metrics.json", metrics)
+    write_json(REPORTS / "summary.json", headline(metrics, ledger))
     lines = [
         "# Run report",
         "",
@@ -417,11 +418,33 @@ def evaluate(
     )
     record.write(
         inputs=inputs,
-        outputs={"metrics": REPORTS / "metrics.json", "cost": REPORTS / "cost.json"},
+        outputs={
+            "metrics": REPORTS / "metrics.json",
+            "cost": REPORTS / "cost.json",
+            "summary": REPORTS / "summary.json",
+        },
         metrics={k: v for k, v in metrics.items() if not isinstance(v, dict)},
     )
     _hand_off(cfg, "evaluate", handoff)
     return metrics
+
+
+def headline(metrics: dict[str, Any], ledger: dict[str, Any]) -> dict[str, Any]:
+    """The few figures one compares across runs: what `dvc metrics show` and `dvc exp show`
+    print (one row, a dozen columns). The detail stays in reports/metrics.json and cost.json."""
+    out: dict[str, Any] = {}
+    for s in TRAIN_STAGES:
+        out[s] = {
+            "ppl": round(metrics[s]["val"]["perplexity"], 3),
+            "valid_sql": round(metrics[s]["sql"]["valid_sql"], 4),
+            "exec_acc": round(metrics[s]["sql"]["execution_accuracy"], 4),
+        }
+    out["cost"] = {
+        "total": round(ledger["total"], 5),
+        "saving": round(ledger["saving"], 5),
+        "saving_pct": round(100 * ledger["saving_fraction"], 1),
+    }
+    return out
 
 
 def _budget_left(cfg: Config, stage: str) -> float:

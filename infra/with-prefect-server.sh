@@ -9,7 +9,9 @@ if [ -n "${PREFECT_API_URL:-}" ]; then
 fi
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 log=$(mktemp)
-prefect server start --host 127.0.0.1 --port "$port" >"$log" 2>&1 &
+# The UI is told the API's address: by default it calls port 4200, whatever --port says.
+PREFECT_UI_API_URL="http://127.0.0.1:$port/api" \
+  prefect server start --host 127.0.0.1 --port "$port" >"$log" 2>&1 &
 pid=$!
 trap 'kill -TERM "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; rm -f "$log"' EXIT
 python3 - "$port" "$pid" "$log" <<'PY'

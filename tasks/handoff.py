@@ -51,7 +51,12 @@ def stage_outputs(cfg: Config, stage: str) -> list[Path]:
     if stage == "publish":
         return _files(PUBLISHED)
     if stage == "evaluate":
-        return [REPORTS / "metrics.json", REPORTS / "cost.json", *_files(REPORTS / "evaluate")]
+        return [
+            REPORTS / "metrics.json",
+            REPORTS / "cost.json",
+            REPORTS / "summary.json",
+            *_files(REPORTS / "evaluate"),
+        ]
     return [
         *(p for p in _files(MODELS / stage) if "checkpoints" not in p.relative_to(MODELS).parts),
         REPORTS / f"{stage}.json",

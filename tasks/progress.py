@@ -30,7 +30,10 @@ def _artifact(create: bool, key_or_id: Any, percent: float, description: str) ->
     """Create or update the Prefect progress artifact; never fails the work it reports on."""
     try:
         from prefect.artifacts import create_progress_artifact, update_progress_artifact
+        from prefect.context import FlowRunContext, TaskRunContext
 
+        if FlowRunContext.get() is None and TaskRunContext.get() is None:
+            return None  # not in a run (a notebook, a torchrun rank): nothing to attach it to
         if create:
             return create_progress_artifact(percent, key=key_or_id, description=description)
         update_progress_artifact(key_or_id, percent, description=description)
@@ -41,9 +44,10 @@ def _artifact(create: bool, key_or_id: Any, percent: float, description: str) ->
 
 @contextlib.contextmanager
 def progress(
-    name: str, total: int, unit: str, *, tty: bool | None = None
+    name: str, total: int, unit: str, *, tty: bool | None = None, log_lines: bool = True
 ) -> Iterator[Callable[[int, str], None]]:
-    """Yields `update(done, note)`. `name` keys the Prefect artifact (`<name>-progress`)."""
+    """Yields `update(done, note)`. `name` keys the Prefect artifact (`<name>-progress`).
+    Without a terminal, `log_lines` logs a line at every tenth of the way instead of a bar."""
     total = max(int(total), 1)
     key = f"{name.replace('_', '-').lower()}-progress"
     what = f"{name}: 0 of {total} {unit}"
@@ -61,12 +65,16 @@ def progress(
         transient=False,
     )
     job = bar.add_task(name, total=total, note="")
-    last = {"t": 0.0, "done": 0}
+    last = {"t": 0.0, "done": 0, "tenth": 0}
 
     def update(done: int, note: str = "") -> None:
         done = min(int(done), total)
         last["done"] = done
         bar.update(job, completed=done, note=note)
+        tenth = 10 * done // total
+        if not show and log_lines and tenth > last["tenth"]:
+            last["tenth"] = tenth
+            log.info("%s: %d of %d %s%s", name, done, total, unit, f" ({note})" if note else "")
         now = time.monotonic()
         if artifact_id is not None and (now - last["t"] >= ARTIFACT_EVERY_S or done == total):
             last["t"] = now
@@ -92,7 +100,8 @@ def training_log(
 
     @contextlib.contextmanager
     def wrapped() -> Iterator[Callable[[dict[str, Any]], None]]:
-        with progress(stage, max_steps, "steps") as update:
+        # the trainer logs its own line every log_every steps: no second one here
+        with progress(stage, max_steps, "steps", log_lines=False) as update:
 
             def log_and_show(row: dict[str, Any]) -> None:
                 log_fn(row)

@@ -114,14 +114,16 @@ def tiny_params() -> dict:
 
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A real `prefect server` on 127.0.0.1 with its own database; yields the env to reach it."""
+    """A real `prefect server` on 127.0.0.1 with its own database and its UI (told its API's
+    URL, as infra/with-prefect-server.sh and `stack up` do); yields the env to reach it."""
     home = tmp_path_factory.mktemp("prefect-home")
     port = free_port()
     env = {
         **os.environ,
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_UI_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "true",
+        "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",
     }
     env.pop("PREFECT_API_URL", None)
     exe = Path(sys.executable).with_name("prefect")
@@ -145,10 +147,59 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
                     f"prefect server did not start; see {home / 'server.log'}"
                 ) from None
             time.sleep(0.5)
-    yield {"PREFECT_HOME": str(home), "PREFECT_API_URL": api}
+    yield {"PREFECT_HOME": str(home), "PREFECT_API_URL": api, "PREFECT_UI_URL": api[: -len("/api")]}
     proc.terminate()
     try:
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
     log.close()
+
+
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--virtual-time-budget=20000",
+    "--window-size=1400,1000",
+]
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Debian's headless Chromium (`make test` installs it where it can). Missing under CI is
+    a failure, not a skip: CI must show the UI works; on a laptop without it, a skip says why."""
+    import shutil
+
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed (apt-get install chromium): the UI is untested")
+        pytest.skip("chromium is not installed here (apt-get install chromium)")
+    return exe
+
+
+def browse(chromium: str, url: str, tmp: Path, screenshot: Path | None = None) -> str:
+    """The page's DOM after its scripts ran (headless Chromium); optionally a screenshot."""
+    what = [f"--screenshot={screenshot}"] if screenshot else ["--dump-dom"]
+    r = subprocess.run(
+        [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp}", *what, url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def ui_settings(ui_url: str) -> dict:
+    """What the Prefect UI served at `ui_url` will call (its /ui-settings)."""
+    import json
+
+    with urllib.request.urlopen(f"{ui_url}/ui-settings", timeout=10) as resp:
+        return json.loads(resp.read())

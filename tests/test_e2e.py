@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT, merge, tiny_params
+from tests.conftest import ROOT, browse, merge, tiny_params, ui_settings
 
 pytestmark = pytest.mark.slow
 
@@ -69,13 +69,23 @@ def _run(args: list[str], repo: Path, env: dict[str, str]) -> subprocess.Complet
     return r
 
 
+@pytest.fixture(scope="module")
+def repro(repo: tuple[Path, dict[str, str]]) -> subprocess.CompletedProcess:
+    """The first `dvc repro` of the whole pipeline: every test that reads its outputs asks
+    for this, so each test also runs alone (pytest tests/test_e2e.py::NAME)."""
+    root, env = repo
+    return _run(["dvc", "repro"], root, env)
+
+
 def _lineage(repo: Path, path: str) -> dict:
     return json.loads((repo / path / "lineage.json").read_text())
 
 
-def test_dvc_repro_runs_the_pipeline(repo: tuple[Path, dict[str, str]]) -> None:
+def test_dvc_repro_runs_the_pipeline(
+    repo: tuple[Path, dict[str, str]], repro: subprocess.CompletedProcess
+) -> None:
     root, env = repo
-    r = _run(["dvc", "repro"], root, env)
+    r = repro
     for stage in ("prepare", "publish", "pretrain", "finetune_sql", "finetune_domain", "evaluate"):
         assert f"Running stage '{stage}'" in r.stdout
     for value in PLANTED.values():
@@ -158,8 +168,49 @@ def test_dvc_repro_runs_the_pipeline(repo: tuple[Path, dict[str, str]]) -> None:
     assert len(digest[0]) == 64 and "step_00000012" in digest[1]
 
 
+def test_the_prefect_ui_lists_every_stage_run(
+    repo: tuple[Path, dict[str, str]],
+    repro: subprocess.CompletedProcess,
+    chromium: str,
+    tmp_path: Path,
+) -> None:
+    """What a user sees at the printed link: the UI reaches its own server's API (not the
+    default port 4200) and its runs page lists each stage's flow run by name; each training
+    stage reported its progress to 100%."""
+    root, env = repo
+    ui = env["PREFECT_UI_URL"]
+    assert ui_settings(ui)["api_url"] == env["PREFECT_API_URL"]
+    names = {}
+    for stage in ("prepare", "publish", "pretrain", "finetune_sql", "finetune_domain", "evaluate"):
+        folder = {
+            "prepare": "data/prepared",
+            "publish": "data/published",
+            "evaluate": "reports/evaluate",
+        }.get(stage, f"models/{stage}")
+        run_id = _lineage(root, folder)["flow_run_id"]
+        with urllib.request.urlopen(f"{env['PREFECT_API_URL']}/flow_runs/{run_id}") as resp:
+            names[stage] = json.loads(resp.read())["name"]
+    # The page renders after its API calls return; a loaded machine may need a second look.
+    for attempt in range(5):
+        dom = browse(chromium, f"{ui}/runs", tmp_path / f"profile{attempt}")
+        assert "Can't connect" not in dom
+        missing = {s: n for s, n in names.items() if n not in dom}
+        if not missing:
+            break
+    assert not missing, f"the runs page does not list these stages' flow runs: {missing}"
+    req = urllib.request.Request(
+        f"{env['PREFECT_API_URL']}/artifacts/filter",
+        data=json.dumps({"artifacts": {"type": {"any_": ["progress"]}}}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    progress = {a["key"]: a["data"] for a in json.loads(urllib.request.urlopen(req).read())}
+    for stage in ("pretrain", "finetune-sql", "finetune-domain"):
+        assert progress[f"{stage}-progress"] == 100.0, progress
+
+
 def test_planted_secrets_appear_in_no_output_record_or_artifact(
     repo: tuple[Path, dict[str, str]],
+    repro: subprocess.CompletedProcess,
 ) -> None:
     root, env = repo
     needles = [v.encode() for v in PLANTED.values()]
@@ -186,7 +237,10 @@ def test_planted_secrets_appear_in_no_output_record_or_artifact(
         assert n not in artifacts
 
 
-def test_lineage_cli_walks_a_model_back_to_the_corpus(repo: tuple[Path, dict[str, str]]) -> None:
+def test_lineage_cli_walks_a_model_back_to_the_corpus(
+    repo: tuple[Path, dict[str, str]],
+    repro: subprocess.CompletedProcess,
+) -> None:
     root, env = repo
     r = _run(
         [
@@ -230,14 +284,20 @@ def test_lineage_cli_walks_a_model_back_to_the_corpus(repo: tuple[Path, dict[str
     assert bad.returncode == 2 and "models/pretrain/model.safetensors" in bad.stderr
 
 
-def test_second_repro_is_a_no_op(repo: tuple[Path, dict[str, str]]) -> None:
+def test_second_repro_is_a_no_op(
+    repo: tuple[Path, dict[str, str]],
+    repro: subprocess.CompletedProcess,
+) -> None:
     root, env = repo
     r = _run(["dvc", "repro"], root, env)
     assert "Running stage" not in r.stdout
     assert "Data and pipelines are up to date" in r.stdout
 
 
-def test_unchanged_stages_are_skipped_and_say_so(repo: tuple[Path, dict[str, str]]) -> None:
+def test_unchanged_stages_are_skipped_and_say_so(
+    repo: tuple[Path, dict[str, str]],
+    repro: subprocess.CompletedProcess,
+) -> None:
     """Outside DVC too (moe-pipeline run, a deployment): a stage whose params, code and input
     hashes match its lineage record is skipped, says so, and leaves its outputs alone."""
     root, env = repo
@@ -256,7 +316,10 @@ def test_unchanged_stages_are_skipped_and_say_so(repo: tuple[Path, dict[str, str
     )
 
 
-def test_finetune_domain_param_reruns_only_downstream(repo: tuple[Path, dict[str, str]]) -> None:
+def test_finetune_domain_param_reruns_only_downstream(
+    repo: tuple[Path, dict[str, str]],
+    repro: subprocess.CompletedProcess,
+) -> None:
     root, env = repo
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["finetune_domain"]["lr"] = 1e-4
@@ -267,7 +330,10 @@ def test_finetune_domain_param_reruns_only_downstream(repo: tuple[Path, dict[str
     assert _lineage(root, "models/finetune_domain")["params"]["finetune_domain"]["lr"] == 1e-4
 
 
-def test_dvc_push_and_pull_restore_outputs(repo: tuple[Path, dict[str, str]]) -> None:
+def test_dvc_push_and_pull_restore_outputs(
+    repo: tuple[Path, dict[str, str]],
+    repro: subprocess.CompletedProcess,
+) -> None:
     root, env = repo
     _run(["dvc", "push"], root, env)
     model = root / "models/finetune_domain/model.safetensors"
@@ -280,7 +346,7 @@ def test_dvc_push_and_pull_restore_outputs(repo: tuple[Path, dict[str, str]]) ->
 
 
 def test_dvc_push_and_pull_through_an_s3_remote(
-    repo: tuple[Path, dict[str, str]], moto_server: str
+    repo: tuple[Path, dict[str, str]], repro: subprocess.CompletedProcess, moto_server: str
 ) -> None:
     """The same outputs through an S3 remote (dvc-s3) on the moto server: what a team uses
     instead of the local folder remote."""
@@ -310,3 +376,40 @@ def test_dvc_push_and_pull_through_an_s3_remote(
     _run(["dvc", "pull", "-r", "s3"], root, s3env)
     assert model.read_bytes() == original
     assert "Running stage" not in _run(["dvc", "repro"], root, s3env).stdout
+
+
+def test_dvc_metrics_and_experiments_read_at_a_glance(
+    repo: tuple[Path, dict[str, str]],
+    repro: subprocess.CompletedProcess,
+) -> None:
+    """`dvc metrics show` is one row of the figures one compares (per stage perplexity, valid
+    SQL and execution accuracy; total cost and saving), and `dvc exp run -S` / `dvc exp show`
+    work on the pipeline as DVC users drive it."""
+    root, env = repo
+    shown = _run(["dvc", "metrics", "show", "--json"], root, env).stdout
+    files = json.loads(shown)[""]["data"]
+    assert list(files) == ["reports/summary.json"]
+    summary = files["reports/summary.json"]["data"]
+    flat = [f"{k}.{m}" for k, v in summary.items() for m in v]
+    assert len(flat) <= 12 and "finetune_domain.exec_acc" in flat and "cost.total" in flat
+    table = _run(["dvc", "metrics", "show"], root, env).stdout
+    assert len([line for line in table.splitlines() if line.strip()]) == 2  # header + one row
+
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    _run([*git, "add", "-A"], root, env)
+    _run([*git, "commit", "-qm", "baseline"], root, env)
+    r = _run(["dvc", "exp", "run", "-S", "finetune_domain.lr=3e-4", "-n", "lr3e-4"], root, env)
+    ran = {line.split("'")[1] for line in r.stdout.splitlines() if line.startswith("Running stage")}
+    assert ran == {"finetune_domain", "evaluate"}
+    exps = json.loads(_run(["dvc", "exp", "show", "--json"], root, env).stdout)
+    found = [
+        e
+        for commit in exps
+        for e in (commit.get("experiments") or [])
+        for rev in e.get("revs", [])
+        if rev.get("name") == "lr3e-4"
+    ]
+    assert found, exps
+    rev = found[0]["revs"][0]["data"]
+    assert rev["params"]["params.yaml"]["data"]["finetune_domain"]["lr"] == 3e-4
+    assert "finetune_domain" in rev["metrics"]["reports/summary.json"]["data"]

@@ -21,7 +21,7 @@ import yaml
 
 from flows import stack
 from moe.config import STAGES, load_config
-from tests.conftest import ROOT, merge, tiny_params
+from tests.conftest import ROOT, browse, merge, tiny_params, ui_settings
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
@@ -54,7 +54,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     saved = {k: os.environ.get(k) for k in PLANTED}
     os.environ.update(PLANTED)
     try:
-        stack.up(root, ui=False, query_seconds=1, say=lambda m: None)
+        stack.up(root, ui=True, query_seconds=1, say=lambda m: None)
         yield root
     finally:
         stack.down(root, say=lambda m: None)
@@ -63,6 +63,25 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def test_the_ui_reaches_its_own_api_and_lists_the_deployments(
+    root: Path, chromium: str, tmp_path: Path
+) -> None:
+    """The link `stack up` prints opens a UI that talks to this stack's server (not the
+    default port 4200) and lists every deployment of prefect.yaml."""
+    state = stack.load_state(root)
+    ui = stack.status(root)["ui_url"]
+    assert ui == state["api_url"].removesuffix("/api")
+    assert ui_settings(ui)["api_url"] == state["api_url"]
+    wanted = [*STAGES, "pipeline"]
+    for attempt in range(5):  # the page renders after its API calls return
+        dom = browse(chromium, f"{ui}/deployments", tmp_path / f"profile{attempt}")
+        assert "Can't connect" not in dom and "Create a deployment to get started" not in dom
+        if all(f">{name}<" in dom for name in wanted):
+            break
+    missing = [name for name in wanted if f">{name}<" not in dom]
+    assert not missing, f"the deployments page does not list {missing}"
 
 
 def _client(root: Path) -> Any:
