@@ -21,6 +21,7 @@ from prefect import flow
 
 from moe.config import Config, load_config
 from moe.errors import InputError
+from moe.sql import TEMPLATES
 from tasks import quiet_input_errors
 from tasks.data import build_sql_sets, build_tokenizer, commit_folder, tokenize_corpus
 from tasks.evaluation import evaluate_perplexity, evaluate_sql
@@ -338,7 +339,7 @@ def evaluate(
     for stage in TRAIN_STAGES:
         metrics[stage] = {
             "val": evaluate_perplexity(cfg, data_dir, MODELS / stage),
-            "sql": evaluate_sql(cfg, data_dir, MODELS / stage),
+            **evaluate_sql(cfg, data_dir, MODELS / stage),
         }
     plot = plot_training(
         {s: MODELS / s / "metrics.jsonl" for s in TRAIN_STAGES}, out / "training_loss.png"
@@ -389,12 +390,40 @@ def evaluate(
         "",
         f"Total {ledger['total']:.5f} {ledger['currency']}",
         "",
-        "| model after | val perplexity | valid SQL | execution accuracy | exact match |",
-        "|---|---|---|---|---|",
+        "Domain questions (held out), and generic questions never trained on, on the "
+        "databases trained on (seen) and on schemas no training pair uses (held out):",
+        "",
+        "| model after | val perplexity | valid SQL | execution accuracy | exact match "
+        "| generic exec. (seen DBs) | generic exec. (held-out DBs) |",
+        "|---|---|---|---|---|---|---|",
         *(
             f"| {s} | {metrics[s]['val']['perplexity']:.2f} | {metrics[s]['sql']['valid_sql']:.3f}"
-            f" | {metrics[s]['sql']['execution_accuracy']:.3f} | {metrics[s]['sql']['exact_match']:.3f} |"
+            f" | {metrics[s]['sql']['execution_accuracy']:.3f} | {metrics[s]['sql']['exact_match']:.3f}"
+            f" | {_acc(metrics[s], 'generic_seen')} | {_acc(metrics[s], 'generic_heldout')} |"
             for s in TRAIN_STAGES
+        ),
+        "",
+        "Domain execution accuracy per kind of query:",
+        "",
+        "| model after | " + " | ".join(TEMPLATES) + " |",
+        "|---|" + "---|" * len(TEMPLATES),
+        *(
+            f"| {s} | "
+            + " | ".join(
+                f"{b[t]['execution_accuracy']:.2f} ({b[t]['examples']})" if t in b else "-"
+                for b in [metrics[s]["sql"]["by_template"]]
+                for t in TEMPLATES
+            )
+            + " |"
+            for s in TRAIN_STAGES
+        ),
+        "",
+        "Samples (the first five, then the first five wrong) after finetune_domain:",
+        "",
+        *(
+            f"- {'ok' if x['execution_match'] else 'WRONG'}: {x['question']}  \n"
+            f"  gold `{x['gold']}`  \n  got `{x['predicted']}`"
+            for x in metrics["finetune_domain"]["sql"]["samples"]
         ),
     ]
     lines += [
@@ -429,6 +458,10 @@ def evaluate(
     return metrics
 
 
+def _acc(stage_metrics: dict[str, Any], name: str) -> str:
+    return f"{stage_metrics[name]['execution_accuracy']:.3f}" if name in stage_metrics else "-"
+
+
 def headline(metrics: dict[str, Any], ledger: dict[str, Any]) -> dict[str, Any]:
     """The few figures one compares across runs: what `dvc metrics show` and `dvc exp show`
     print (one row, a dozen columns). The detail stays in reports/metrics.json and cost.json."""
@@ -436,9 +469,14 @@ def headline(metrics: dict[str, Any], ledger: dict[str, Any]) -> dict[str, Any]:
     for s in TRAIN_STAGES:
         out[s] = {
             "ppl": round(metrics[s]["val"]["perplexity"], 3),
-            "valid_sql": round(metrics[s]["sql"]["valid_sql"], 4),
             "exec_acc": round(metrics[s]["sql"]["execution_accuracy"], 4),
         }
+        if "generic_heldout" in metrics[s]:
+            generic = [metrics[s][k] for k in ("generic_seen", "generic_heldout")]
+            n = sum(g["examples"] for g in generic)
+            out[s]["generic_exec_acc"] = round(
+                sum(g["execution_accuracy"] * g["examples"] for g in generic) / max(n, 1), 4
+            )
     out["cost"] = {
         "total": round(ledger["total"], 5),
         "saving": round(ledger["saving"], 5),

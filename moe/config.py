@@ -66,6 +66,9 @@ class DataConfig:
     sql_generic_pairs: int = 10_000  # seed 000 §7: ~10k generic text-to-SQL pairs
     sql_domain_train_pairs: int = 500  # seed 000 §7: ~500 target-domain pairs
     sql_domain_test_pairs: int = 200
+    # Generic questions never trained on: half on the training databases, half on schemas no
+    # training pair uses (moe/sql.py: generate_sql_sets).
+    sql_generic_test_pairs: int = 200
 
     def check(self, p: _Problems) -> None:
         p.require(self.max_bytes >= 0, "max_bytes", self.max_bytes, "must be >= 0")
@@ -93,6 +96,12 @@ class DataConfig:
             "sql_domain_train_pairs",
             self.sql_domain_train_pairs,
             "must be >= 1",
+        )
+        p.require(
+            self.sql_generic_test_pairs >= 2,
+            "sql_generic_test_pairs",
+            self.sql_generic_test_pairs,
+            "must be >= 2 (half on training databases, half on held-out ones)",
         )
         p.require(
             self.sql_domain_test_pairs >= 1,
@@ -372,10 +381,10 @@ class TrainConfig:
 class FinetuneConfig:
     """Supervised finetuning on prompt -> SQL pairs: linear decay, loss on response tokens."""
 
-    max_steps: int = 150
+    max_steps: int = 900
     batch_size: int = 16
     grad_accum: int = 1
-    lr: float = 5e-4
+    lr: float = 2e-3
     warmup_steps: int = 10
     weight_decay: float = 0.0
     beta1: float = 0.9
@@ -388,9 +397,14 @@ class FinetuneConfig:
     checkpoint_every: int = 50
     nproc: int = 1  # processes on this machine (torchrun), as train.nproc
     max_len: int = 128  # prompt + response tokens; longer pairs are truncated from the left
-    # Rows of held-back pretraining text added to each batch, as a fraction of batch_size
-    # (seed 000 §7.1; needs data.replay_fraction > 0). Keeps the model from forgetting.
-    replay_ratio: float = 0.125
+    # Rows of pretraining text added to each batch, as a fraction of batch_size (replay:
+    # keeps the model from forgetting what pretraining taught it).
+    replay_ratio: float = 0.25
+    # Where replay rows come from: "train" (the pretraining text itself, ~1M tokens on the
+    # default: no row is seen twice) or "replay" (the split held back from pretraining by
+    # data.replay_fraction; ~55k tokens on the default, so a long finetune memorises it and
+    # forgets the rest: bench/RESULTS.md).
+    replay_split: Literal["train", "replay"] = "train"
     focus_weight: float = 2.0  # loss weight of focus tokens (seed 000 §7.2)
     focus_tokens: list[str] = field(
         default_factory=lambda: ["SELECT", "WHERE", "JOIN", "GROUP", "ORDER", "COUNT", "LIMIT"]
@@ -606,12 +620,18 @@ class WandbConfig:
 
 @dataclass
 class EvaluateConfig:
-    max_examples: int = 50  # held-out domain pairs to generate SQL for (per model)
+    # Held-out pairs to generate SQL for, per set and model (0 = every one: 200 domain and
+    # 200 generic questions by default). Decoding is batched with a KV cache.
+    max_examples: int = 0
     max_new_tokens: int = 40
     val_batches: int = 16
+    batch_size: int = 64  # questions decoded together
 
     def check(self, p: _Problems) -> None:
-        p.require(self.max_examples >= 1, "max_examples", self.max_examples, "must be >= 1")
+        p.require(
+            self.max_examples >= 0, "max_examples", self.max_examples, "must be >= 0 (0 = all)"
+        )
+        p.require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
         p.require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
         p.require(self.val_batches >= 1, "val_batches", self.val_batches, "must be >= 1")
 
@@ -626,7 +646,7 @@ class Config:
     finetune_sql: FinetuneConfig = field(default_factory=FinetuneConfig)
     finetune_domain: FinetuneConfig = field(
         default_factory=lambda: FinetuneConfig(
-            max_steps=100, lr=3e-4, warmup_steps=5, checkpoint_every=50
+            max_steps=300, lr=2e-3, warmup_steps=5, checkpoint_every=50, replay_ratio=0.5
         )
     )
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
@@ -913,10 +933,11 @@ def from_dict(
     for stage in ("finetune_sql", "finetune_domain"):
         ft = getattr(cfg, stage)
         p.require(
-            ft.replay_ratio == 0 or cfg.data.replay_fraction > 0,
+            ft.replay_ratio == 0 or ft.replay_split == "train" or cfg.data.replay_fraction > 0,
             f"{stage}.replay_ratio",
             ft.replay_ratio,
-            "needs a replay split: set data.replay_fraction > 0, or replay_ratio to 0",
+            "needs a replay split: set data.replay_fraction > 0, replay_split to train, or "
+            "replay_ratio to 0",
         )
         p.require(
             ft.max_len <= cfg.model.seq_len,

@@ -65,15 +65,74 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
         B, S, D = x_BSD.shape
         q, k, v = self.qkv(x_BSD).split(D, dim=-1)
         q, k, v = (
             t.view(B, S, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v)
         )  # (B, H, S, Dh)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if cache is None:  # training and scoring: positions 0..S-1, causal
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # decoding: each row's own positions, keys and values appended to the cache
+            q, k = cache.rotate(q, cos, sin), cache.rotate(k, cos, sin)
+            k, v = cache.append(layer, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask)
         return self.proj(y.transpose(1, 2).reshape(B, S, D))
+
+
+class KVCache:
+    """Keys and values of every layer for batched greedy decoding of left-padded prompts.
+
+    Row b's prompt sits at the right of a (B, L) block after pad_b pad tokens; its tokens keep
+    positions 0.. (rotary angles by row), and no query attends to a pad key. A pad query
+    attends to itself only, so its (unused) output stays finite."""
+
+    def __init__(self, model: MoETransformer, pads_B: torch.Tensor, total: int) -> None:
+        c, device = model.cfg, pads_B.device
+        B, H = pads_B.numel(), c.n_head
+        dtype = model.embed.weight.dtype
+        shape = (B, H, total, c.d_model // H)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.n_layer)]
+        self.pads_B = pads_B
+        self.valid_BK = torch.arange(total, device=device)[None, :] >= pads_B[:, None]
+        self.length = 0  # keys cached so far
+        self.pos_BS = torch.zeros(B, 1, dtype=torch.long, device=device)
+        self.mask = torch.ones(B, 1, 1, 1, dtype=torch.bool, device=device)
+
+    def start(self, S: int) -> None:
+        """Positions and attention mask for the next S tokens of every row."""
+        device = self.pads_B.device
+        t0 = self.length
+        cols = torch.arange(t0, t0 + S, device=device)
+        self.pos_BS = (cols[None, :] - self.pads_B[:, None]).clamp_min(0)
+        keys = torch.arange(t0 + S, device=device)
+        causal_SK = keys[None, :] <= cols[:, None]
+        mask = causal_SK[None] & self.valid_BK[:, None, : t0 + S]
+        self.mask = (mask | (keys[None, None, :] == cols[None, :, None])).unsqueeze(1)
+
+    def rotate(
+        self, x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor
+    ) -> torch.Tensor:
+        cos, sin = cos_SF[self.pos_BS].unsqueeze(1), sin_SF[self.pos_BS].unsqueeze(1)
+        x1, x2 = x_BHSDh.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x_BHSDh.dtype)
+
+    def append(
+        self, layer: int, k_BHSDh: torch.Tensor, v_BHSDh: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k_BHSDh.shape[2]
+        self.k[layer][:, :, self.length : end] = k_BHSDh
+        self.v[layer][:, :, self.length : end] = v_BHSDh
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
 class SwiGLU(nn.Module):
@@ -120,9 +179,15 @@ class Block(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, aux: MoEAux
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        aux: MoEAux,
+        cache: KVCache | None = None,
+        layer: int = 0,
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin)
+        x = x + self.attn(self.norm1(x), cos, sin, cache, layer)
         h = self.norm2(x)
         return x + (self.ffn(h, aux) if isinstance(self.ffn, MoELayer) else self.ffn(h))
 
@@ -221,6 +286,51 @@ class MoETransformer(nn.Module):
         """Training FLOPs per token: 6 * active params + attention (PaLM appendix B)."""
         c = self.cfg
         return 6.0 * self.num_params(active_only=True) + 12.0 * c.n_layer * c.d_model * c.seq_len
+
+    @torch.no_grad()
+    def generate_batch(
+        self, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int] | None = None
+    ) -> list[list[int]]:
+        """Greedy decoding of several prompts at once with a KV cache: one forward pass over
+        the left-padded prompts, then one token per row per step. The same tokens as
+        `generate` on each prompt alone (tests/test_moe.py); every prompt plus max_new_tokens
+        must fit in model.seq_len (the caller truncates)."""
+        if not prompts:
+            return []
+        device = self.embed.weight.device
+        lens_B = torch.tensor([len(p) for p in prompts], device=device)
+        L = int(lens_B.max())
+        if int(lens_B.min()) < 1 or L + max_new_tokens > self.cfg.seq_len:
+            raise ValueError(
+                f"prompts of 1..{self.cfg.seq_len - max_new_tokens} tokens fit model.seq_len="
+                f"{self.cfg.seq_len} with {max_new_tokens} new tokens; got {int(lens_B.min())}"
+                f"..{L}"
+            )
+        B = len(prompts)
+        idx_BS = torch.zeros(B, L, dtype=torch.long, device=device)
+        for b, p in enumerate(prompts):
+            idx_BS[b, L - len(p) :] = torch.tensor(p, device=device)
+        cache = KVCache(self, L - lens_B, L + max_new_tokens)
+        stop = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=device)
+        out: list[list[int]] = [[] for _ in range(B)]
+        done_B = torch.zeros(B, dtype=torch.bool, device=device)
+        step_in = idx_BS
+        for _ in range(max_new_tokens):
+            cache.start(step_in.shape[1])
+            x = self.embed(step_in)
+            zero = torch.zeros((), device=device)
+            aux = MoEAux(balance_loss=zero, aux_loss=zero, z_loss=zero)
+            for i, block in enumerate(self.blocks):
+                x = block(x, self.rope_cos, self.rope_sin, aux, cache, i)
+            cache.length += step_in.shape[1]
+            nxt_B = self.lm_head(self.norm(x[:, -1])).float().argmax(-1)
+            done_B |= torch.isin(nxt_B, stop)
+            for b in (~done_B).nonzero().flatten().tolist():
+                out[b].append(int(nxt_B[b]))
+            if bool(done_B.all()):
+                break
+            step_in = nxt_B[:, None]
+        return out
 
     @torch.no_grad()
     def generate(

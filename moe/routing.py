@@ -138,8 +138,10 @@ class Router(nn.Module):
 
         keep_TK = None
         dropped = torch.zeros((), device=x_TD.device)
-        if not cfg.dropless:
+        if not cfg.dropless and self.training:
             # Drop by the score that chose the expert (bias included), as DeepSeek-V3 does.
+            # Only in training: at evaluation and generation every token is routed, so that a
+            # token's output never depends on which other tokens share its batch.
             keep_TK = capacity_mask(
                 experts_TK, choose_TE.gather(1, experts_TK), E, self.capacity(T)
             )

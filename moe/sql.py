@@ -421,29 +421,63 @@ def _pairs_for(
     return out
 
 
+HELD_OUT_THEMES = 2  # the last generic themes: schemas no training pair uses
+
+
 def generate_sql_sets(
-    out_dir: Path, generic: int, domain_train: int, domain_test: int, seed: int
+    out_dir: Path,
+    generic: int,
+    domain_train: int,
+    domain_test: int,
+    seed: int,
+    generic_test: int = 200,
 ) -> dict[str, int]:
-    """Write generic.jsonl, domain_train.jsonl, domain_test.jsonl and dbs/*.sqlite under out_dir."""
+    """Write under out_dir: generic.jsonl (training), generic_test_seen.jsonl (new questions
+    on the databases generic.jsonl trains on), generic_test_heldout.jsonl (questions on the
+    HELD_OUT_THEMES schemas, which no training pair uses), domain_train.jsonl,
+    domain_test.jsonl, and dbs/*.sqlite. No test question or SQL text is a training one."""
     rng = random.Random(seed)
     dbs = out_dir / "dbs"
     dbs.mkdir(parents=True, exist_ok=True)
     seen: set[tuple[str, str]] = set()
     instances = 3  # each theme appears with three different data sets
-    per_db = -(-generic // (len(GENERIC_THEMES) * instances))
+    train_themes = GENERIC_THEMES[:-HELD_OUT_THEMES]
+    n_dbs = len(train_themes) * instances
+    per_db = -(-generic // n_dbs)
+    extra = 3 * -(-(generic_test // 2) // n_dbs)  # test candidates per db, before filtering
     generic_pairs: list[SqlPair] = []
-    for ti, theme in enumerate(GENERIC_THEMES):
+    candidates: list[SqlPair] = []
+    for ti, theme in enumerate(train_themes):
         for inst in range(instances):
             path = dbs / f"generic_{ti:02d}_{inst}.sqlite"
             schema = build_database(path, theme, rng)
-            generic_pairs += _pairs_for(path, schema, theme, rng, per_db, seen)
+            pairs = _pairs_for(path, schema, theme, rng, per_db + extra, seen)
+            generic_pairs += pairs[:per_db]
+            candidates += pairs[per_db:]
     rng.shuffle(generic_pairs)
     generic_pairs = generic_pairs[:generic]
+    # A test question is new: neither its question nor its SQL appears in training on any
+    # database (sibling databases of a theme share the schema, so text could repeat).
+    trained = {p.question for p in generic_pairs} | {p.sql for p in generic_pairs}
+    rng.shuffle(candidates)
+    fresh = [p for p in candidates if p.question not in trained and p.sql not in trained]
+    test_seen = _stratified(fresh, generic_test // 2)
+    test_heldout: list[SqlPair] = []
+    held = GENERIC_THEMES[-HELD_OUT_THEMES:]
+    for hi, theme in enumerate(held):
+        path = dbs / f"generic_heldout_{hi:02d}.sqlite"
+        schema = build_database(path, theme, rng)
+        count = -(-(generic_test - len(test_seen)) // len(held))
+        test_heldout += _pairs_for(path, schema, theme, rng, count, seen)
+    rng.shuffle(test_heldout)
+    test_heldout = _stratified(test_heldout, generic_test - len(test_seen))
     domain_path = dbs / "domain.sqlite"
     schema = build_database(domain_path, DOMAIN_THEME, rng, rows=40)
     domain = _pairs_for(domain_path, schema, DOMAIN_THEME, rng, domain_train + domain_test, seen)
     sets = {
         "generic": generic_pairs,
+        "generic_test_seen": test_seen,
+        "generic_test_heldout": test_heldout,
         "domain_train": domain[:domain_train],
         "domain_test": domain[domain_train:],
     }
@@ -452,6 +486,36 @@ def generate_sql_sets(
             for pair in pairs:
                 f.write(pair.to_json() + "\n")
     return {name: len(p) for name, p in sets.items()}
+
+
+TEMPLATES = ("joins", "ordering", "aggregates", "filters")
+
+
+def _stratified(pairs: list[SqlPair], count: int) -> list[SqlPair]:
+    """Up to `count` pairs taken round-robin over the templates, so that a test set is not
+    all of the kind with the most distinct questions (numeric filters)."""
+    by: dict[str, list[SqlPair]] = {
+        t: [p for p in pairs if template_of(p.sql) == t] for t in TEMPLATES
+    }
+    out: list[SqlPair] = []
+    while len(out) < count and any(by.values()):
+        for t in TEMPLATES:
+            if by[t] and len(out) < count:
+                out.append(by[t].pop(0))
+    return out
+
+
+def template_of(sql: str) -> str:
+    """The kind of query, for the per-template breakdown: joins (JOIN), ordering (ORDER BY),
+    aggregates (COUNT/AVG/MIN/MAX/SUM or GROUP BY), filters (the rest: WHERE or plain)."""
+    up = sql.upper()
+    if " JOIN " in up:
+        return "joins"
+    if "ORDER BY" in up:
+        return "ordering"
+    if "GROUP BY" in up or any(f"{a}(" in up for a in ("COUNT", "AVG", "MIN", "MAX", "SUM")):
+        return "aggregates"
+    return "filters"
 
 
 def load_pairs(path: Path) -> list[SqlPair]:

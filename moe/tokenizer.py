@@ -17,7 +17,15 @@ SPECIAL_TOKENS = [EOT, PAD]
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Every digit is its own token (as LLaMA and DeepSeek do): a number in the question is
+    # copied into the SQL digit by digit instead of as one merged token the model must have
+    # seen (bench/RESULTS.md: mis-copied constants were the demo's most common error).
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -147,7 +147,12 @@ def tokenize_corpus(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, 
 def build_sql_sets(cfg: Config, work: Path) -> dict[str, int]:
     d = cfg.data
     counts = generate_sql_sets(
-        work / "sql", d.sql_generic_pairs, d.sql_domain_train_pairs, d.sql_domain_test_pairs, d.seed
+        work / "sql",
+        d.sql_generic_pairs,
+        d.sql_domain_train_pairs,
+        d.sql_domain_test_pairs,
+        d.seed,
+        d.sql_generic_test_pairs,
     )
     log.info("SQL pairs that execute on sqlite: %s", counts)
     return counts

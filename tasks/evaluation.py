@@ -37,29 +37,50 @@ def evaluate_perplexity(cfg: Config, data_dir: Path, model_dir: Path) -> dict[st
     return out
 
 
+SQL_SETS = {  # what each SQL figure is measured on (moe/sql.py: generate_sql_sets)
+    "sql": "domain_test.jsonl",  # the target domain's held-out questions
+    "generic_seen": "generic_test_seen.jsonl",  # new questions, databases trained on
+    "generic_heldout": "generic_test_heldout.jsonl",  # new questions, schemas never trained on
+}
+
+
 @task(
     name="evaluate-sql", cache_policy=NONE, retries=1, retry_condition_fn=retry_unless_input_error
 )
 def evaluate_sql(cfg: Config, data_dir: Path, model_dir: Path) -> dict[str, Any]:
+    """Execution accuracy (and valid SQL, exact match, per template) of one model on every
+    held-out SQL set that the prepared data has."""
     model = load_model(model_dir)
     tok = load_tokenizer(data_dir / "tokenizer.json")
-    pairs = load_pairs(data_dir / "sql" / "domain_test.jsonl")[: cfg.evaluate.max_examples]
-    name = f"evaluate-{model_dir.name}"
-    with progress(name, len(pairs), "questions") as update:
-        out = sql_accuracy(
-            model,
-            tok,
-            pairs,
-            data_dir / "sql" / "dbs",
-            cfg.evaluate.max_new_tokens,
-            tok.token_to_id(EOT),
-            progress=update,
-        )
-    log.info(
-        "%s: SQL execution accuracy %.3f, exact match %.3f on %d held-out domain pairs",
-        model_dir,
-        out["execution_accuracy"],
-        out["exact_match"],
-        out["examples"],
-    )
+    n = cfg.evaluate.max_examples or None
+    sets = {
+        name: load_pairs(data_dir / "sql" / f)[:n]
+        for name, f in SQL_SETS.items()
+        if name == "sql" or (data_dir / "sql" / f).is_file()
+    }
+    total = sum(len(p) for p in sets.values())
+    out: dict[str, Any] = {}
+    with progress(f"evaluate-{model_dir.name}", total, "questions") as update:
+        done = 0
+        for name, pairs in sets.items():
+            out[name] = sql_accuracy(
+                model,
+                tok,
+                pairs,
+                data_dir / "sql" / "dbs",
+                cfg.evaluate.max_new_tokens,
+                tok.token_to_id(EOT),
+                progress=lambda k, base=done: update(base + k),
+                batch_size=cfg.evaluate.batch_size,
+            )
+            done += len(pairs)
+            log.info(
+                "%s on %s: execution accuracy %.3f, valid SQL %.3f, exact match %.3f (%d pairs)",
+                model_dir,
+                SQL_SETS[name],
+                out[name]["execution_accuracy"],
+                out[name]["valid_sql"],
+                out[name]["exact_match"],
+                out[name]["examples"],
+            )
     return out

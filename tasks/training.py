@@ -285,7 +285,7 @@ def finetune_model(
     )
     if f.replay_ratio > 0:
         rows = max(1, round(f.batch_size * f.replay_ratio))
-        replay = BatchSampler(TokenStore(data_dir, "replay"), rows, f.max_len, f.seed + 1)
+        replay = BatchSampler(TokenStore(data_dir, f.replay_split), rows, f.max_len, f.seed + 1)
         batches = MixedBatches(batches, replay)
     fingerprint = ":".join(
         (

@@ -24,7 +24,7 @@ from moe.data import (
     write_token_store,
 )
 from moe.errors import InputError
-from moe.sql import execution_match, generate_sql_sets, load_pairs
+from moe.sql import TEMPLATES, execution_match, generate_sql_sets, load_pairs, template_of
 from moe.tokenizer import EOT, load_tokenizer, train_tokenizer
 
 
@@ -166,8 +166,16 @@ def test_tokenizer_trains_locally_and_round_trips(tmp_path: Path) -> None:
 
 
 def test_sql_pairs_all_execute_and_splits_do_not_overlap(tmp_path: Path) -> None:
-    counts = generate_sql_sets(tmp_path, generic=300, domain_train=50, domain_test=20, seed=0)
-    assert counts == {"generic": 300, "domain_train": 50, "domain_test": 20}
+    counts = generate_sql_sets(
+        tmp_path, generic=300, domain_train=50, domain_test=20, seed=0, generic_test=60
+    )
+    assert counts == {
+        "generic": 300,
+        "generic_test_seen": 30,
+        "generic_test_heldout": 30,
+        "domain_train": 50,
+        "domain_test": 20,
+    }
     sets = {n: load_pairs(tmp_path / f"{n}.jsonl") for n in counts}
     for pairs in sets.values():
         for p in pairs:
@@ -180,6 +188,19 @@ def test_sql_pairs_all_execute_and_splits_do_not_overlap(tmp_path: Path) -> None
     keywords = " ".join(p.sql for p in sets["generic"])
     for kw in ("WHERE", "JOIN", "GROUP BY", "ORDER BY", "LIMIT", "COUNT", "AVG"):
         assert kw in keywords
+    # The generic test splits: no question and no SQL text of them is trained on, anywhere.
+    train = sets["generic"]
+    trained = {p.question for p in train} | {p.sql for p in train}
+    for name in ("generic_test_seen", "generic_test_heldout"):
+        assert not {p.question for p in sets[name]} & trained, name
+        assert not {p.sql for p in sets[name]} & trained, name
+    # "seen": databases generic.jsonl trains on; "heldout": databases (and schemas) it never
+    # sees.
+    assert {p.db for p in sets["generic_test_seen"]} <= {p.db for p in train}
+    heldout_dbs = {p.db for p in sets["generic_test_heldout"]}
+    assert heldout_dbs and not heldout_dbs & {p.db for p in train}
+    assert not {p.schema for p in sets["generic_test_heldout"]} & {p.schema for p in train}
+    assert {template_of(p.sql) for p in sets["generic_test_seen"]} == set(TEMPLATES)
 
 
 def test_execution_match(tmp_path: Path) -> None:

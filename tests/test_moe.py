@@ -100,6 +100,28 @@ def test_model_forward_backward_and_generate() -> None:
         model(torch.zeros(1, 17, dtype=torch.long))
 
 
+@pytest.mark.parametrize("dropless", [True, False])
+def test_batched_kv_cache_decoding_equals_plain_decoding(dropless: bool) -> None:
+    """generate_batch (left-padded prompts, a KV cache, one token per row per step) gives the
+    same tokens as generate (the whole window again for every token), prompt by prompt."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        n_layer=3, n_head=2, d_model=32, seq_len=48, dense_hidden=64, moe_every=2, init_std=0.3
+    )
+    mcfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=32, dropless=dropless)
+    model = MoETransformer(cfg, mcfg, vocab_size=61).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 61, (n,), generator=g).tolist() for n in (1, 9, 4, 17, 9, 30)]
+    stop = {7, 11}
+    plain = [model.generate(p, max_new_tokens=16, stop_ids=stop) for p in prompts]
+    batched = model.generate_batch(prompts, max_new_tokens=16, stop_ids=stop)
+    assert batched == plain
+    assert any(len(o) == 16 for o in plain) and any(len(o) < 16 for o in plain)  # both ends
+    assert len({tuple(o) for o in plain}) == len(prompts)  # the prompts lead somewhere else
+    with pytest.raises(ValueError, match="fit model.seq_len=48"):
+        model.generate_batch([[1] * 40], max_new_tokens=16)
+
+
 def test_loss_weights_change_the_loss() -> None:
     torch.manual_seed(0)
     model = MoETransformer(
