@@ -206,10 +206,9 @@ def preflight(cfg: Config, stages: list[str] | tuple[str, ...]) -> None:
     if "prepare" in stages:
         d = cfg.data
         check_source(d.source, d.text_field, d.on_bad_record, d.encoding, d.doc_max_bytes)
-    made = set()
     for stage in stages:
         for rel, producer in _NEEDS.get(stage, []):
-            if producer in made or producer in stages:
+            if producer in stages:  # made earlier in this run
                 continue
             path = Path(cfg.data.out_dir, "meta.json") if producer == "prepare" else Path(rel)
             if not path.is_file():
@@ -218,7 +217,6 @@ def preflight(cfg: Config, stages: list[str] | tuple[str, ...]) -> None:
                     f"first (moe-pipeline stage {producer}, or dvc repro)"
                 )
             _verify_against_lineage(path, producer, stage)
-        made.add(stage)
 
 
 def _verify_against_lineage(path: Path, producer: str, stage: str) -> None:
@@ -235,9 +233,9 @@ def _verify_against_lineage(path: Path, producer: str, stage: str) -> None:
     want = next((o["sha256"] for o in outputs.values() if Path(o["path"]) == path), None)
     if want is None:
         return
-    from tasks.report import content_hash
+    from moe.checkpoint import sha256_file  # a file's hash, as the lineage record took it
 
-    if content_hash(path) != want:
+    if sha256_file(path) != want:
         raise InputError(
             f"stage {stage} needs {path}, which changed since the {producer} stage wrote it "
             f"(its sha256 no longer matches {record}): run {producer} again "
