@@ -1,16 +1,23 @@
-"""Expert growth from a deliberately skewed start, against the same run without growth.
+"""Expert growth from a deliberately skewed start, against the same run without growth, over
+seeds, for each growth variant.
 
-Skewed start: the default model with 4 experts, top-1 routing, no balancing at all and a
-router learning rate 5x the base rate, so a few experts take most tokens. Two runs on the
-default data with the same seed and batches: `moe.growth.enabled` on and off.
+Skewed start: the default model with 4 experts, top-1 routing and a router learning rate 5x
+the base rate, so a few experts take most tokens. Variants (`--variants`, each
+`INIT+BALANCING`):
+- `orthogonal+none`, `split+none`: no balancing at all; the new expert starts orthogonal to
+  the others (the seed's rule) or as the hottest expert plus a 10% orthogonal component;
+- `orthogonal+aux_free`, `split+aux_free`: auxiliary-loss-free balancing on, so a new
+  expert gets traffic through its routing bias rather than through its combine weight.
+Each variant runs with `moe.growth.enabled` on, and once off with the same balancing (the
+baseline), on the same seed and batches.
 
 Reports the load CV and MaxVio of the growth run in the logged window before its first
-growth (`cv_before`, `max_vio_before`) and over its last three windows (`cv_after`,
-`max_vio_after`), the same figures for the run without growth, the expert counts at the end,
-and the validation loss at equal steps (`loss_delta` = with growth - without). Targets: CV
-falls, loss_delta <= 0. JSON last.
+growth (`cv_before`), over its last three windows (`cv_after`), the same for the baseline,
+the expert counts at the end, and the validation loss at equal steps (`loss_delta` = with
+growth - without); then mean and standard deviation over seeds per variant. Targets: CV after
+< CV before, loss_delta <= 0. JSON last.
 
-Run: `.venv/bin/python bench/growth.py [--quick] [--data data/prepared]`.
+Run: `.venv/bin/python bench/growth.py [--quick] [--seeds 1337 1338 1339] [--variants ...]`.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -31,7 +39,7 @@ from moe.train import Trainer
 
 
 def run(
-    cfg, data: Path, steps: int, grow: bool, init: str = "orthogonal"
+    cfg, data: Path, steps: int, grow: bool, init: str, balancing: list[str], seed: int
 ) -> tuple[dict, list[dict]]:
     growth = dataclasses.replace(
         cfg.moe.growth,
@@ -45,10 +53,11 @@ def run(
         init=init,
     )
     mcfg = dataclasses.replace(
-        cfg.moe, num_experts=4, top_k=1, balancing=[], router_lr_mult=5.0, growth=growth
+        cfg.moe, num_experts=4, top_k=1, balancing=balancing, router_lr_mult=5.0, growth=growth
     )
     t = dataclasses.replace(
         cfg.train,
+        seed=seed,
         max_steps=steps,
         eval_every=steps,
         checkpoint_every=steps,
@@ -91,32 +100,22 @@ def _window(rows: list[dict], upto: int | None = None, last: int = 0) -> tuple[f
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="150 steps per run instead of 600")
-    ap.add_argument("--data", type=Path, default=Path("data/prepared"))
-    ap.add_argument("--params", type=Path, default=Path("params.yaml"))
-    ap.add_argument("--init", choices=["orthogonal", "split"], default="orthogonal")
-    a = ap.parse_args()
-    if not (a.data / "meta.json").is_file():
-        raise SystemExit(
-            f"{a.data}/meta.json not found: run `moe-pipeline stage prepare` (or `make demo`) first"
-        )
-    cfg = load_config(a.params)
-    steps = 150 if a.quick else 600
-    with_g, rows_g = run(cfg, a.data, steps, grow=True, init=a.init)
-    without, rows_n = run(cfg, a.data, steps, grow=False)
+def measure(cfg, data: Path, steps: int, variant: str, seed: int) -> dict:
+    init, bal = variant.split("+")
+    balancing = [] if bal == "none" else [bal]
+    with_g, rows_g = run(cfg, data, steps, True, init, balancing, seed)
+    without, rows_n = run(cfg, data, steps, False, init, balancing, seed)
     events = with_g["expert_events"]
     first = min((e["step"] for e in events if e["kind"] == "grow"), default=None)
     cv_before, vio_before = _window(rows_g, upto=first - 1 if first else None)
     cv_after, vio_after = _window(rows_g, last=3)
     cv_plain, vio_plain = _window(rows_n, last=3)
-    out = {
-        "steps": steps,
-        "init": a.init,
+    return {
         "growth_events": [
             {k: e[k] for k in ("step", "layer", "kind", "experts_after", "trigger")} for e in events
         ],
+        "grows": sum(e["kind"] == "grow" for e in events),
+        "prunes": sum(e["kind"] == "prune" for e in events),
         "experts_per_layer": with_g["experts_per_layer"],
         "cv_before": cv_before,
         "max_vio_before": vio_before,
@@ -128,7 +127,55 @@ def main() -> None:
         "val_loss_without": round(without["val_loss"], 4),
         "loss_delta": round(with_g["val_loss"] - without["val_loss"], 4),
     }
-    print(json.dumps(out))
+
+
+VARIANTS = ("orthogonal+none", "split+none", "orthogonal+aux_free", "split+aux_free")
+
+
+def _ms(vals: list[float], fmt: str = ".3f") -> str:
+    sd = statistics.stdev(vals) if len(vals) > 1 else float("nan")
+    return f"{format(statistics.mean(vals), fmt)} ± {format(sd, fmt)}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="150 steps per run instead of 600")
+    ap.add_argument("--data", type=Path, default=Path("data/prepared"))
+    ap.add_argument("--params", type=Path, default=Path("params.yaml"))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1337, 1338, 1339])
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    a = ap.parse_args()
+    if not (a.data / "meta.json").is_file():
+        raise SystemExit(
+            f"{a.data}/meta.json not found: run `moe-pipeline stage prepare` (or `make demo`) first"
+        )
+    cfg = load_config(a.params)
+    steps = 150 if a.quick else 600
+    res: dict[str, dict[int, dict]] = {v: {} for v in a.variants}
+    for seed in a.seeds:
+        for v in a.variants:  # variants interleaved within each seed
+            res[v][seed] = r = measure(cfg, a.data, steps, v, seed)
+            print(
+                f"seed {seed} {v}: CV before {r['cv_before']:.3f} after {r['cv_after']:.3f}"
+                f" without growth {r['cv_without_growth']:.3f}; loss delta {r['loss_delta']:+.3f};"
+                f" experts {r['experts_per_layer']} ({r['grows']} grows, {r['prunes']} prunes)",
+                flush=True,
+            )
+    print(f"\n{steps} steps, {len(a.seeds)} seeds: mean ± standard deviation")
+    print(
+        "| variant | CV before growth | CV after (last 3 windows) | CV without growth"
+        " | loss with - without | experts at end |"
+    )
+    print("|---|---|---|---|---|---|")
+    for v, per_seed in res.items():
+        rs = list(per_seed.values())
+        print(
+            f"| {v} | {_ms([r['cv_before'] for r in rs])} | {_ms([r['cv_after'] for r in rs])}"
+            f" | {_ms([r['cv_without_growth'] for r in rs])}"
+            f" | {_ms([r['loss_delta'] for r in rs], '+.3f')}"
+            f" | {[r['experts_per_layer'] for r in rs]} |"
+        )
+    print(json.dumps({"steps": steps, "seeds": a.seeds, "results": res}))
 
 
 if __name__ == "__main__":

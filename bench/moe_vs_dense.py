@@ -1,20 +1,28 @@
-"""MoE against a dense model with the same active parameters, for the same wall time, on the
-prepared default data; and the load balance of auxiliary-loss-free balancing against none.
+"""MoE against a dense model with the same active parameters: validation loss at equal
+tokens (the literature's comparison: Switch, OLMoE, DeepSeekMoE) and at equal wall time (what
+a CPU user pays), over seeds; and the load balance of the balancing methods.
 
-Four runs, each given the same training-time budget (`train.time_budget_s`: the run stops
-when it is used, and the cosine decay follows the time used, so every run ends annealed):
+Runs, each on the prepared default data:
 - `moe_balanced`: the default MoE with `moe.balancing: [aux_free, z_loss]`;
-- `moe_unbalanced`: the same with no balancing at all;
-- `moe_aux_loss`: the same with the Switch auxiliary loss + z-loss instead;
 - `dense`: the same transformer with a dense SwiGLU of width top_k x expert_hidden in every
-  block (the MoE's active feed-forward parameters).
+  block (the MoE's active feed-forward parameters);
+- with `--balancing`, also `moe_unbalanced` (no balancing) and `moe_aux_loss` (the Switch
+  auxiliary loss + z-loss).
 
-Reports each run's validation loss and, for the MoE runs, MaxVio (max load / mean load - 1)
-averaged over the logged windows after the first 20% of steps (warm-up). Targets: MoE loss below dense;
-MaxVio <= 0.2 balanced and >= 1 unbalanced. JSON last.
+Two comparisons per seed, runs interleaved (MoE, dense, MoE, dense) so the machine's drift
+hits both:
+- equal tokens: every run trains `--steps` steps of the same batches (cosine to the end);
+- equal time: every run trains for `--budget-s` seconds of training time
+  (`train.time_budget_s`: the run stops when it is used and the cosine decay follows the time
+  used, so each ends annealed); the faster model does more steps.
+
+Reports each run's validation loss (32 batches), steps and wall time, and for the MoE runs
+MaxVio (max load / mean load - 1) averaged over the logged windows after the first 20% of
+steps; then mean and standard deviation over seeds of the loss differences MoE - dense.
+JSON last.
 
 Needs `data/prepared` (`moe-pipeline stage prepare` or `make demo`).
-Run: `.venv/bin/python bench/moe_vs_dense.py [--quick] [--data data/prepared]`.
+Run: `.venv/bin/python bench/moe_vs_dense.py [--quick] [--seeds 1337 1338 1339] [--balancing]`.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -50,8 +59,9 @@ def _model(cfg: Config, kind: str, vocab: int) -> MoETransformer:
     return MoETransformer(m, e, vocab)
 
 
-def _trainer(cfg: Config, model: MoETransformer, data: Path, work: Path, budget: float) -> Trainer:
-    steps = 1_000_000  # the time budget stops the run and drives the lr decay
+def _trainer(
+    cfg: Config, model: MoETransformer, data: Path, work: Path, steps: int, budget: float
+) -> Trainer:
     t = dataclasses.replace(
         cfg.train,
         max_steps=steps,
@@ -77,10 +87,44 @@ def _trainer(cfg: Config, model: MoETransformer, data: Path, work: Path, budget:
     )
 
 
+def one_run(cfg: Config, kind: str, data: Path, steps: int, budget: float) -> dict:
+    vocab = TokenStore(data, "train").vocab_size
+    model = _model(cfg, kind, vocab)
+    with tempfile.TemporaryDirectory() as d:
+        res = _trainer(cfg, model, data, Path(d), steps, budget).fit()
+        rows = [json.loads(r) for r in (Path(d) / "metrics.jsonl").read_text().splitlines()]
+    out = {
+        "steps": res.steps,
+        "wall_s": round(res.wall_s, 1),
+        "active_params": model.num_params(active_only=True),
+        "total_params": model.num_params(),
+        "val_loss": round(float(res.val_loss), 4),
+    }
+    if len(model.moe_layers):
+        vio = [
+            r["expert_max_vio"]
+            for r in rows
+            if "expert_max_vio" in r and r["step"] > res.steps // 5
+        ]
+        out["max_vio_after_warmup"] = round(sum(vio) / len(vio), 3) if vio else None
+        out["expert_cv"] = round(res.expert_cv, 3)
+    return out
+
+
+def _ms(vals: list[float]) -> str:
+    sd = statistics.stdev(vals) if len(vals) > 1 else float("nan")
+    return f"{statistics.mean(vals):+.3f} ± {sd:.3f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="90 s per run instead of 300 s")
-    ap.add_argument("--budget-s", type=float, default=0.0)
+    ap.add_argument(
+        "--quick", action="store_true", help="300 steps / 90 s per run, not 1000 / 300 s"
+    )
+    ap.add_argument("--steps", type=int, default=0, help="steps of the equal-tokens runs")
+    ap.add_argument("--budget-s", type=float, default=0.0, help="seconds of the equal-time runs")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1337, 1338, 1339])
+    ap.add_argument("--balancing", action="store_true", help="also the unbalanced and aux-loss MoE")
     ap.add_argument("--data", type=Path, default=Path("data/prepared"))
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
     a = ap.parse_args()
@@ -88,37 +132,45 @@ def main() -> None:
         raise SystemExit(
             f"{a.data}/meta.json not found: run `moe-pipeline stage prepare` (or `make demo`) first"
         )
-    cfg = load_config(a.params)
+    base = load_config(a.params)
+    steps = a.steps or (300 if a.quick else 1000)
     budget = a.budget_s or (90.0 if a.quick else 300.0)
-    vocab = TokenStore(a.data, "train").vocab_size
-    out: dict[str, object] = {"budget_s": budget}
-    for kind in ("moe_balanced", "dense", "moe_unbalanced", "moe_aux_loss"):
-        model = _model(cfg, kind, vocab)
-        with tempfile.TemporaryDirectory() as d:
-            tr = _trainer(cfg, model, a.data, Path(d), budget)
-            res = tr.fit()
-            steps = res.steps
-            rows = [json.loads(r) for r in (Path(d) / "metrics.jsonl").read_text().splitlines()]
-        after_warmup = [
-            r["expert_max_vio"] for r in rows if "expert_max_vio" in r and r["step"] > steps // 5
-        ]
-        out[kind] = {
-            "steps": steps,
-            "wall_s": round(res.wall_s, 1),
-            "active_params": model.num_params(active_only=True),
-            "total_params": model.num_params(),
-            "val_loss": round(float(res.val_loss), 4),
-        }
-        if len(model.moe_layers):
-            out[kind]["max_vio_after_warmup"] = (  # type: ignore[index]
-                round(sum(after_warmup) / len(after_warmup), 3) if after_warmup else None
+    kinds = ["moe_balanced", "dense"] + (["moe_unbalanced", "moe_aux_loss"] if a.balancing else [])
+    out: dict[str, object] = {"steps": steps, "budget_s": budget, "seeds": a.seeds, "runs": {}}
+    runs: dict = out["runs"]  # type: ignore[assignment]
+    for seed in a.seeds:
+        cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, seed=seed))
+        for mode, (n, b) in (("equal_tokens", (steps, 0.0)), ("equal_time", (1_000_000, budget))):
+            for kind in kinds:
+                r = one_run(cfg, kind, a.data, n, b)
+                runs.setdefault(mode, {}).setdefault(kind, {})[seed] = r
+                print(f"seed {seed} {mode} {kind}: {r}", flush=True)
+    print(f"\n{len(a.seeds)} seeds, mean ± standard deviation")
+    print("| comparison | kind | steps | wall s | val loss | MaxVio |")
+    print("|---|---|---|---|---|---|")
+    for mode, per_kind in runs.items():
+        for kind, per_seed in per_kind.items():
+            rs = list(per_seed.values())
+            vio = [
+                r["max_vio_after_warmup"] for r in rs if r.get("max_vio_after_warmup") is not None
+            ]
+            cells = [
+                statistics.mean(r["steps"] for r in rs),
+                statistics.mean(r["wall_s"] for r in rs),
+            ]
+            print(
+                f"| {mode} | {kind} | {cells[0]:.0f} | {cells[1]:.0f} | "
+                f"{_ms([r['val_loss'] for r in rs])[1:]} | {_ms(vio)[1:] if vio else ''} |"
             )
-            out[kind]["expert_cv"] = round(res.expert_cv, 3)  # type: ignore[index]
-        print(f"{kind}: {out[kind]}", flush=True)
-    out["loss_moe_minus_dense"] = round(
-        out["moe_balanced"]["val_loss"] - out["dense"]["val_loss"],  # type: ignore[index]
-        4,
-    )
+    for mode in runs:
+        deltas = [
+            runs[mode]["moe_balanced"][s]["val_loss"] - runs[mode]["dense"][s]["val_loss"]
+            for s in a.seeds
+        ]
+        out[f"loss_moe_minus_dense_{mode}"] = [round(d, 4) for d in deltas]
+        print(
+            f"MoE - dense val loss, {mode}: {_ms(deltas)} (per seed {[round(d, 3) for d in deltas]})"
+        )
     print(json.dumps(out))
 
 
