@@ -331,12 +331,31 @@ def publish_dataset(cfg: Config, prepared: Path, work: Path) -> Published:
     )
 
 
+def _cached_copy_intact(dest: Path, marker: Path, archive_sha256: str) -> bool:
+    """Whether the unpacked copy in `dest` is the published version, file by file: the
+    marker names the archive and every file's size and sha256 from the manifest, and each
+    file is hashed again (a copy edited or truncated since it was unpacked is fetched anew)."""
+    try:
+        record = json.loads(marker.read_text())
+        if record["archive_sha256"] != archive_sha256:
+            return False
+        for rel, meta in record["files"].items():
+            _check_key(rel)
+            p = dest / rel
+            if p.stat().st_size != meta["bytes"] or sha256_file(p) != meta["sha256"]:
+                log.warning("%s changed since it was downloaded; fetching the dataset again", p)
+                return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
 @task(name="download-dataset", cache_policy=NONE, **RETRIES)
 def download_dataset(cfg: Config, receipt: dict[str, Any]) -> Path:
     """Fetch, verify and unpack a published dataset into the cache; a verified copy is reused."""
     dest = Path(cfg.storage.cache_dir) / receipt["name"] / receipt["version"]
     marker = dest / ".verified"
-    if marker.is_file() and marker.read_text() == receipt["archive_sha256"]:
+    if _cached_copy_intact(dest, marker, receipt["archive_sha256"]):
         return dest
     store = open_store(cfg.storage)
     tmp = dest.with_name(dest.name + ".part")
@@ -363,6 +382,6 @@ def download_dataset(cfg: Config, receipt: dict[str, Any]) -> Path:
             )
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
-    marker.write_text(receipt["archive_sha256"])
+    marker.write_text(json.dumps({"archive_sha256": receipt["archive_sha256"], "files": manifest["files"]}))
     log.info("downloaded and verified %s/%s into %s", receipt["name"], receipt["version"], dest)
     return dest

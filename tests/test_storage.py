@@ -51,11 +51,32 @@ def _round_trip(cfg: Config, tmp_path: Path) -> None:
     for f in prepared.rglob("*"):
         if f.is_file():
             assert (got / f.relative_to(prepared)).read_bytes() == f.read_bytes()
-    assert download_dataset.fn(cfg, pub.to_dict()) == got  # verified copy reused
 
 
 def test_local_round_trip(tmp_path: Path) -> None:
     _round_trip(_cfg(tmp_path), tmp_path)
+
+
+def test_an_intact_cached_copy_is_reused_and_a_changed_one_fetched_again(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    prepared = _prepared(tmp_path)
+    pub = publish_dataset.fn(cfg, prepared, tmp_path / "work")
+    got = download_dataset.fn(cfg, pub.to_dict())
+    archive = tmp_path / "store" / pub.archive_key
+    stored = archive.read_bytes()
+    archive.unlink()  # the store cannot serve it: only the cached copy can answer
+    assert download_dataset.fn(cfg, pub.to_dict()) == got
+    archive.write_bytes(stored)
+    # A cached file edited with its size kept, then one truncated: both are fetched anew.
+    for damage in (lambda b: bytes([b[0] ^ 1]) + b[1:], lambda b: b[:-1]):
+        target = got / "train.bin"
+        target.write_bytes(damage(target.read_bytes()))
+        archive.unlink()
+        with pytest.raises(InputError, match="does not exist"):  # it had to go to the store
+            download_dataset.fn(cfg, pub.to_dict())
+        archive.write_bytes(stored)
+        assert download_dataset.fn(cfg, pub.to_dict()) == got
+        assert target.read_bytes() == (prepared / "train.bin").read_bytes()
 
 
 def test_changed_data_gets_a_new_version(tmp_path: Path) -> None:
