@@ -32,6 +32,29 @@ os.environ.update(
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def read_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The next line a child writes to its stdout pipe (stripped); fails the test, naming the
+    child's exit status, when none comes within `timeout` seconds instead of blocking. A
+    reader thread per child feeds a queue, so lines that arrive together are not lost in
+    the pipe's buffer."""
+    import queue
+    import threading
+
+    lines = getattr(proc, "_lines", None)
+    if lines is None:
+        lines = proc._lines = queue.Queue()  # type: ignore[attr-defined]
+
+        def pump() -> None:
+            for line in proc.stdout:
+                lines.put(line)
+
+        threading.Thread(target=pump, daemon=True).start()
+    try:
+        return lines.get(timeout=timeout).strip()
+    except queue.Empty:
+        pytest.fail(f"no line from the child within {timeout} s (exit status {proc.poll()})")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

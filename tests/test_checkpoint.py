@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from moe.checkpoint import CheckpointStore, flatten_optimizer, unflatten_optimizer, weights_digest
+from tests.conftest import read_line
 
 E, D, F = 4, 8, 16
 
@@ -45,8 +46,10 @@ NAMES = {"0": "embed.weight", "1": "blocks.0.ffn.experts.w13_EDG"}
 LOAD = {"blocks.0.ffn": [100.0, 90.0, 5.0, 105.0]}  # expert 2 is cold
 
 
-def _save(store: CheckpointStore, step: int) -> Path:
+def _save(store: CheckpointStore, step: int, val_loss: float | None = None) -> Path:
     model, opt, rng, state = _state(step)
+    if val_loss is not None:
+        state["val_loss"] = val_loss
     return store.save(step, model, opt, rng, state, param_names=NAMES, expert_load=LOAD)
 
 
@@ -74,13 +77,28 @@ def test_round_trip_bit_exact_with_deltas_across_retention(tmp_path: Path) -> No
     assert (tmp_path / "latest").read_text() == "step_00000008"
 
 
-def test_retention_keeps_bases_and_the_best(tmp_path: Path) -> None:
+def test_retention_keeps_the_newest_and_their_bases(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, max_retain=1, hot_every=100, cold_every=100)
     for s in (1, 2, 3):
         _save(store, s)
     kept = sorted(int(p.name[5:]) for p in tmp_path.glob("step_*"))
     assert kept == [1, 3]  # 3 newest (and best: val_loss falls), 1 is its base
     _assert_equal_state(store.load(store.latest_valid()), 3)
+
+
+@pytest.mark.parametrize("keep_best", [True, False])
+def test_retention_keeps_the_best_when_it_is_not_the_newest(
+    tmp_path: Path, keep_best: bool
+) -> None:
+    # Every checkpoint full (hot_every=1), so no step is kept as another's base.
+    store = CheckpointStore(tmp_path, max_retain=2, hot_every=1, cold_every=1, keep_best=keep_best)
+    for step, loss in ((1, 5.0), (2, 3.0), (3, 4.0), (4, 4.5), (5, 4.2)):
+        _save(store, step, val_loss=loss)
+    kept = sorted(int(p.name[5:]) for p in tmp_path.glob("step_*"))
+    assert kept == ([2, 4, 5] if keep_best else [4, 5])  # step 2 has the lowest loss
+    if keep_best:
+        state = store.load(tmp_path / "step_00000002")
+        assert state.step == 2 and state.state["val_loss"] == 3.0
 
 
 def test_tiers_follow_expert_load(tmp_path: Path) -> None:
@@ -164,8 +182,8 @@ def test_process_killed_mid_save_leaves_previous_restorable(tmp_path: Path) -> N
         [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path.cwd()
     )
     try:
-        assert proc.stdout.readline().strip() == "saved"
-        assert proc.stdout.readline().strip() == "writing"
+        assert read_line(proc, timeout=120) == "saved"
+        assert read_line(proc, timeout=120) == "writing"
     finally:
         proc.kill()
         proc.wait(timeout=60)
