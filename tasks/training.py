@@ -185,6 +185,25 @@ def _resumable(cfg: Config, section: str) -> Config:
     return dataclasses.replace(cfg, **{section: dataclasses.replace(sec, nproc=1)})
 
 
+def training_fingerprint(
+    cfg: Config, stage: str, data_dir: Path, init_dir: Path | None = None
+) -> str:
+    """What a checkpoint must have been trained with to be resumed by `stage`: the stage's
+    hyper-parameters (pretrain: model, moe and train; a finetune stage: its own section), the
+    prepared data (its meta.json, which holds every split's sha256) and, for a finetune stage,
+    the model it starts from. The process count is left out (see _resumable)."""
+    if stage == "pretrain":
+        parts = [_resumable(cfg, "train").fingerprint("model", "moe", "train")]
+    elif init_dir is None:
+        raise ValueError(f"{stage}: a finetune stage's fingerprint needs the model it starts from")
+    else:
+        parts = [
+            _resumable(cfg, stage).fingerprint(stage),
+            sha256_file(init_dir / "model.safetensors"),
+        ]
+    return ":".join([*parts, sha256_file(data_dir / "meta.json")])
+
+
 def _price(cfg: Config, stage: str) -> float:
     return cfg.pools.definitions[cfg.pools.stages[stage]].price_per_hour
 
@@ -209,11 +228,7 @@ def pretrain_model(
         model.num_params(active_only=True) / 1e6,
     )
     t = cfg.train
-    fingerprint = (
-        _resumable(cfg, "train").fingerprint("model", "moe", "train")
-        + ":"
-        + sha256_file(data_dir / "meta.json")
-    )
+    fingerprint = training_fingerprint(cfg, "pretrain", data_dir)
     trainer = Trainer(
         model,
         t,
@@ -287,13 +302,7 @@ def finetune_model(
         rows = max(1, round(f.batch_size * f.replay_ratio))
         replay = BatchSampler(TokenStore(data_dir, f.replay_split), rows, f.max_len, f.seed + 1)
         batches = MixedBatches(batches, replay)
-    fingerprint = ":".join(
-        (
-            _resumable(cfg, stage).fingerprint(stage),
-            sha256_file(init_dir / "model.safetensors"),
-            sha256_file(data_dir / "meta.json"),
-        )
-    )
+    fingerprint = training_fingerprint(cfg, stage, data_dir, init_dir)
     trainer = Trainer(
         model,
         f,

@@ -47,8 +47,13 @@ SCRIPT = textwrap.dedent(
     resumed = task(cfg, data, work / "crashy", crash_once)
     straight = task(cfg, data, work / "straight", lambda row: None)
     digest = lambda d: weights_digest(CheckpointStore(d / "checkpoints").load(CheckpointStore(d / "checkpoints").latest_valid()).model)
+    same = digest(work / "crashy") == digest(work / "straight")
+    # Same folder, another learning rate: the checkpoints there belong to other params.
+    import dataclasses
+    other = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=cfg.train.lr / 2))
+    relr = task(other, data, work / "straight", lambda row: None)
     print(json.dumps({"crashed": crashed, "resumed_from": resumed.resumed_from, "straight_from": straight.resumed_from,
-                      "steps": resumed.steps, "same": digest(work / "crashy") == digest(work / "straight")}))
+                      "steps": resumed.steps, "other_lr_from": relr.resumed_from, "same": same}))
     """
 )
 
@@ -69,5 +74,37 @@ def test_prefect_retry_resumes_from_checkpoint(
     assert out["crashed"] == [6]
     assert out["resumed_from"] == 4  # the retry started from the step-4 checkpoint, not from 0
     assert out["straight_from"] is None and out["steps"] == 10
+    assert out["other_lr_from"] is None  # another lr in the same folder starts from step 0
     assert out["same"], "resumed weights differ from the uninterrupted run"
     assert "injected failure at step 6" in r.stdout + r.stderr  # Prefect logged the failed attempt
+
+
+def test_the_training_fingerprint_covers_params_data_and_start_model(tmp_path: Path) -> None:
+    """What decides whether a checkpoint is resumed (tasks.training.training_fingerprint, the
+    function both training tasks use): each input that changes the training changes it; the
+    process count and other stages' sections do not."""
+    from moe.config import load_config
+    from tasks.training import training_fingerprint
+
+    data, init = tmp_path / "data", tmp_path / "init"
+    data.mkdir()
+    init.mkdir()
+    (data / "meta.json").write_text('{"splits": {"train": {"sha256": "a"}}}')
+    (init / "model.safetensors").write_bytes(b"weights-1")
+
+    def fp(stage: str, *sets: str) -> str:
+        return training_fingerprint(load_config(None, list(sets)), stage, data, init)
+
+    pre, sql = fp("pretrain"), fp("finetune_sql")
+    for changed in ("train.lr=0.01", "model.d_model=64", "moe.top_k=1", "train.seed=7"):
+        assert fp("pretrain", changed) != pre, changed
+    for same in ("train.nproc=2", "finetune_sql.lr=0.01", "evaluate.batch_size=3"):
+        assert fp("pretrain", same) == pre, same
+    assert fp("finetune_sql", "finetune_sql.lr=0.01") != sql
+    assert fp("finetune_sql", "finetune_sql.replay_ratio=0") != sql
+    assert fp("finetune_sql", "finetune_domain.lr=0.01", "finetune_sql.nproc=2") == sql
+    assert fp("finetune_domain") != sql  # each stage has its own section
+    (init / "model.safetensors").write_bytes(b"weights-2")  # another start model
+    assert fp("finetune_sql") != sql and fp("pretrain") == pre
+    (data / "meta.json").write_text('{"splits": {"train": {"sha256": "b"}}}')  # other data
+    assert fp("pretrain") != pre and fp("finetune_sql") != sql
