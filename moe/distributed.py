@@ -31,11 +31,14 @@ from moe.experts import GroupedExperts, grouped_mm, swiglu
 from moe.model import MoETransformer
 
 
-def init(timeout_s: float = 60.0) -> tuple[int, int]:
-    """Join the process group torchrun describes (env://); (rank, world size). NCCL when
-    CUDA is available, else gloo. A peer that never arrives or dies fails within timeout_s."""
+def init(timeout_s: float = 60.0, device: str = "auto") -> tuple[int, int]:
+    """Join the process group torchrun describes (env://); (rank, world size). NCCL when the
+    training device (`train.device`: auto, cpu, cuda) is a GPU, else gloo, so a CPU run on a
+    machine that has GPUs stays on gloo. A peer that never arrives or dies fails within
+    timeout_s."""
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        on_gpu = device != "cpu" and torch.cuda.is_available()
+        backend = "nccl" if on_gpu else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -25,7 +25,8 @@ def main(argv: list[str]) -> int:
     pairs_file = argv[5] if len(argv) > 5 else ""
     budget_left = float(argv[6]) if len(argv) > 6 else 0.0
     cfg = load_config(params)
-    rank, _ = D.init(timeout_s=300)
+    device = cfg.train.device if stage == "pretrain" else getattr(cfg, stage).device
+    rank, _ = D.init(timeout_s=300, device=device)
     try:
         if stage == "pretrain":
             result = pretrain_model.fn(cfg, data_dir, out_dir, lambda row: None, budget_left)

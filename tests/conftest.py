@@ -115,6 +115,7 @@ def tiny_params() -> dict:
             "eval_batches": 2,
             "log_every": 4,
             "warmup_steps": 2,
+            "device": "cpu",  # the tests compare bit-exact CPU runs, GPU host or not
         },
         "finetune_sql": {
             "max_steps": 6,
@@ -122,6 +123,7 @@ def tiny_params() -> dict:
             "checkpoint_every": 3,
             "log_every": 3,
             "max_len": 64,
+            "device": "cpu",
         },
         "finetune_domain": {
             "max_steps": 6,
@@ -129,6 +131,7 @@ def tiny_params() -> dict:
             "checkpoint_every": 3,
             "log_every": 3,
             "max_len": 64,
+            "device": "cpu",
         },
         "evaluate": {"max_examples": 4, "max_new_tokens": 16, "val_batches": 2},
         "wandb": {"mode": "disabled"},

@@ -77,7 +77,7 @@ def step(model: MoETransformer, opt: torch.optim.Optimizer, rank: int, world: in
 
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
-    rank, world = D.init(timeout_s=20)
+    rank, world = D.init(timeout_s=20, device="cpu")  # gloo on CPU tensors, GPU or not
     model = D.shard_experts(build(), rank, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if mode == "step":

@@ -191,7 +191,13 @@ def test_training_with_growth_resumes_bit_identically(tmp_path: Path) -> None:
             VOCAB,
         )
         cfg = TrainConfig(
-            max_steps=12, batch_size=4, lr=3e-3, warmup_steps=2, checkpoint_every=3, log_every=2
+            max_steps=12,
+            batch_size=4,
+            lr=3e-3,
+            warmup_steps=2,
+            checkpoint_every=3,
+            log_every=2,
+            device="cpu",
         )
         return Trainer(
             model,

@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent(
     (data / "meta.json").write_text(json.dumps({"dtype": str(token_dtype(64)), "vocab_size": 64, "splits": counts}))
     cfg = load_config(None, [
         "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=16", "model.dense_hidden=32",
-        "moe.num_experts=4", "moe.expert_hidden=32", "train.max_steps=10", "train.batch_size=4",
+        "moe.num_experts=4", "moe.expert_hidden=32", "train.max_steps=10", "train.batch_size=4", "train.device=cpu",
         "train.checkpoint_every=4", "train.log_every=2", "train.eval_every=5", "train.eval_batches=1",
         "finetune_sql.max_len=16", "finetune_domain.max_len=16",
     ])

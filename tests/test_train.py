@@ -42,7 +42,13 @@ def _data(tmp_path: Path) -> Path:
 
 
 def _trainer(
-    data: Path, ckpt: Path, max_steps: int, stop_after: int | None = None, lr: float = 3e-3
+    data: Path,
+    ckpt: Path,
+    max_steps: int,
+    stop_after: int | None = None,
+    lr: float = 3e-3,
+    device: str = "cpu",
+    dtype: str = "auto",
 ) -> Trainer:
     torch.manual_seed(0)
     cfg = TrainConfig(
@@ -54,6 +60,8 @@ def _trainer(
         warmup_steps=2,
         checkpoint_every=3,
         log_every=2,
+        device=device,  # CPU unless a test says otherwise (tests/test_cuda.py)
+        dtype=dtype,
     )
     model = MoETransformer(
         ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, dense_hidden=32),

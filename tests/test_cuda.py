@@ -1,0 +1,90 @@
+"""The CUDA paths: training in bf16 on a GPU, resume there, the model equal to its CPU self,
+and data + expert parallel training over NCCL. They skip, saying why, where no GPU is present
+(this project's CI machine has none); on a GPU host they run with the rest of the suite."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe.checkpoint import CheckpointStore, model_tensors
+from tests.test_train import _data, _trainer
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+
+@cuda
+def test_bf16_training_on_cuda_learns_checkpoints_and_resumes(tmp_path: Path) -> None:
+    data = _data(tmp_path / "data")
+    t = _trainer(data, tmp_path / "c", 30, lr=1e-2, device="cuda", dtype="auto")
+    assert t.device.type == "cuda" and t.amp_dtype == torch.bfloat16  # auto: bf16 on CUDA
+    before = t.evaluate()
+    result = t.fit()
+    assert result.val_loss < before - 0.5
+    # The checkpoint holds fp32 master weights and loads on a CPU-only machine.
+    ck = CheckpointStore(tmp_path / "c").load(CheckpointStore(tmp_path / "c").latest_valid())
+    assert ck.step == 30
+    assert all(v.device.type == "cpu" for v in ck.model.values())
+    assert ck.model["embed.weight"].dtype == torch.float32
+    # Killed after 10 steps and resumed on the GPU: same step count, close weights (CUDA
+    # kernels with atomics are not bit-reproducible, so close, not equal).
+    first = _trainer(data, tmp_path / "k", 30, stop_after=10, lr=1e-2, device="cuda")
+    first.fit()
+    resumed = _trainer(data, tmp_path / "k", 30, lr=1e-2, device="cuda")
+    r = resumed.fit()
+    assert r.resumed_from == 9 and r.steps == 30
+    for k, v in model_tensors(t.model).items():
+        torch.testing.assert_close(
+            model_tensors(resumed.model)[k].cpu(), v.cpu(), rtol=0.05, atol=0.02
+        )
+
+
+@cuda
+def test_the_model_on_cuda_equals_itself_on_cpu() -> None:
+    from moe.config import ModelConfig, MoEConfig
+    from moe.model import MoETransformer
+
+    torch.manual_seed(0)
+    model = MoETransformer(
+        ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, dense_hidden=32),
+        MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+        64,
+    )
+    x = torch.randint(0, 64, (4, 16))
+    cpu_logits, cpu_loss, _ = model(x, x)
+    gpu_logits, gpu_loss, _ = model.cuda()(x.cuda(), x.cuda())
+    torch.testing.assert_close(gpu_logits.cpu(), cpu_logits, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(gpu_loss.cpu(), cpu_loss, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="NCCL data + expert parallel needs two GPUs"
+)
+def test_pretrain_under_torchrun_on_two_gpus_uses_nccl(tmp_path: Path) -> None:
+    from moe.config import Config, ModelConfig, MoEConfig, TrainConfig
+    from tasks.training import load_model, pretrain_model
+
+    data = _data(tmp_path / "data")
+    cfg = Config(
+        model=ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, dense_hidden=32),
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+        train=TrainConfig(
+            max_steps=4,
+            batch_size=4,
+            warmup_steps=1,
+            eval_every=4,
+            eval_batches=2,
+            checkpoint_every=2,
+            log_every=1,
+            nproc=2,
+            device="cuda",
+        ),
+    )
+    cfg.finetune_sql.max_len = cfg.finetune_domain.max_len = 16
+    rows: list[dict] = []
+    result = pretrain_model.fn(cfg, data, tmp_path / "model", rows.append)
+    assert result.steps == 4 and json.dumps(rows)
+    assert load_model(tmp_path / "model").moe_layers[0].experts.w13_EDG.shape[0] == 4
