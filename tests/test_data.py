@@ -101,11 +101,26 @@ def test_sft_batches_mask_prompt_and_weight_focus_tokens() -> None:
     assert x.shape[1] == 6 and y[0, -3:].tolist() == [8, 9, 1]
 
 
-def test_stdlib_corpus_skips_undecodable_and_caps() -> None:
+def test_stdlib_corpus_skips_undecodable_and_caps(tmp_path: Path, monkeypatch) -> None:
+    # A standard library of our own: two sources, one Latin-1 (like test/encoded_modules),
+    # installed packages (pruned) and a file that is not Python.
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "site-packages").mkdir()
+    (tmp_path / "a.py").write_text("import os\n")
+    (tmp_path / "pkg" / "b.py").write_text("x = 'b' * 200\n")
+    (tmp_path / "pkg" / "latin.py").write_bytes("s = 'caf\u00e9'\n".encode("latin-1"))
+    (tmp_path / "site-packages" / "c.py").write_text("installed = True\n")
+    (tmp_path / "notes.txt").write_text("not python\n")
+    monkeypatch.setattr("moe.data.stdlib_root", lambda: tmp_path)
     stats = CorpusStats()
-    docs = list(iter_documents("stdlib", "text", 300_000, stats))
-    assert 0 < stats.bytes <= 300_000 and stats.documents == len(docs)
-    assert stats.sha256
+    docs = list(iter_documents("stdlib", "text", 0, stats))
+    assert docs == ["import os\n", "x = 'b' * 200\n"]
+    assert stats.skipped_undecodable == 1 and stats.skipped_files == ["pkg/latin.py"]
+    assert stats.documents == 2 and stats.bytes == sum(len(d) for d in docs)
+    # The cap: whole documents only, and never more bytes than asked (one at least).
+    capped = CorpusStats()
+    assert list(iter_documents("stdlib", "text", 12, capped)) == ["import os\n"]
+    assert capped.bytes == 10 and capped.sha256 != stats.sha256
 
 
 def test_local_jsonl_corpus_through_datasets(tmp_path: Path) -> None:

@@ -112,7 +112,23 @@ def test_dvc_repro_runs_the_pipeline(
     assert (
         metrics["pretrain"]["val"]["perplexity"] < tiny_params()["tokenizer"]["vocab_size"]
     )  # learned something
-    assert 0.0 <= metrics["finetune_domain"]["sql"]["execution_accuracy"] <= 1.0
+    # The SQL scores are counts over the examples evaluate.max_examples allows, consistent
+    # with each other and with the per-template breakdown and the samples.
+    sql = metrics["finetune_domain"]["sql"]
+    n = tiny_params()["evaluate"]["max_examples"]
+    assert sql["examples"] == n
+    for key in ("execution_accuracy", "valid_sql", "exact_match"):
+        assert sql[key] * n == pytest.approx(round(sql[key] * n)), key
+    assert sql["execution_accuracy"] <= sql["valid_sql"]  # a match must run first
+    by_t = sql["by_template"]
+    assert sum(t["examples"] for t in by_t.values()) == n
+    assert sum(t["execution_accuracy"] * t["examples"] for t in by_t.values()) == pytest.approx(
+        sql["execution_accuracy"] * n
+    )
+    hits = [x["execution_match"] for x in sql["samples"]]
+    assert hits and len(hits) <= n
+    if len(hits) == n:
+        assert sum(hits) / n == sql["execution_accuracy"]
     cost = json.loads((root / "reports/cost.json").read_text())
     assert set(cost["by_stage"]) == {
         "prepare",

@@ -93,8 +93,15 @@ def test_model_forward_backward_and_generate() -> None:
     (loss + aux.aux_loss).backward()
     assert model.moe_layers[0].router.gate.weight.grad is not None
     assert int(aux.tokens_per_expert[0].sum()) == 3 * 16 * 2
-    out = model.generate([1, 2, 3], max_new_tokens=5)
-    assert len(out) == 5
+    model.eval()
+    prompt = idx[0, :14].tolist()  # 14 + 5 tokens: the context window (16) slides
+    out = model.generate(prompt, max_new_tokens=5)
+    # Greedy: each new token is the argmax of a forward pass over the last seq_len tokens.
+    ids = list(prompt)
+    for _ in range(5):
+        ids.append(int(model(torch.tensor([ids[-16:]]))[0][0, -1].argmax()))
+    assert out == ids[14:] and len(out) == 5
+    assert model.generate(prompt, max_new_tokens=5, stop_ids={out[0]}) == []  # stops before it
     assert model.num_params(active_only=True) < model.num_params()
     with pytest.raises(ValueError, match="longer than model.seq_len"):
         model(torch.zeros(1, 17, dtype=torch.long))

@@ -1,5 +1,5 @@
-"""W&B runs offline (no network): a run directory appears for a later `wandb sync`, the run id
-is returned for lineage, and metric rows with per-expert load are accepted at the logging seam."""
+"""W&B runs offline (no network): the run file a later `wandb sync` uploads holds every logged
+value, per-expert load included (read back from it), and the run id is returned for lineage."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 from moe.config import Config, WandbConfig
 from tasks.tracking import wandb_run
+from tests.wandb_log import history, run_file
 
 
 def test_offline_run_logs_and_returns_its_id(tmp_path: Path, monkeypatch) -> None:
@@ -16,8 +17,13 @@ def test_offline_run_logs_and_returns_its_id(tmp_path: Path, monkeypatch) -> Non
         log_fn({"step": 10, "loss": 3.2, "expert_share": [[0.5, 0.25, 0.25], [0.3, 0.3, 0.4]]})
         log_fn({"step": 20, "val_loss": 3.0})
     assert run_id
-    runs = list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
-    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    rows = history(run_file(tmp_path, run_id))
+    assert sorted(rows) == [10, 20]
+    assert rows[10]["loss"] == 3.2 and rows[20]["val_loss"] == 3.0
+    # one value per expert and layer, and a histogram of all six shares
+    assert rows[10]["expert_load/layer0/expert0/share"] == 0.5
+    assert rows[10]["expert_load/layer1/expert2/share"] == 0.4
+    assert sum(rows[10]["expert_load/histogram/values"]) == 6
 
 
 def test_disabled_mode_is_a_no_op(tmp_path: Path) -> None:
