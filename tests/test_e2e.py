@@ -77,6 +77,19 @@ def repro(repo: tuple[Path, dict[str, str]]) -> subprocess.CompletedProcess:
     return _run(["dvc", "repro"], root, env)
 
 
+@pytest.fixture
+def scratch(
+    repo: tuple[Path, dict[str, str]], repro: subprocess.CompletedProcess, tmp_path: Path
+) -> tuple[Path, dict[str, str]]:
+    """A copy of the reproduced project (outputs, DVC cache and lock included) for a test
+    that changes params, deletes outputs or commits: the shared one stays as `repro` left
+    it, whatever order the tests run in."""
+    root, env = repo
+    dest = tmp_path / "project"
+    shutil.copytree(root, dest, symlinks=True)
+    return dest, {**env, "PYTHONPATH": str(dest)}
+
+
 def _lineage(repo: Path, path: str) -> dict:
     return json.loads((repo / path / "lineage.json").read_text())
 
@@ -168,15 +181,27 @@ def test_dvc_repro_runs_the_pipeline(
         yaml.safe_load((root / "models/pretrain/params.yaml").read_text())["model"]["d_model"] == 64
     )
 
-    # Every stage ran as a flow run on the Prefect server.
+    # Every stage ran as a flow run on the Prefect server and completed (its own runs: the
+    # server is shared with tests that leave failed runs on purpose).
+    ids = {
+        _lineage(root, folder)["flow_run_id"]
+        for folder in (
+            "data/prepared",
+            "data/published",
+            "models/pretrain",
+            "models/finetune_sql",
+            "models/finetune_domain",
+            "reports/evaluate",
+        )
+    }
     req = urllib.request.Request(
         f"{env['PREFECT_API_URL']}/flow_runs/filter",
-        data=b"{}",
+        data=json.dumps({"flow_runs": {"id": {"any_": sorted(ids)}}}).encode(),
         headers={"Content-Type": "application/json"},
     )
     runs = json.loads(urllib.request.urlopen(req, timeout=10).read())
+    assert len(ids) == 6 and {r["id"] for r in runs} == ids
     assert {r["state_type"] for r in runs} == {"COMPLETED"}
-    assert pretrain["flow_run_id"] in {r["id"] for r in runs}
 
     digest = _run(
         ["moe-pipeline", "checkpoint", "digest", "models/pretrain"], root, env
@@ -332,11 +357,8 @@ def test_unchanged_stages_are_skipped_and_say_so(
     )
 
 
-def test_finetune_domain_param_reruns_only_downstream(
-    repo: tuple[Path, dict[str, str]],
-    repro: subprocess.CompletedProcess,
-) -> None:
-    root, env = repo
+def test_finetune_domain_param_reruns_only_downstream(scratch: tuple[Path, dict[str, str]]) -> None:
+    root, env = scratch
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["finetune_domain"]["lr"] = 1e-4
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -346,11 +368,8 @@ def test_finetune_domain_param_reruns_only_downstream(
     assert _lineage(root, "models/finetune_domain")["params"]["finetune_domain"]["lr"] == 1e-4
 
 
-def test_dvc_push_and_pull_restore_outputs(
-    repo: tuple[Path, dict[str, str]],
-    repro: subprocess.CompletedProcess,
-) -> None:
-    root, env = repo
+def test_dvc_push_and_pull_restore_outputs(scratch: tuple[Path, dict[str, str]]) -> None:
+    root, env = scratch
     _run(["dvc", "push"], root, env)
     model = root / "models/finetune_domain/model.safetensors"
     original = model.read_bytes()
@@ -362,13 +381,13 @@ def test_dvc_push_and_pull_restore_outputs(
 
 
 def test_dvc_push_and_pull_through_an_s3_remote(
-    repo: tuple[Path, dict[str, str]], repro: subprocess.CompletedProcess, moto_server: str
+    scratch: tuple[Path, dict[str, str]], moto_server: str
 ) -> None:
     """The same outputs through an S3 remote (dvc-s3) on the moto server: what a team uses
     instead of the local folder remote."""
     import boto3
 
-    root, env = repo
+    root, env = scratch
     boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1").create_bucket(
         Bucket="dvc-remote"
     )
@@ -394,14 +413,11 @@ def test_dvc_push_and_pull_through_an_s3_remote(
     assert "Running stage" not in _run(["dvc", "repro"], root, s3env).stdout
 
 
-def test_dvc_metrics_and_experiments_read_at_a_glance(
-    repo: tuple[Path, dict[str, str]],
-    repro: subprocess.CompletedProcess,
-) -> None:
+def test_dvc_metrics_and_experiments_read_at_a_glance(scratch: tuple[Path, dict[str, str]]) -> None:
     """`dvc metrics show` is one row of the figures one compares (per stage perplexity, valid
     SQL and execution accuracy; total cost and saving), and `dvc exp run -S` / `dvc exp show`
     work on the pipeline as DVC users drive it."""
-    root, env = repo
+    root, env = scratch
     shown = _run(["dvc", "metrics", "show", "--json"], root, env).stdout
     files = json.loads(shown)[""]["data"]
     assert list(files) == ["reports/summary.json"]

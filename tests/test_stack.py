@@ -30,7 +30,6 @@ PLANTED = {
     "WANDB_API_KEY": "stack-planted-wandb-93ab17",
     "AWS_SESSION_TOKEN": "stack-planted-session-6c2d",
 }
-SHARED: dict[str, Any] = {}  # what one test leaves for the next (they run in file order)
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +47,6 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "add", "-A"], check=True)
     subprocess.run([*git, "commit", "-qm", "stack test"], check=True)
-    SHARED["commit"] = subprocess.run(
-        [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-    ).stdout.strip()
     saved = {k: os.environ.get(k) for k in PLANTED}
     os.environ.update(PLANTED)
     try:
@@ -120,24 +116,37 @@ def _wait(root: Path, flow_run_id: Any, timeout: float = 400) -> Any:
     return stack.wait_flow_run(stack.load_state(root), flow_run_id, timeout)
 
 
-def test_pipeline_runs_every_stage_on_its_pools_worker(root: Path) -> None:
-    # as from the UI: the deployment's own defaults (dispatch: deployments, the stack's bucket)
-    pipeline = _wait(root, _start(root, "pipeline", {}).id, timeout=600)
-    assert pipeline.state.is_completed(), pipeline.state
+@pytest.fixture(scope="module")
+def pipeline(root: Path) -> dict[str, Any]:
+    """The `pipeline` deployment run once, as from the UI (the deployment's own defaults:
+    dispatch: deployments, the stack's bucket); what the tests below read of it."""
+    fr = _wait(root, _start(root, "pipeline", {}).id, timeout=600)
+    stage_runs = {stage: _flow_runs(root, stage) for stage in STAGES}
+    ids = [str(r.id) for runs in stage_runs.values() for r in runs]
+    with _client(root) as c:
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        artifacts = c.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)))
+    return {"run": fr, "handoff": str(fr.id), "stage_runs": stage_runs, "artifacts": artifacts}
+
+
+def test_pipeline_runs_every_stage_on_its_pools_worker(root: Path, pipeline: dict) -> None:
+    assert pipeline["run"].state.is_completed(), pipeline["run"].state
     cfg = load_config(root / "params.yaml")
-    SHARED["handoff"] = str(pipeline.id)  # the pipeline's default hand-off key
+    handoff = pipeline["handoff"]  # the pipeline's default hand-off key
+    commit = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
     objects = _objects(root)
-    stage_runs = {}
     for stage in STAGES:
-        runs = _flow_runs(root, stage)
+        runs = [r for r in pipeline["stage_runs"][stage] if r.parameters["handoff"] == handoff]
         assert len(runs) == 1, (stage, runs)
         fr = runs[0]
         assert fr.state.is_completed(), (stage, fr.state)
         pool = cfg.pools.stages[stage]
         assert fr.work_pool_name == pool
-        assert str(fr.parent_task_run_id) and fr.parameters["handoff"] == SHARED["handoff"]
-        stage_runs[stage] = str(fr.id)
+        assert str(fr.parent_task_run_id)
         # the lineage record in S3 names the worker of the stage's own pool and its flow run
         [record] = [
             json.loads(v)
@@ -146,8 +155,8 @@ def test_pipeline_runs_every_stage_on_its_pools_worker(root: Path) -> None:
         ]
         assert record["worker"].startswith(f"worker-{pool}@"), record["worker"]
         assert record["flow_run_id"] == str(fr.id) and record["pool"] == pool
-        assert record["code"]["commit"] == SHARED["commit"]  # the copies' commit, via env
-        assert f"moe-pipeline/runs/{SHARED['handoff']}/{stage}/manifest.json" in objects
+        assert record["code"]["commit"] == commit  # the copies' commit, via env
+        assert f"moe-pipeline/runs/{handoff}/{stage}/manifest.json" in objects
     # no shared disk: each pool's folder holds what its stages made or fetched
     work = root / stack.STATE_DIR / "work"
     assert (work / "gpu-h100/models/pretrain/checkpoints/latest").is_file()
@@ -155,21 +164,13 @@ def test_pipeline_runs_every_stage_on_its_pools_worker(root: Path) -> None:
     assert not (work / "cpu/models").exists()
     assert json.loads((work / "cpu/reports/metrics.json").read_text())["cost_total"] > 0
 
-    with _client(root) as c:
-        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-        artifacts = c.read_artifacts(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(stage_runs.values())))
-        )
-    keys = {a.key for a in artifacts}
+    keys = {a.key for a in pipeline["artifacts"]}
     assert {
         f"{s.replace('_', '-')}-{kind}" for s in STAGES for kind in ("summary", "lineage")
     } <= keys, keys
-    SHARED["artifacts"] = [str(a.data) for a in artifacts]
-    SHARED["stage_runs"] = stage_runs
 
 
-def test_killed_worker_restarts_and_the_stage_resumes(root: Path) -> None:
+def test_killed_worker_restarts_and_the_stage_resumes(root: Path, pipeline: dict) -> None:
     cfg = load_config(
         root / "params.yaml",
         [
@@ -180,7 +181,7 @@ def test_killed_worker_restarts_and_the_stage_resumes(root: Path) -> None:
             "train.eval_every=1000",
         ],
     )
-    params = {"params": cfg.to_dict(), "handoff": SHARED["handoff"]}
+    params = {"params": cfg.to_dict(), "handoff": pipeline["handoff"]}
     latest = root / stack.STATE_DIR / "work/gpu-h100/models/pretrain/checkpoints/latest"
     first = _start(root, "pretrain", params)
     deadline = time.time() + 240
@@ -208,7 +209,8 @@ def test_killed_worker_restarts_and_the_stage_resumes(root: Path) -> None:
         assert not c.read_flow_run(first.id).state.is_completed()
 
 
-def test_an_unchanged_stage_is_skipped_on_its_worker(root: Path) -> None:
+def test_an_unchanged_stage_is_skipped_on_its_worker(root: Path, pipeline: dict) -> None:
+    # prepare already ran on the cpu worker for the pipeline; again, with a new hand-off key
     result = stack.run(root, stages=["prepare"], handoff="again", say=lambda m: None)
     assert result["completed"], result
     [fr] = [r for r in _flow_runs(root, "prepare") if r.parameters.get("handoff") == "again"]
@@ -227,8 +229,8 @@ def test_an_unchanged_stage_is_skipped_on_its_worker(root: Path) -> None:
     assert "moe-pipeline/runs/again/prepare/manifest.json" in _objects(root)
 
 
-def test_planted_secrets_appear_nowhere(root: Path) -> None:
-    texts = [*SHARED["artifacts"]]
+def test_planted_secrets_appear_nowhere(root: Path, pipeline: dict) -> None:
+    texts = [str(a.data) for a in pipeline["artifacts"]]
     for p in root.rglob("*"):
         if p.is_file() and p.stat().st_size < 50 << 20 and ".venv" not in p.parts:
             texts.append(p.read_bytes().decode("utf-8", "replace"))
@@ -236,7 +238,7 @@ def test_planted_secrets_appear_nowhere(root: Path) -> None:
     with _client(root) as c:
         from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-        ids = list(SHARED["stage_runs"].values())
+        ids = [str(r.id) for runs in pipeline["stage_runs"].values() for r in runs]
         texts += [
             log.message
             for log in c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)))
@@ -253,6 +255,7 @@ def test_down_stops_exactly_what_up_started(root: Path) -> None:
         p = stack._proc(entry)
         assert p is not None
         family += [p, *p.children(recursive=True)]
+    files_before = sorted((root / stack.STATE_DIR).rglob("*"))
     stopped = stack.down(root, say=lambda m: None)
     assert set(stopped) == {
         "prefect-server",
@@ -262,4 +265,9 @@ def test_down_stops_exactly_what_up_started(root: Path) -> None:
     for p in family:
         assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE, p
     assert stack.status(root)["processes"] == {}
-    assert (root / stack.STATE_DIR / "work/cpu/reports/metrics.json").is_file()  # nothing lost
+    # Nothing lost: every file is still there (SQLite's -wal/-shm go when the server closes).
+    gone = [f for f in files_before if not f.exists() and not f.name.endswith(("-wal", "-shm"))]
+    assert not gone, gone
+    # Up again for the tests that follow in this module (they run in any order).
+    stack.up(root, ui=True, query_seconds=1, say=lambda m: None)
+    assert set(stack.status(root)["processes"]) == set(stopped)
