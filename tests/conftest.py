@@ -13,21 +13,35 @@ from pathlib import Path
 
 import pytest
 
-# Offline hygiene for every test (before Prefect, botocore or W&B read their settings).
-os.environ.update(
-    {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-        "DVC_NO_ANALYTICS": "1",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "DO_NOT_TRACK": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "WANDB_MODE": "disabled",
-    }
-)
+# Offline hygiene for every test, set before collection imports Prefect, botocore or W&B
+# (they read these when imported or first used) and restored when the session ends.
+OFFLINE_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "DVC_NO_ANALYTICS": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "WANDB_MODE": "disabled",
+}
+_SAVED_ENV: dict[str, str | None] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _SAVED_ENV.update({k: os.environ.get(k) for k in OFFLINE_ENV})
+    os.environ.update(OFFLINE_ENV)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for k, v in _SAVED_ENV.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
