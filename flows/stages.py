@@ -178,8 +178,9 @@ def publish(
         )
 
     def in_store() -> bool:  # an emptied bucket (or another one) needs a new upload
-        key = json.loads((PUBLISHED / "receipt.json").read_text())["manifest_key"]
-        return open_store(cfg.storage).exists(key)
+        receipt = json.loads((PUBLISHED / "receipt.json").read_text())
+        store = open_store(cfg.storage)
+        return all(store.exists(receipt[k]) for k in ("manifest_key", "archive_key"))
 
     if done := _skipped(cfg, "publish", PUBLISHED, {"prepared": prepared}, handoff, in_store):
         return done

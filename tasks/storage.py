@@ -281,7 +281,7 @@ def publish_dataset(cfg: Config, prepared: Path, work: Path) -> Published:
     work.mkdir(parents=True, exist_ok=True)
     archive = work / "data.tar.zst"
     manifest_key, archive_key = f"{base}/manifest.json", f"{base}/data.tar.zst"
-    if store.exists(manifest_key):
+    if store.exists(manifest_key) and store.exists(archive_key):
         manifest = json.loads(store.read_text(manifest_key))
         log.info(
             "dataset %s/%s is already published at %s; not uploading again",
@@ -382,6 +382,8 @@ def download_dataset(cfg: Config, receipt: dict[str, Any]) -> Path:
             )
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
-    marker.write_text(json.dumps({"archive_sha256": receipt["archive_sha256"], "files": manifest["files"]}))
+    marker.write_text(
+        json.dumps({"archive_sha256": receipt["archive_sha256"], "files": manifest["files"]})
+    )
     log.info("downloaded and verified %s/%s into %s", receipt["name"], receipt["version"], dest)
     return dest
