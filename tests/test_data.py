@@ -5,6 +5,7 @@ put the loss on responses only, and every SQL pair runs on its database."""
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 from pathlib import Path
 
@@ -130,6 +131,39 @@ def test_local_jsonl_corpus_through_datasets(tmp_path: Path) -> None:
     assert docs == [f"doc {i}" for i in range(5)]
     with pytest.raises(InputError, match="text_field"):
         list(iter_documents(str(f), "text", 0, CorpusStats()))
+
+
+def test_parquet_and_json_corpora_through_datasets(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(
+        pa.table({"text": ["alpha doc", "beta doc"], "n": [1, 2]}), tmp_path / "c.parquet"
+    )
+    assert list(iter_documents(str(tmp_path / "c.parquet"), "text", 0, CorpusStats())) == [
+        "alpha doc",
+        "beta doc",
+    ]
+    (tmp_path / "c.json").write_text(json.dumps([{"text": "one"}, {"text": "two"}]))
+    assert list(iter_documents(str(tmp_path / "c.json"), "text", 0, CorpusStats())) == [
+        "one",
+        "two",
+    ]
+    # a folder of both: every file's documents, in path order
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    shutil.copy(tmp_path / "c.json", folder / "a.json")
+    shutil.copy(tmp_path / "c.parquet", folder / "b.parquet")
+    stats = CorpusStats()
+    assert list(iter_documents(str(folder), "text", 0, stats)) == [
+        "one",
+        "two",
+        "alpha doc",
+        "beta doc",
+    ]
+    assert stats.documents == 4
+    with pytest.raises(InputError, match="text_field"):
+        list(iter_documents(str(tmp_path / "c.parquet"), "body", 0, CorpusStats()))
 
 
 def test_missing_source_and_offline_hub_fail_clearly() -> None:

@@ -99,6 +99,28 @@ def test_damaged_archive_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "cache" / pub.name / pub.version).exists()
 
 
+def test_every_file_is_checked_against_its_own_sha256(tmp_path: Path) -> None:
+    """An archive whose own sha256 is consistent (manifest and receipt agree) but which holds
+    a file other than the one the manifest lists (content republished under the same
+    version) is refused, naming the file, and nothing is left in the cache."""
+    from tasks.storage import pack, sha256_file
+
+    cfg = _cfg(tmp_path)
+    prepared = _prepared(tmp_path)
+    pub = publish_dataset.fn(cfg, prepared, tmp_path / "work")
+    (prepared / "sql" / "pairs.jsonl").write_text('{"q": 2}\n')
+    store = tmp_path / "store"
+    archive = store / pub.archive_key
+    pack(prepared, archive, 3, 1)
+    manifest = json.loads((store / pub.manifest_key).read_text())
+    manifest["archive"].update(sha256=sha256_file(archive), bytes=archive.stat().st_size)
+    (store / pub.manifest_key).write_text(json.dumps(manifest))
+    receipt = {**pub.to_dict(), "archive_sha256": manifest["archive"]["sha256"]}
+    with pytest.raises(ValueError, match="sql/pairs.jsonl in .* does not match its sha256"):
+        download_dataset.fn(cfg, receipt)
+    assert not (tmp_path / "cache" / pub.name / pub.version).exists()
+
+
 @pytest.mark.parametrize("key", ["../../etc/passwd", "/etc/passwd", "a/../../b", ""])
 def test_stores_refuse_keys_outside_their_root(tmp_path: Path, key: str) -> None:
     with pytest.raises(InputError, match="not a relative path"):

@@ -123,6 +123,22 @@ def test_training_learns(tmp_path: Path) -> None:
     assert all(len(r["expert_share"][0]) == 4 for r in rows if "expert_share" in r)
 
 
+def test_bf16_autocast_on_cpu_learns(tmp_path: Path) -> None:
+    """`dtype: bfloat16` on CPU: the forward runs under bf16 autocast (the logits come out
+    bf16), the master weights and optimizer stay fp32, and the model still learns."""
+    data = _data(tmp_path / "data")
+    t = _trainer(data, tmp_path / "bf", 30, lr=1e-2, dtype="bfloat16")
+    assert t.device.type == "cpu" and t.amp_dtype == torch.bfloat16
+    x, _, _ = BatchSampler(TokenStore(data, "train"), 2, 16, seed=3).batch_at(0)
+    with t._autocast():
+        logits, _, _ = t.model(x)
+    assert logits.dtype == torch.bfloat16
+    before = t.evaluate()
+    result = t.fit()
+    assert result.val_loss < before - 0.5
+    assert all(p.dtype == torch.float32 for p in t.model.parameters())
+
+
 def test_checkpoints_from_other_params_are_not_resumed(tmp_path: Path) -> None:
     data = _data(tmp_path / "data")
     _trainer(data, tmp_path / "d", 6).fit()
