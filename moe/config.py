@@ -496,9 +496,18 @@ class StorageConfig:
     zstd_level: int = 10
     zstd_threads: int = -1  # -1 = all cores
     cache_dir: str = ".cache/datasets"  # where training stages download published data
+    # s3 backend: files above this size move in parts of this size, several at once (S3's
+    # smallest part is 5 MiB; a failed part is sent again, not the whole file)
+    multipart_mib: int = 64
 
     def check(self, p: _Problems) -> None:
         p.require(1 <= self.zstd_level <= 22, "zstd_level", self.zstd_level, "must be in [1, 22]")
+        p.require(
+            self.multipart_mib >= 5,
+            "multipart_mib",
+            self.multipart_mib,
+            "must be >= 5 (S3's part minimum)",
+        )
         p.require(self.zstd_threads >= -1, "zstd_threads", self.zstd_threads, "must be >= -1")
         if self.backend == "s3":
             p.require(

@@ -84,7 +84,7 @@ class LocalObjectStore:
 
 
 class S3ObjectStore:
-    """S3 (or any S3-compatible server) through boto3; multipart above 64 MiB.
+    """S3 (or any S3-compatible server) through boto3; multipart above `storage.multipart_mib`.
 
     Credentials come from the environment / AWS config, never from params.yaml.
     """
@@ -97,7 +97,8 @@ class S3ObjectStore:
         self.client = boto3.client(
             "s3", endpoint_url=cfg.endpoint_url or None, region_name=cfg.region
         )
-        self.transfer = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=64 << 20)
+        part = cfg.multipart_mib << 20
+        self.transfer = TransferConfig(multipart_threshold=part, multipart_chunksize=part)
         self.uri = f"s3://{self.bucket}/{self.prefix}"
 
     def _key(self, key: str) -> str:

@@ -224,17 +224,19 @@ def test_hf_backend_round_trip_at_the_call_boundary(
 
 
 OUTAGE_SCRIPT = """
-import json, sys
+import json, sys, time
 from pathlib import Path
 from moe.config import Config, StorageConfig
 from tasks.storage import publish_dataset, download_dataset
 work, endpoint = Path(sys.argv[1]), sys.argv[2]
 cfg = Config(storage=StorageConfig(backend="s3", bucket="outage", endpoint_url=endpoint, cache_dir=str(work / "cache")))
-task = publish_dataset.with_options(retries=6, retry_delay_seconds=2, retry_jitter_factor=None)
-(work / "ready").write_text("calling the task")
-pub = task(cfg, work / "prepared", work / "w")
-got = download_dataset.fn(cfg, pub.to_dict())
-print(json.dumps({"version": pub.version, "verified": (got / ".verified").read_text() == pub.archive_sha256}))
+# the shipped tasks, with their own retry policy (tasks.storage.RETRIES)
+pub = publish_dataset(cfg, work / "prepared", work / "w")
+(work / "published").write_text(json.dumps(pub.to_dict()))
+while not (work / "download").exists():  # the test takes S3 down again first
+    time.sleep(0.1)
+got = download_dataset(cfg, pub.to_dict())
+print(json.dumps({"version": pub.version, "verified": json.loads((got / ".verified").read_text())["archive_sha256"] == pub.archive_sha256}))
 """
 
 
@@ -260,11 +262,12 @@ def _start_moto(port: int) -> subprocess.Popen:
 def test_s3_outage_is_ridden_out_by_task_retries(
     tmp_path: Path, prefect_server: dict[str, str]
 ) -> None:
+    """The shipped retry policy (3 retries, exponential back-off from 2 s) rides out an S3
+    server that is down when an upload starts, and again when a download starts."""
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     _prepared(tmp_path)
     env = {**os.environ, **prefect_server, "PYTHONPATH": str(ROOT), "AWS_MAX_ATTEMPTS": "1"}
-    # The S3 server is down when the upload starts ...
     out_f, err_f = tmp_path / "job.out", tmp_path / "job.err"
     with open(out_f, "w") as o, open(err_f, "w") as e:
         job = subprocess.Popen(
@@ -274,19 +277,41 @@ def test_s3_outage_is_ridden_out_by_task_retries(
             stderr=e,
             text=True,
         )
-    # ... until an attempt has failed against the closed port and Prefect said it will retry
-    # (read from the job's log, not a fixed sleep: the same on a fast or a slow machine) ...
-    deadline = time.time() + 180
-    while "Retry 1/6" not in out_f.read_text() + err_f.read_text():
-        assert job.poll() is None, err_f.read_text()[-3000:]
-        assert time.time() < deadline, "no failed attempt was retried"
-        time.sleep(0.2)
-    # ... and comes back (empty: moto keeps state in memory).
+
+    def retried(times: int) -> None:
+        # until `times` attempts have failed against the closed port and Prefect said it
+        # will retry (read from the job's log, not a fixed sleep: any machine's speed)
+        deadline = time.time() + 180
+        while (out_f.read_text() + err_f.read_text()).count("Retry 1/3") < times:
+            assert job.poll() is None, err_f.read_text()[-3000:]
+            assert time.time() < deadline, "no failed attempt was retried"
+            time.sleep(0.2)
+
+    s3 = lambda: boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")  # noqa: E731
+    # S3 is down when the upload starts, and comes back (empty: moto keeps state in memory).
+    retried(1)
     server = _start_moto(port)
     try:
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
-            Bucket="outage"
-        )
+        s3().create_bucket(Bucket="outage")
+        deadline = time.time() + 180
+        while not (tmp_path / "published").exists():
+            assert job.poll() is None and time.time() < deadline, err_f.read_text()[-3000:]
+            time.sleep(0.2)
+        stored = {
+            o["Key"]: s3().get_object(Bucket="outage", Key=o["Key"])["Body"].read()
+            for o in s3().list_objects_v2(Bucket="outage")["Contents"]
+        }
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    # Down again when the download starts; back with the same objects.
+    (tmp_path / "download").write_text("go")
+    retried(2)
+    server = _start_moto(port)
+    try:
+        s3().create_bucket(Bucket="outage")
+        for key, body in stored.items():
+            s3().put_object(Bucket="outage", Key=key, Body=body)
         job.wait(timeout=180)
     finally:
         server.terminate()
@@ -295,8 +320,33 @@ def test_s3_outage_is_ridden_out_by_task_retries(
     assert job.returncode == 0, err[-3000:]
     result = json.loads(out.strip().splitlines()[-1])
     assert result["verified"]
-    assert "Retries are exhausted" not in out + err
     log = out + err
+    assert "Retries are exhausted" not in log
+    assert "EndpointConnectionError" in log  # the attempts failed on the closed port
+    assert "publish-dataset" in log and "download-dataset" in log
+
+
+def test_s3_multipart_above_the_part_size(tmp_path: Path, moto_server: str) -> None:
+    """A file above storage.multipart_mib goes up in parts (the ETag of a multipart object
+    ends in -<parts>) and comes back byte for byte; a small one goes up whole."""
+    from tasks.storage import open_store
+
+    boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1").create_bucket(
+        Bucket="parts"
+    )
+    cfg = _cfg(tmp_path, backend="s3", bucket="parts", endpoint_url=moto_server, multipart_mib=5)
+    store = open_store(cfg.storage)
+    big, small = tmp_path / "big.bin", tmp_path / "small.bin"
+    big.write_bytes(os.urandom(12 << 20))  # 12 MiB: parts of 5, 5 and 2
+    small.write_bytes(os.urandom(1 << 20))
+    store.put(big, "x/big.bin")
+    store.put(small, "x/small.bin")
+    s3 = boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1")
     assert (
-        "EndpointConnectionError" in log and "Retry 1/6" in log
-    )  # an attempt failed, Prefect retried
+        s3.head_object(Bucket="parts", Key="moe-pipeline/x/big.bin")["ETag"]
+        .strip('"')
+        .endswith("-3")
+    )
+    assert "-" not in s3.head_object(Bucket="parts", Key="moe-pipeline/x/small.bin")["ETag"]
+    store.get("x/big.bin", tmp_path / "back.bin")
+    assert (tmp_path / "back.bin").read_bytes() == big.read_bytes()
