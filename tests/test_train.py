@@ -113,6 +113,63 @@ def test_resume_is_bit_identical(tmp_path: Path) -> None:
     assert steps == sorted(set(steps))
 
 
+KILL_CHILD = """
+import sys, time
+from pathlib import Path
+from tests.test_train import _data, _trainer
+tmp = Path(sys.argv[1])
+t = _trainer(tmp / "data", tmp / "k", 10)
+def log_fn(row):
+    if "loss" in row:
+        if row["step"] == 4:  # the machine dies here, once step 3's checkpoint is on disk
+            while t.store.latest_valid() is None:  # (written on the writer thread)
+                time.sleep(0.01)
+        print(row["step"], flush=True)
+        if row["step"] == 4:
+            time.sleep(600)
+t.log_fn = log_fn
+t.fit()
+"""
+
+
+def test_resume_after_a_real_sigkill_is_bit_identical(tmp_path: Path) -> None:
+    """A training process killed with SIGKILL (no handler, no flush, the writer thread dies
+    with it) and started again ends with the weights and optimizer state of a run that was
+    never interrupted."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, read_line
+
+    data = _data(tmp_path / "data")
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILL_CHILD, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert [read_line(child, timeout=120) for _ in range(2)] == ["2", "4"]  # log_every 2
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        child.kill()
+    resumed = _trainer(data, tmp_path / "k", 10)
+    result = resumed.fit()
+    assert result.resumed_from == 3 and result.steps == 10
+    straight = _trainer(data, tmp_path / "s", 10)
+    straight.fit()
+    assert weights_digest(model_tensors(resumed.model)) == weights_digest(
+        model_tensors(straight.model)
+    )
+    sa, sb = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    for k in sa:
+        assert torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"])
+
+
 def test_training_learns(tmp_path: Path) -> None:
     data = _data(tmp_path / "data")
     t = _trainer(data, tmp_path / "c", 30, lr=1e-2)
