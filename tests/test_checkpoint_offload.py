@@ -85,3 +85,41 @@ def test_damaged_remote_copy_is_refused(tmp_path: Path, moto_server: str) -> Non
         store.load(root / "step_00000001")
     assert not (root / "step_00000001" / "L0.bin").exists()  # nothing damaged was kept
     assert torch.is_tensor(store.load(root / "step_00000003").model["embed.weight"])
+
+
+def test_training_resumes_from_a_checkpoint_that_lives_in_s3(
+    tmp_path: Path, moto_server: str
+) -> None:
+    """A run stopped after step 7 offloads its checkpoints; the newest (6) is then lost
+    with the machine's disk, so the resume starts from step 3, whose every tensor file is in
+    S3: fetched, verified, and the run ends with the weights of one never interrupted."""
+    import shutil
+
+    from moe.checkpoint import model_tensors, weights_digest
+    from tests.test_train import _data, _trainer
+
+    boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1").create_bucket(
+        Bucket="ckpt-resume"
+    )
+    cfg = _cfg(tmp_path, moto_server, "ckpt-resume")
+    data = _data(tmp_path / "data")
+    root = tmp_path / "run"
+
+    def trainer(stop_after: int | None = None):
+        t = _trainer(data, root, 10, stop_after=stop_after)
+        t.store = checkpoint_store(cfg, root)
+        return t
+
+    assert trainer(stop_after=7).fit().stop_reason == "stop_after"
+    moved = offload_checkpoints.fn(cfg, root, "pretrain/resume")["moved"]
+    assert "step_00000003/L0.bin" in moved and not (root / "step_00000003/L0.bin").exists()
+    shutil.rmtree(root / "step_00000006")
+    (root / "latest").unlink()
+    resumed = trainer()
+    result = resumed.fit()
+    assert result.resumed_from == 3 and result.steps == 10
+    straight = _trainer(data, tmp_path / "straight", 10)
+    straight.fit()
+    assert weights_digest(model_tensors(resumed.model)) == weights_digest(
+        model_tensors(straight.model)
+    )
