@@ -51,10 +51,12 @@ def repo(
     dest = tmp_path_factory.mktemp("repo")
     _copy_repo(dest)
     params = merge(yaml.safe_load((dest / "params.yaml").read_text()), tiny_params())
+    params["wandb"]["mode"] = "offline"  # W&B reads WANDB_API_KEY; its files are scanned
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     env = {
         **os.environ,
         **prefect_server,
+        "WANDB_MODE": "offline",
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
         "PYTHONPATH": str(dest),  # the copy's code, not the editable install's
         # Planted secrets: they must not appear in any log, artifact, record or output.
@@ -251,19 +253,38 @@ def test_the_prefect_ui_lists_every_stage_run(
 
 def test_planted_secrets_appear_in_no_output_record_or_artifact(
     repo: tuple[Path, dict[str, str]],
-    repro: subprocess.CompletedProcess,
+    scratch: tuple[Path, dict[str, str]],
+    moto_server: str,
 ) -> None:
+    """The planted tokens are in the environment of every command: W&B (offline) and boto3
+    (the AWS session token, sent to S3 on a `dvc push` to an S3 remote) read theirs; none may
+    reach a file, a log or an artifact. (HF_TOKEN is read only when the Hub is used, which
+    these tests cannot reach.)"""
+    import boto3
+
     root, env = repo
+    copy, copy_env = scratch
+    boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1").create_bucket(
+        Bucket="dvc-secrets"
+    )
+    _run(["dvc", "remote", "add", "--local", "-f", "s3", "s3://dvc-secrets/c"], copy, copy_env)
+    _run(["dvc", "remote", "modify", "--local", "s3", "endpointurl", moto_server], copy, copy_env)
+    pushed = _run(["dvc", "push", "-r", "s3"], copy, copy_env)
     needles = [v.encode() for v in PLANTED.values()]
+    for n in needles:
+        assert n not in (pushed.stdout + pushed.stderr).encode()
+    wandb_files = list((root / "wandb").rglob("*.wandb"))
+    assert wandb_files  # W&B ran (offline) and wrote its run files
     scanned = 0
     written = [root / d for d in ("data", "models", "reports", "store", "wandb", ".dvc")]
+    written += [copy / ".dvc"]
     for path in [p for d in written if d.is_dir() for p in d.rglob("*")] + [root / "dvc.lock"]:
         if not path.is_file():
             continue
         data = path.read_bytes()
         scanned += 1
         for n in needles:
-            assert n not in data, f"a planted secret is in {path.relative_to(root)}"
+            assert n not in data, f"a planted secret is in {path}"
     assert scanned > 50  # outputs, records, params dumps, W&B offline files, the store, DVC cache
     # Prefect artifacts (the summaries and the cost table) through the server's API.
     req = urllib.request.Request(
