@@ -635,8 +635,15 @@ class EvaluateConfig:
     max_new_tokens: int = 40
     val_batches: int = 16
     batch_size: int = 64  # questions decoded together
+    device: str = "auto"  # auto: the GPU when the evaluating machine has one, else the CPU
 
     def check(self, p: _Problems) -> None:
+        p.require(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            "device",
+            self.device,
+            "must be auto, cpu, cuda or cuda:N",
+        )
         p.require(
             self.max_examples >= 0, "max_examples", self.max_examples, "must be >= 0 (0 = all)"
         )

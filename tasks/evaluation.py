@@ -14,6 +14,7 @@ from moe.data import BatchSampler, TokenStore
 from moe.evaluate import perplexity, sql_accuracy
 from moe.sql import load_pairs
 from moe.tokenizer import EOT, load_tokenizer
+from moe.train import resolve_device
 from tasks import retry_unless_input_error
 from tasks.progress import progress
 from tasks.training import load_model
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
     retry_condition_fn=retry_unless_input_error,
 )
 def evaluate_perplexity(cfg: Config, data_dir: Path, model_dir: Path) -> dict[str, float]:
-    model = load_model(model_dir)
+    model = load_model(model_dir).to(resolve_device(cfg.evaluate.device))
     sampler = BatchSampler(
         TokenStore(data_dir, "val"), cfg.train.batch_size, model.cfg.seq_len, cfg.train.seed + 1
     )
@@ -50,7 +51,7 @@ SQL_SETS = {  # what each SQL figure is measured on (moe/sql.py: generate_sql_se
 def evaluate_sql(cfg: Config, data_dir: Path, model_dir: Path) -> dict[str, Any]:
     """Execution accuracy (and valid SQL, exact match, per template) of one model on every
     held-out SQL set that the prepared data has."""
-    model = load_model(model_dir)
+    model = load_model(model_dir).to(resolve_device(cfg.evaluate.device))
     tok = load_tokenizer(data_dir / "tokenizer.json")
     n = cfg.evaluate.max_examples or None
     sets = {
