@@ -439,31 +439,43 @@ def status(root: Path) -> dict[str, Any]:
 
 
 def down(root: Path, say: Any = print, timeout: float = 30) -> list[str]:
-    """Stop the processes `up` started (workers first, then S3, then the server), each with
-    the processes it started (flow runs); returns their names."""
+    """Stop the processes `up` started (the workers together, then S3, then the server),
+    each with the processes it started (flow runs); returns their names. Each group gets
+    SIGTERM, and SIGKILL for what is left after `timeout` seconds."""
     root = root.resolve()
     state = load_state(root)
-    order = sorted(
-        state["procs"], key=lambda n: (not n.startswith("worker-"), n == "prefect-server")
-    )
+    names = list(state["procs"])
+    groups = [
+        [n for n in names if n.startswith("worker-")],
+        [n for n in names if not n.startswith("worker-") and n != "prefect-server"],
+        [n for n in names if n == "prefect-server"],
+    ]
     stopped = []
-    for name in order:
-        p = _proc(state["procs"][name])
-        if p is not None:
-            kill_tree(p, timeout)
-            stopped.append(name)
-            say(f"stopped {name} (pid {p.pid})")
-        del state["procs"][name]
+    for group in groups:
+        procs = {n: _proc(state["procs"][n]) for n in group}
+        kill_trees([p for p in procs.values() if p is not None], timeout)
+        for name, p in procs.items():
+            if p is not None:
+                stopped.append(name)
+                say(f"stopped {name} (pid {p.pid})")
+            del state["procs"][name]
         _save(root, state)
     return stopped
 
 
 def kill_tree(p: psutil.Process, timeout: float = 30, sig: str = "term") -> None:
     """Stop a process and every process under it (SIGTERM, then SIGKILL after `timeout`)."""
-    try:
-        family = [*p.children(recursive=True), p]
-    except psutil.NoSuchProcess:
-        return
+    kill_trees([p], timeout, sig)
+
+
+def kill_trees(roots: list[psutil.Process], timeout: float = 30, sig: str = "term") -> None:
+    """Stop processes and every process under them, all at once (one wait, not one each)."""
+    family: list[psutil.Process] = []
+    for p in roots:
+        try:
+            family += [*p.children(recursive=True), p]
+        except psutil.NoSuchProcess:
+            pass
     for q in family:
         try:
             q.kill() if sig == "kill" else q.terminate()
