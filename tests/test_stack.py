@@ -6,6 +6,7 @@ killed in the middle of pretraining is restarted and the stage resumes from its 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,9 +33,10 @@ PLANTED = {
 }
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    root = tmp_path_factory.mktemp("stack-project")
+@contextlib.contextmanager
+def _stack_project(root: Path) -> Iterator[Path]:
+    """A copy of the project's code in `root`, committed to git, with a stack up (the planted
+    secrets in its environment); the stack is stopped afterwards."""
     for name in (*stack.CODE, "infra"):
         src = ROOT / name
         if src.is_dir():
@@ -59,6 +61,14 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The stack the module's tests share (its S3 lives in moto's memory: nothing here may
+    stop it before the module ends)."""
+    with _stack_project(tmp_path_factory.mktemp("stack-project")) as r:
+        yield r
 
 
 def test_the_ui_reaches_its_own_api_and_lists_the_deployments(
@@ -248,7 +258,13 @@ def test_planted_secrets_appear_nowhere(root: Path, pipeline: dict) -> None:
         assert not any(secret in t for t in texts), f"{name} leaked"
 
 
-def test_down_stops_exactly_what_up_started(root: Path) -> None:
+def test_down_stops_exactly_what_up_started(tmp_path: Path) -> None:
+    """On a stack of its own: the shared one keeps its S3 contents for the other tests."""
+    with _stack_project(tmp_path) as root:
+        _down_stops_exactly_what_up_started(root)
+
+
+def _down_stops_exactly_what_up_started(root: Path) -> None:
     state = stack.load_state(root)
     family = []
     for entry in state["procs"].values():
@@ -268,6 +284,3 @@ def test_down_stops_exactly_what_up_started(root: Path) -> None:
     # Nothing lost: every file is still there (SQLite's -wal/-shm go when the server closes).
     gone = [f for f in files_before if not f.exists() and not f.name.endswith(("-wal", "-shm"))]
     assert not gone, gone
-    # Up again for the tests that follow in this module (they run in any order).
-    stack.up(root, ui=True, query_seconds=1, say=lambda m: None)
-    assert set(stack.status(root)["processes"]) == set(stopped)
