@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,11 @@ class ConfigError(InputError):
 
 
 # --------------------------------------------------------------------------- sections
+
+
+def _valid_device(name: str) -> bool:
+    """auto, cpu, cuda or cuda:N."""
+    return re.fullmatch(r"auto|cpu|cuda(:\d+)?", name) is not None
 
 
 @dataclass
@@ -439,7 +445,7 @@ def _check_optim(c: TrainConfig | FinetuneConfig, p: _Problems) -> None:
     p.require(c.log_every >= 1, "log_every", c.log_every, "must be >= 1")
     p.require(c.checkpoint_every >= 1, "checkpoint_every", c.checkpoint_every, "must be >= 1")
     p.require(
-        c.device == "auto" or c.device == "cpu" or c.device.startswith("cuda"),
+        _valid_device(c.device),
         "device",
         c.device,
         "must be auto, cpu, cuda or cuda:N",
@@ -503,10 +509,10 @@ class StorageConfig:
     def check(self, p: _Problems) -> None:
         p.require(1 <= self.zstd_level <= 22, "zstd_level", self.zstd_level, "must be in [1, 22]")
         p.require(
-            self.multipart_mib >= 5,
+            5 <= self.multipart_mib <= 5120,
             "multipart_mib",
             self.multipart_mib,
-            "must be >= 5 (S3's part minimum)",
+            "must be in [5, 5120] (S3's smallest and largest part, MiB)",
         )
         p.require(self.zstd_threads >= -1, "zstd_threads", self.zstd_threads, "must be >= -1")
         if self.backend == "s3":
@@ -639,7 +645,7 @@ class EvaluateConfig:
 
     def check(self, p: _Problems) -> None:
         p.require(
-            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            _valid_device(self.device),
             "device",
             self.device,
             "must be auto, cpu, cuda or cuda:N",

@@ -47,12 +47,13 @@ class BatchSource(Protocol):
     def batch_at(self, step: int, micro: int = 0) -> Batch: ...
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, setting: str = "train.device") -> torch.device:
+    """auto: the GPU when there is one, else the CPU; `setting` names the knob in errors."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(
-            f"train.device={name!r} but CUDA is not available on this machine; use auto or cpu"
+            f"{setting}={name!r} but CUDA is not available on this machine; use auto or cpu"
         )
     return torch.device(name)
 

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
     retry_condition_fn=retry_unless_input_error,
 )
 def evaluate_perplexity(cfg: Config, data_dir: Path, model_dir: Path) -> dict[str, float]:
-    model = load_model(model_dir).to(resolve_device(cfg.evaluate.device))
+    model = load_model(model_dir).to(resolve_device(cfg.evaluate.device, "evaluate.device"))
     sampler = BatchSampler(
         TokenStore(data_dir, "val"), cfg.train.batch_size, model.cfg.seq_len, cfg.train.seed + 1
     )
@@ -51,7 +51,7 @@ SQL_SETS = {  # what each SQL figure is measured on (moe/sql.py: generate_sql_se
 def evaluate_sql(cfg: Config, data_dir: Path, model_dir: Path) -> dict[str, Any]:
     """Execution accuracy (and valid SQL, exact match, per template) of one model on every
     held-out SQL set that the prepared data has."""
-    model = load_model(model_dir).to(resolve_device(cfg.evaluate.device))
+    model = load_model(model_dir).to(resolve_device(cfg.evaluate.device, "evaluate.device"))
     tok = load_tokenizer(data_dir / "tokenizer.json")
     n = cfg.evaluate.max_examples or None
     sets = {

@@ -158,9 +158,11 @@ def _fit_and_save(cfg: Config, trainer: Trainer, out_dir: Path, run_key: str) ->
     Under torchrun every rank trains; the experts are gathered and rank 0 writes. A bar on a
     terminal and a Prefect progress artifact follow the steps (tasks/progress.py)."""
     stage = run_key.split("/", 1)[0]
-    with training_log(stage, trainer.cfg.max_steps, trainer.log_fn) as trainer.log_fn:
-        result = trainer.fit()
-    trainer.store.close()
+    try:
+        with training_log(stage, trainer.cfg.max_steps, trainer.log_fn) as trainer.log_fn:
+            result = trainer.fit()
+    finally:  # a failed run's checkpoint being written still lands (a retry resumes from it)
+        trainer.store.close()
     model = trainer.model
     if trainer.world > 1:
         full = D.full_state(model_tensors(model), trainer.world, {})

@@ -147,7 +147,7 @@ def tiny_params() -> dict:
             "max_len": 64,
             "device": "cpu",
         },
-        "evaluate": {"max_examples": 4, "max_new_tokens": 16, "val_batches": 2},
+        "evaluate": {"max_examples": 4, "max_new_tokens": 16, "val_batches": 2, "device": "cpu"},
         "wandb": {"mode": "disabled"},
     }
 

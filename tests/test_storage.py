@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import boto3
@@ -18,7 +17,7 @@ import pytest
 from moe.config import Config, StorageConfig
 from moe.errors import InputError
 from tasks.storage import HfObjectStore, LocalObjectStore, download_dataset, publish_dataset
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, read_line
 
 
 def _prepared(tmp_path: Path) -> Path:
@@ -240,82 +239,83 @@ print(json.dumps({"version": pub.version, "verified": json.loads((got / ".verifi
 """
 
 
-def _start_moto(port: int) -> subprocess.Popen:
-    exe = Path(sys.executable).with_name("moto_server")
-    proc = subprocess.Popen(
-        [str(exe), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 30
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}", timeout=1)
-            return proc
-        except OSError:
-            if time.time() > deadline:
-                proc.kill()
-                raise RuntimeError("moto_server did not start") from None
-            time.sleep(0.2)
+SWITCHABLE_MOTO = """
+import sys
+from moto.server import ThreadedMotoServer
+port, server = int(sys.argv[1]), None
+print("ready", flush=True)  # imported: starting is now a fraction of a second
+for line in sys.stdin:
+    if line.strip() == "up":
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+        server.start()
+    elif line.strip() == "down":
+        server.stop()
+    print(line.strip(), flush=True)
+"""
 
 
 def test_s3_outage_is_ridden_out_by_task_retries(
     tmp_path: Path, prefect_server: dict[str, str]
 ) -> None:
     """The shipped retry policy (3 retries, exponential back-off from 2 s) rides out an S3
-    server that is down when an upload starts, and again when a download starts."""
+    server that is down when an upload starts, and again when a download starts. The server
+    is moto in a process of its own, imported ahead, so that bringing it up takes well under
+    the first back-off on any machine; its objects survive the outage, as S3's do."""
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     _prepared(tmp_path)
+    moto = subprocess.Popen(
+        [sys.executable, "-c", SWITCHABLE_MOTO, str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+    def switch(state: str) -> None:
+        moto.stdin.write(state + "\n")
+        moto.stdin.flush()
+        while read_line(moto, timeout=60) != state:  # moto says a word of its own first
+            pass
+
     env = {**os.environ, **prefect_server, "PYTHONPATH": str(ROOT), "AWS_MAX_ATTEMPTS": "1"}
     out_f, err_f = tmp_path / "job.out", tmp_path / "job.err"
-    with open(out_f, "w") as o, open(err_f, "w") as e:
-        job = subprocess.Popen(
-            [sys.executable, "-c", OUTAGE_SCRIPT, str(tmp_path), endpoint],
-            env=env,
-            stdout=o,
-            stderr=e,
-            text=True,
-        )
-
-    def retried(times: int) -> None:
-        # until `times` attempts have failed against the closed port and Prefect said it
-        # will retry (read from the job's log, not a fixed sleep: any machine's speed)
-        deadline = time.time() + 180
-        while (out_f.read_text() + err_f.read_text()).count("Retry 1/3") < times:
-            assert job.poll() is None, err_f.read_text()[-3000:]
-            assert time.time() < deadline, "no failed attempt was retried"
-            time.sleep(0.2)
-
-    s3 = lambda: boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")  # noqa: E731
-    # S3 is down when the upload starts, and comes back (empty: moto keeps state in memory).
-    retried(1)
-    server = _start_moto(port)
     try:
-        s3().create_bucket(Bucket="outage")
+        assert read_line(moto, timeout=120) == "ready"
+        with open(out_f, "w") as o, open(err_f, "w") as e:
+            job = subprocess.Popen(
+                [sys.executable, "-c", OUTAGE_SCRIPT, str(tmp_path), endpoint],
+                env=env,
+                stdout=o,
+                stderr=e,
+                text=True,
+            )
+
+        def retried(times: int) -> None:
+            # until `times` attempts have failed against the closed port and Prefect said it
+            # will retry (read from the job's log, not a fixed sleep: any machine's speed)
+            deadline = time.time() + 180
+            while (out_f.read_text() + err_f.read_text()).count("Retry 1/3") < times:
+                assert job.poll() is None, err_f.read_text()[-3000:]
+                assert time.time() < deadline, "no failed attempt was retried"
+                time.sleep(0.1)
+
+        retried(1)  # S3 is down when the upload starts ...
+        switch("up")  # ... and comes back
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
+            Bucket="outage"
+        )
         deadline = time.time() + 180
         while not (tmp_path / "published").exists():
             assert job.poll() is None and time.time() < deadline, err_f.read_text()[-3000:]
-            time.sleep(0.2)
-        stored = {
-            o["Key"]: s3().get_object(Bucket="outage", Key=o["Key"])["Body"].read()
-            for o in s3().list_objects_v2(Bucket="outage")["Contents"]
-        }
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-    # Down again when the download starts; back with the same objects.
-    (tmp_path / "download").write_text("go")
-    retried(2)
-    server = _start_moto(port)
-    try:
-        s3().create_bucket(Bucket="outage")
-        for key, body in stored.items():
-            s3().put_object(Bucket="outage", Key=key, Body=body)
+            time.sleep(0.1)
+        switch("down")  # down again when the download starts ...
+        (tmp_path / "download").write_text("go")
+        retried(2)
+        switch("up")  # ... and back, with its objects
         job.wait(timeout=180)
     finally:
-        server.terminate()
-        server.wait(timeout=10)
+        moto.kill()
+        moto.wait(timeout=10)
     out, err = out_f.read_text(), err_f.read_text()
     assert job.returncode == 0, err[-3000:]
     result = json.loads(out.strip().splitlines()[-1])

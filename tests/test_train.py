@@ -167,7 +167,8 @@ def test_resume_after_a_real_sigkill_is_bit_identical(tmp_path: Path) -> None:
     )
     sa, sb = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
     for k in sa:
-        assert torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"])
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch.as_tensor(sa[k][name]), torch.as_tensor(sb[k][name]))
 
 
 def test_training_learns(tmp_path: Path) -> None:
