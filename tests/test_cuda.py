@@ -64,26 +64,11 @@ def test_the_model_on_cuda_equals_itself_on_cpu() -> None:
     torch.cuda.device_count() < 2, reason="NCCL data + expert parallel needs two GPUs"
 )
 def test_pretrain_under_torchrun_on_two_gpus_uses_nccl(tmp_path: Path) -> None:
-    from moe.config import Config, ModelConfig, MoEConfig, TrainConfig
     from tasks.training import load_model, pretrain_model
+    from tests.test_distributed import torchrun_config
 
     data = _data(tmp_path / "data")
-    cfg = Config(
-        model=ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, dense_hidden=32),
-        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
-        train=TrainConfig(
-            max_steps=4,
-            batch_size=4,
-            warmup_steps=1,
-            eval_every=4,
-            eval_batches=2,
-            checkpoint_every=2,
-            log_every=1,
-            nproc=2,
-            device="cuda",
-        ),
-    )
-    cfg.finetune_sql.max_len = cfg.finetune_domain.max_len = 16
+    cfg = torchrun_config("cuda")
     rows: list[dict] = []
     result = pretrain_model.fn(cfg, data, tmp_path / "model", rows.append)
     assert result.steps == 4 and json.dumps(rows)

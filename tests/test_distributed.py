@@ -14,6 +14,7 @@ from safetensors.torch import load as load_file_bytes
 from safetensors.torch import load_file
 
 from moe.checkpoint import CheckpointStore, flatten_optimizer, model_tensors
+from moe.config import Config, ModelConfig, MoEConfig, TrainConfig
 from tests import dist_worker as W
 from tests.conftest import ROOT
 
@@ -112,15 +113,8 @@ def test_expert_count_must_divide_over_ranks() -> None:
         ExpertParallelExperts(GroupedExperts(6, 8, 16), rank=0, world=4)
 
 
-def test_pretrain_stage_runs_under_torchrun_and_resumes(tmp_path: Path) -> None:
-    """`train.nproc: 2`: the pretrain task launches torchrun (gloo), rank 0 writes the model
-    with every expert (it loads at world size 1), the metrics reach log_fn, and a relaunch
-    resumes from the checkpoint."""
-    from moe.config import Config, ModelConfig, MoEConfig, TrainConfig
-    from tasks.training import load_model, pretrain_model
-    from tests.test_train import _data
-
-    data = _data(tmp_path / "data")
+def torchrun_config(device: str) -> Config:
+    """A tiny whole config whose pretrain stage runs 4 steps on 2 processes on `device`."""
     cfg = Config(
         model=ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, dense_hidden=32),
         moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
@@ -133,10 +127,22 @@ def test_pretrain_stage_runs_under_torchrun_and_resumes(tmp_path: Path) -> None:
             checkpoint_every=2,
             log_every=1,
             nproc=2,
-            device="cpu",  # gloo on CPU, GPU host or not
+            device=device,
         ),
     )
     cfg.finetune_sql.max_len = cfg.finetune_domain.max_len = 16  # a valid whole config
+    return cfg
+
+
+def test_pretrain_stage_runs_under_torchrun_and_resumes(tmp_path: Path) -> None:
+    """`train.nproc: 2`: the pretrain task launches torchrun (gloo), rank 0 writes the model
+    with every expert (it loads at world size 1), the metrics reach log_fn, and a relaunch
+    resumes from the checkpoint."""
+    from tasks.training import load_model, pretrain_model
+    from tests.test_train import _data
+
+    data = _data(tmp_path / "data")
+    cfg = torchrun_config("cpu")  # gloo on CPU, GPU host or not
     rows: list[dict] = []
     out = tmp_path / "model"
     result = pretrain_model.fn(cfg, data, out, rows.append)
