@@ -472,6 +472,12 @@ class CheckpointConfig:
     # checkpoint's tensors to the `storage` object store; restore fetches them back.
     offload: bool = False
     cold_storage_class: str = "STANDARD_IA"  # S3 storage class of offloaded files ("" = default)
+    # How often a training stage saves. "stage": every <stage>.checkpoint_every steps.
+    # "auto": Young/Daly (moe/resilience.py) from the measured save stall, the step time and
+    # the stage pool's mean_hours_between_interruptions; the first save comes after at most
+    # 10 steps to measure the stall, and a pool declaring no interruptions keeps the stage's
+    # checkpoint_every. The choice and its inputs are logged and kept in the lineage record.
+    every: Literal["stage", "auto"] = "stage"
 
     def check(self, p: _Problems) -> None:
         p.require(self.max_retain >= 1, "max_retain", self.max_retain, "must be >= 1")
@@ -539,22 +545,58 @@ class StorageConfig:
 
 @dataclass
 class PoolSpec:
-    price_per_hour: float = 0.0  # USD per hour of one machine of this pool
+    price_per_hour: float = 0.0  # USD per hour of one on-demand machine of this pool
     gpu: str = ""  # e.g. "H100"; empty = CPU only
     type: Literal["process", "docker", "kubernetes"] = "process"
+    # Spot / preemptible machines: cheaper, and they vanish. `pricing` says which the pool
+    # rents (the bill uses that price); the mean time between interruptions drives
+    # checkpoint.every: auto (0 = none expected, as on-demand machines are priced here).
+    pricing: Literal["on_demand", "spot"] = "on_demand"
+    spot_price_per_hour: float = 0.0
+    mean_hours_between_interruptions: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        """What one hour of this pool costs as rented (spot or on-demand)."""
+        return self.spot_price_per_hour if self.pricing == "spot" else self.price_per_hour
+
+    @property
+    def mtbi_s(self) -> float:
+        return self.mean_hours_between_interruptions * 3600
 
     def check(self, p: _Problems) -> None:
         p.require(self.price_per_hour >= 0, "price_per_hour", self.price_per_hour, "must be >= 0")
+        p.require(
+            self.spot_price_per_hour >= 0,
+            "spot_price_per_hour",
+            self.spot_price_per_hour,
+            "must be >= 0",
+        )
+        p.require(
+            self.pricing != "spot" or self.spot_price_per_hour > 0,
+            "spot_price_per_hour",
+            self.spot_price_per_hour,
+            "must be set (> 0) when pricing is spot",
+        )
+        p.require(
+            self.mean_hours_between_interruptions >= 0,
+            "mean_hours_between_interruptions",
+            self.mean_hours_between_interruptions,
+            "must be >= 0 (0 = no interruptions expected)",
+        )
 
 
 def _default_pools() -> dict[str, PoolSpec]:
     # Prices: seed 000's Modal-style rates (A100 $1.10/h, H100 $3.20/h); a cheap CPU box and a
-    # community RTX 4090 at typical rental prices.
+    # community RTX 4090 at typical rental prices. Spot prices: roughly 40% below on-demand,
+    # a typical discount (they move with the market: set yours). Every pool rents on-demand
+    # by default and declares no interruptions; a spot pool sets pricing: spot and its
+    # mean_hours_between_interruptions (what your provider's interruption history says).
     return {
-        "cpu": PoolSpec(price_per_hour=0.10),
-        "gpu-4090": PoolSpec(price_per_hour=0.45, gpu="RTX 4090"),
-        "gpu-a100": PoolSpec(price_per_hour=1.10, gpu="A100"),
-        "gpu-h100": PoolSpec(price_per_hour=3.20, gpu="H100"),
+        "cpu": PoolSpec(price_per_hour=0.10, spot_price_per_hour=0.04),
+        "gpu-4090": PoolSpec(price_per_hour=0.45, gpu="RTX 4090", spot_price_per_hour=0.27),
+        "gpu-a100": PoolSpec(price_per_hour=1.10, gpu="A100", spot_price_per_hour=0.66),
+        "gpu-h100": PoolSpec(price_per_hour=3.20, gpu="H100", spot_price_per_hour=1.92),
     }
 
 

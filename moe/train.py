@@ -35,6 +35,7 @@ from moe.config import FinetuneConfig, TrainConfig
 from moe.early_stop import EarlyStopper
 from moe.growth import GrowthManager, experts_per_layer, resize_model
 from moe.model import MoETransformer
+from moe.resilience import AttemptJournal, IntervalChoice, choose_interval
 from moe.routing import AFTER_WARMUP
 from moe.stats import ExpertLoad, summarize
 
@@ -122,6 +123,8 @@ class TrainResult:
     expert_cv: float = 0.0
     expert_events: list[dict[str, Any]] = field(default_factory=list)  # growth / pruning
     experts_per_layer: list[int] = field(default_factory=list)
+    # Interruptions survived, their cost and goodput; the checkpoint interval and its inputs.
+    resilience: dict[str, Any] = field(default_factory=dict)
 
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -175,6 +178,9 @@ class Trainer:
         metrics_path: Path | None = None,
         stop_after: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        auto_checkpoint_mtbi_s: float | None = None,
+        journal: AttemptJournal | None = None,
+        started_at: float | None = None,
     ) -> None:
         self.device = resolve_device(cfg.device)
         # Under torchrun: data parallel + expert parallel (moe/distributed.py). Each rank
@@ -202,6 +208,12 @@ class Trainer:
         # Every decision that reads the time (cost, budget stops, time_budget_s, the lr under a
         # time budget) reads this clock: tests inject one so they do not depend on CPU speed.
         self.clock = clock
+        # checkpoint.every: auto -> the pool's mean time between interruptions (0 = none
+        # declared); None -> a save every cfg.checkpoint_every steps.
+        self.auto_mtbi_s = auto_checkpoint_mtbi_s
+        self.interval: IntervalChoice | None = None
+        self.journal = journal
+        self.started_at = started_at
         self.amp_dtype = autocast_dtype(self.device, cfg.dtype)
         self.router_lr_mult = router_lr_mult
         self.optimizer = build_optimizer(model, cfg, router_lr_mult)
@@ -408,9 +420,66 @@ class Trainer:
         frac = min(1.0, self.elapsed_s / budget)
         return max(self.step, cfg.warmup_steps + int(frac * (cfg.max_steps - cfg.warmup_steps)))
 
+    def _choose_interval(self, save_s: float, step_s: float, restore_s: float) -> None:
+        """checkpoint.every: auto: Young/Daly from the stall this save cost, the mean step
+        time of this run and the pool's mean time between interruptions (moe/resilience.py).
+        Rank 0 decides and the others follow (a save is a collective)."""
+        assert self.auto_mtbi_s is not None
+        choice = choose_interval(
+            save_s,
+            step_s,
+            self.auto_mtbi_s,
+            self.cfg.checkpoint_every,
+            self.cfg.max_steps,
+            restore_s,
+        )
+        if self.world > 1:
+            t = torch.tensor([choice.steps], dtype=torch.int64, device=self.device)
+            dist.broadcast(t, 0)
+            choice.steps = int(t)
+        if self.interval is None or choice.steps != self.interval.steps:
+            log.info(
+                "checkpoint interval (auto): every %d steps (%s; save stall %.3f s, step %.3f s, "
+                "mean time between interruptions %s, restore %.2f s)",
+                choice.steps,
+                choice.rule,
+                save_s,
+                step_s,
+                f"{choice.mtbi_s / 3600:.2f} h" if choice.mtbi_s > 0 else "none declared",
+                restore_s,
+            )
+            self._emit({"step": self.step, "checkpoint_interval": choice.as_dict()})
+        self.interval = choice
+
     def fit(self) -> TrainResult:
         cfg = self.cfg
+        t_restore = self.clock()
         resumed = self._try_resume()
+        restore_s = self.clock() - t_restore if resumed is not None else 0.0
+        if self.journal is not None and self.rank == 0:
+            started = self.started_at if self.started_at is not None else self.journal.wall()
+            lost = self.journal.begin(started, self.step, restore_s)
+            if lost:
+                log.warning(
+                    "attempt %d of this stage was interrupted at step %d: %d steps redone, "
+                    "%.1f s lost (%.1f s redoing work, %.1f s down, %.1f s restarting, "
+                    "%.1f s restoring)",
+                    lost["attempt"],
+                    lost["at_step"],
+                    lost["steps_lost"],
+                    lost["lost_s"],
+                    lost["redo_s"],
+                    lost["down_s"],
+                    lost["restart_s"],
+                    lost["restore_s"],
+                )
+                self._emit({"step": self.step, "interruption": lost})
+        # The next save: a multiple of checkpoint_every, or (auto) an early first save that
+        # measures the stall, then every interval chosen from it.
+        auto = self.auto_mtbi_s is not None
+        every = cfg.checkpoint_every
+        next_save = self.step + min(every, 10) if auto else (self.step // every + 1) * every
+        run_t0, run_step0 = self.elapsed_s, self.step
         if resumed is None and self.rank == 0 and self.metrics_path and self.metrics_path.is_file():
             self.metrics_path.unlink()  # a fresh run starts a fresh log
         self.model.train()
@@ -565,12 +634,24 @@ class Trainer:
                 early_reason = f"time budget of {budget:.0f} s used"
                 log.warning("stopping at step %d: %s", self.step, early_reason)
                 self._emit({"step": self.step, "early_stop": early_reason})
-            if early_reason or self.step % cfg.checkpoint_every == 0 or self.step == cfg.max_steps:
+            if early_reason or self.step >= next_save or self.step == cfg.max_steps:
                 t_save = self.clock()
                 self._save(val_loss)
                 # What the save cost the training thread (the copy; encoding and writing
                 # happen on the store's worker thread in background mode).
-                self._emit({"step": self.step, "checkpoint_stall_s": self.clock() - t_save})
+                stall = self.clock() - t_save
+                self._emit({"step": self.step, "checkpoint_stall_s": stall})
+                if auto:
+                    step_s = (self.elapsed_s - run_t0) / max(1, self.step - run_step0)
+                    self._choose_interval(stall, step_s, restore_s)
+                    assert self.interval is not None
+                    next_save = self.step + self.interval.steps
+                else:
+                    next_save = (self.step // every + 1) * every
+                if self.journal is not None and self.rank == 0:
+                    self.journal.progress(self.step, force=True)
+            elif self.journal is not None and self.rank == 0:
+                self.journal.progress(self.step)
             if early_reason:
                 stop_reason = early_reason
                 break
@@ -580,6 +661,13 @@ class Trainer:
 
         self.store.flush()  # background checkpoint writes are on disk before we report
         path = self.store.latest_valid()
+        resilience: dict[str, Any] = {}
+        if self.journal is not None and self.rank == 0:
+            if stop_reason != "stop_after":  # stop_after stands in for a kill: no "finished"
+                self.journal.finish(self.step)
+            resilience = self.journal.summary(self.elapsed_s)
+        if self.interval is not None:
+            resilience["checkpoint_interval"] = self.interval.as_dict()
         total = summarize(self.load.total)
         return TrainResult(
             steps=self.step,
@@ -595,4 +683,5 @@ class Trainer:
             expert_cv=float(total["cv"]),  # type: ignore[arg-type]
             expert_events=self.expert_events,
             experts_per_layer=self.model.experts_per_layer(),
+            resilience=resilience,
         )

@@ -166,7 +166,8 @@ class StageRecord:
     def __init__(self, cfg: Config, stage: str, out_dir: Path) -> None:
         self.cfg, self.stage, self.out_dir = cfg, stage, out_dir
         self.pool = cfg.pools.stages[stage]
-        self.price_per_hour = cfg.pools.definitions[self.pool].price_per_hour
+        spec = cfg.pools.definitions[self.pool]
+        self.pricing, self.price_per_hour = spec.pricing, spec.rate
         self.t0 = time.time()
 
     def write(
@@ -197,6 +198,10 @@ class StageRecord:
         """The record as of now, written nowhere (evaluate prices itself before it ends)."""
         wall_s = time.time() - self.t0
         billed_s = wall_s if compute_s is None else max(wall_s, compute_s)
+        # Interrupted attempts before this one (moe/resilience.py): their machines were paid.
+        res = (metrics or {}).get("resilience") or {}
+        lost_attempts_s = float(res.get("lost_attempts_s") or 0.0)
+        billed_s += lost_attempts_s
         record = {
             "stage": self.stage,
             "inputs": {k: {"path": str(p), "sha256": content_hash(p)} for k, p in inputs.items()},
@@ -212,6 +217,7 @@ class StageRecord:
             "stage_params_hash": stage_params_hash(self.cfg, self.stage),
             "code_deps": code_deps(self.stage),
             "price_per_hour": self.price_per_hour,
+            "pricing": self.pricing,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.t0)),
             "ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "wall_s": round(wall_s, 3),
@@ -221,6 +227,20 @@ class StageRecord:
             "currency": self.cfg.cost.currency,
             "metrics": metrics or {},
         }
+        if res.get("attempts"):
+            lost = res.get("interruptions", [])
+            record["interruptions"] = {
+                "count": len(lost),
+                "attempts": res["attempts"],
+                "steps_lost": res.get("steps_lost", 0),
+                "lost_s": res.get("lost_s", 0.0),
+                "lost_attempts_s": lost_attempts_s,
+                "goodput": res.get("goodput", 1.0),
+                # what the interruptions cost: machine time paid without progress
+                "cost": round(res.get("billed_lost_s", 0.0) / 3600 * self.price_per_hour, 6),
+                "each": lost,
+            }
+            record["wall_s"] = round(wall_s + lost_attempts_s, 3)
         return record
 
     def _to_object_store(self, record: dict[str, Any]) -> None:
@@ -255,6 +275,12 @@ def cost_ledger(
     by_stage = {
         r["stage"]: {"pool": r["pool"], "wall_s": r["wall_s"], "cost": r["cost"]} for r in records
     }
+    for r in records:  # what preemptions cost each stage (included in its cost)
+        if r.get("interruptions", {}).get("count"):
+            i = r["interruptions"]
+            by_stage[r["stage"]].update(
+                interruptions=i["count"], interruption_cost=i["cost"], goodput=i["goodput"]
+            )
     by_pool: dict[str, float] = {}
     for r in records:
         by_pool[r["pool"]] = round(by_pool.get(r["pool"], 0.0) + r["cost"], 6)
@@ -290,11 +316,17 @@ def cost_ledger(
         ledger["by_expert"] = by_expert
     # The saving of this placement against running every stage on the dearest pool.
     pools = cfg.pools.definitions
-    top = max(pools, key=lambda n: pools[n].price_per_hour)
-    all_top = sum(r["wall_s"] for r in records) / 3600 * pools[top].price_per_hour
+    top = max(pools, key=lambda n: pools[n].rate)
+    all_top = sum(r["wall_s"] for r in records) / 3600 * pools[top].rate
     ledger["all_on_pool"] = {"pool": top, "cost": round(all_top, 6)}
     ledger["saving"] = round(all_top - total, 6)
     ledger["saving_fraction"] = round(1 - total / all_top, 4) if all_top > 0 else 0.0
+    lost = [r["interruptions"] for r in records if r.get("interruptions", {}).get("count")]
+    ledger["interruptions"] = {
+        "count": sum(i["count"] for i in lost),
+        "cost": round(sum(i["cost"] for i in lost), 6),
+        "lost_s": round(sum(i["lost_s"] for i in lost), 3),
+    }
     return ledger
 
 
@@ -390,10 +422,26 @@ def publish_cost_table(ledger: dict[str, Any]) -> None:
         create_table_artifact(
             key="cost-by-stage",
             table=[
-                {"stage": s, "pool": v["pool"], "wall_s": round(v["wall_s"], 1), "cost": v["cost"]}
+                {
+                    "stage": s,
+                    "pool": v["pool"],
+                    "wall_s": round(v["wall_s"], 1),
+                    "cost": v["cost"],
+                    "interruptions": v.get("interruptions", 0),
+                    "interruption_cost": v.get("interruption_cost", 0.0),
+                }
                 for s, v in ledger["by_stage"].items()
             ]
-            + [{"stage": "total", "pool": "", "wall_s": "", "cost": ledger["total"]}],
+            + [
+                {
+                    "stage": "total",
+                    "pool": "",
+                    "wall_s": "",
+                    "cost": ledger["total"],
+                    "interruptions": ledger.get("interruptions", {}).get("count", 0),
+                    "interruption_cost": ledger.get("interruptions", {}).get("cost", 0.0),
+                }
+            ],
             description=f"Cost per stage ({ledger['currency']}); saving against all on "
             f"{ledger.get('all_on_pool', {}).get('pool', '?')}: {ledger.get('saving')}",
         )

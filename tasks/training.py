@@ -27,6 +27,7 @@ from moe.data import BatchSampler, MixedBatches, SFTBatches, SFTExample, TokenSt
 from moe.errors import InputError
 from moe.growth import resize_model
 from moe.model import MoETransformer
+from moe.resilience import AttemptJournal
 from moe.sql import load_pairs, prompt_text, response_text
 from moe.tokenizer import EOT, PAD, load_tokenizer
 from moe.train import Trainer, TrainResult
@@ -207,7 +208,21 @@ def training_fingerprint(
 
 
 def _price(cfg: Config, stage: str) -> float:
-    return cfg.pools.definitions[cfg.pools.stages[stage]].price_per_hour
+    return cfg.pools.definitions[cfg.pools.stages[stage]].rate
+
+
+def _resilience(cfg: Config, stage: str, ckpt_dir: Path, fingerprint: str) -> dict[str, Any]:
+    """The Trainer arguments that survive interruptions: the attempt journal beside the
+    checkpoints, this process's start (what a restart costs is measured from it) and, with
+    checkpoint.every: auto, the pool's mean time between interruptions."""
+    import psutil
+
+    pool = cfg.pools.definitions[cfg.pools.stages[stage]]
+    return {
+        "journal": AttemptJournal(ckpt_dir / "attempts.json", fingerprint),
+        "started_at": psutil.Process().create_time(),
+        "auto_checkpoint_mtbi_s": pool.mtbi_s if cfg.checkpoint.every == "auto" else None,
+    }
 
 
 @task(name="pretrain-model", cache_policy=NONE, **TRAIN_RETRIES)
@@ -248,6 +263,7 @@ def pretrain_model(
         budget_alert=cfg.cost.alert_fraction,
         log_fn=log_fn,
         metrics_path=out_dir / "metrics.jsonl",
+        **_resilience(cfg, "pretrain", out_dir / "checkpoints", fingerprint),
     )
     return _fit_and_save(cfg, trainer, out_dir, run_key)
 
@@ -320,5 +336,6 @@ def finetune_model(
         budget_alert=cfg.cost.alert_fraction,
         log_fn=log_fn,
         metrics_path=out_dir / "metrics.jsonl",
+        **_resilience(cfg, stage, out_dir / "checkpoints", fingerprint),
     )
     return _fit_and_save(cfg, trainer, out_dir, run_key)

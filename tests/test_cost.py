@@ -60,3 +60,38 @@ def test_storage_and_chart(tmp_path: Path) -> None:
     ledger = cost_ledger(cfg, _records(), {"pretrain": [[0.5, 0.5]]})
     png = plot_cost(ledger, tmp_path / "cost.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_interruptions_and_spot_prices_reach_the_record_and_the_bill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage that survived an interruption bills the lost attempt's machine time and says
+    what the interruption cost; a spot pool is billed at its spot price."""
+    from tasks.report import StageRecord
+
+    monkeypatch.chdir(tmp_path)
+    cfg = Config()
+    h100 = cfg.pools.definitions["gpu-h100"]
+    h100.pricing = "spot"
+    lost = {"steps_lost": 7, "lost_s": 30.0, "billed_lost_s": 17.0}
+    resilience = {
+        "attempts": 2,
+        "interruptions": [lost],
+        "steps_lost": 7,
+        "lost_s": 30.0,
+        "billed_lost_s": 17.0,
+        "lost_attempts_s": 42.0,
+        "goodput": 0.6,
+    }
+    rec = StageRecord(cfg, "pretrain", tmp_path)
+    rec.t0 -= 100.0  # this attempt ran 100 s
+    r = rec.build({}, {}, {"resilience": resilience}, compute_s=90.0)
+    assert r["pricing"] == "spot" and r["price_per_hour"] == h100.spot_price_per_hour
+    assert r["wall_s"] == pytest.approx(142.0, abs=0.5)
+    assert r["cost"] == pytest.approx(142.0 / 3600 * h100.spot_price_per_hour, rel=0.01)
+    i = r["interruptions"]
+    assert (i["count"], i["steps_lost"], i["goodput"]) == (1, 7, 0.6)
+    assert i["cost"] == pytest.approx(17.0 / 3600 * h100.spot_price_per_hour, abs=1e-6)
+    ledger = cost_ledger(cfg, [*_records()[:1], r])
+    assert ledger["by_stage"]["pretrain"]["interruptions"] == 1
+    assert ledger["interruptions"] == {"count": 1, "cost": i["cost"], "lost_s": 30.0}
