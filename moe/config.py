@@ -665,6 +665,53 @@ class CostConfig:
 
 
 @dataclass
+class RecoveryConfig:
+    """Automatic recovery of a stage whose machine vanished (flows/recovery.py): Prefect
+    automations that `stack up` creates (and infra/README.md shows for any server)."""
+
+    enabled: bool = True
+    # Flow runs send a heartbeat this often (Prefect's PREFECT_RUNNER_HEARTBEAT_FREQUENCY;
+    # it accepts 30 s or more).
+    heartbeat_s: int = 30
+    # A run whose heartbeats stop is marked Crashed after this long. 90 s = three missed
+    # heartbeats: one late heartbeat (a loaded API server, a long GC pause) never crashes a
+    # live run, and the detection costs at most 1.5 minutes of an idle replacement.
+    crashed_after_s: int = 90
+    # Give up (a human looks) after this many recoveries of one stage in one pipeline run,
+    # or this many recoveries in a row that got no further than the attempt before (a crash
+    # loop, not preemption: bad data, an out-of-memory model).
+    max_attempts: int = 20
+    max_stalled: int = 3
+    # Wait before a recovery run starts: backoff_s, doubled for every stalled attempt in a
+    # row (a pool short of machines is not hammered), at most backoff_max_s.
+    backoff_s: float = 10.0
+    backoff_max_s: float = 600.0
+
+    def check(self, p: _Problems) -> None:
+        p.require(
+            self.heartbeat_s >= 30,
+            "heartbeat_s",
+            self.heartbeat_s,
+            "must be >= 30 (Prefect's minimum)",
+        )
+        p.require(
+            self.crashed_after_s > self.heartbeat_s,
+            "crashed_after_s",
+            self.crashed_after_s,
+            f"must be more than heartbeat_s ({self.heartbeat_s}): a live run would be crashed",
+        )
+        p.require(self.max_attempts >= 1, "max_attempts", self.max_attempts, "must be >= 1")
+        p.require(self.max_stalled >= 1, "max_stalled", self.max_stalled, "must be >= 1")
+        p.require(self.backoff_s >= 0, "backoff_s", self.backoff_s, "must be >= 0")
+        p.require(
+            self.backoff_max_s >= self.backoff_s,
+            "backoff_max_s",
+            self.backoff_max_s,
+            "must be >= backoff_s",
+        )
+
+
+@dataclass
 class WandbConfig:
     mode: Literal["offline", "online", "disabled"] = "offline"
     project: str = "moe-pipeline"
@@ -718,6 +765,7 @@ class Config:
     storage: StorageConfig = field(default_factory=StorageConfig)
     pools: PoolsConfig = field(default_factory=PoolsConfig)
     cost: CostConfig = field(default_factory=CostConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def to_dict(self) -> dict[str, Any]:

@@ -53,3 +53,8 @@ def wandb_run(
         yield log_fn, run.id
     finally:
         run.finish()
+        # Stop W&B's service process: the run file is complete on disk before the lineage
+        # record names the run, and WANDB_SERVICE (which W&B puts in os.environ) is gone, so
+        # processes this one starts later (torchrun ranks, a DVC stage) never talk to a
+        # service that no longer runs.
+        wandb.teardown()

@@ -10,6 +10,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +34,14 @@ _SAVED_ENV: dict[str, str | None] = {}
 def pytest_configure(config: pytest.Config) -> None:
     _SAVED_ENV.update({k: os.environ.get(k) for k in OFFLINE_ENV})
     os.environ.update(OFFLINE_ENV)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """The random order's seed, also under -q (which hides pytest-randomly's header line):
+    a failure that depends on the order is replayed with `pytest -p randomly --randomly-seed=N`."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if seed is not None:
+        terminalreporter.write_line(f"test order: --randomly-seed={seed}")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

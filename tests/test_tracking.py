@@ -3,6 +3,7 @@ value, per-expert load included (read back from it), and the run id is returned 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from moe.config import Config, WandbConfig
@@ -17,6 +18,9 @@ def test_offline_run_logs_and_returns_its_id(tmp_path: Path, monkeypatch) -> Non
         log_fn({"step": 10, "loss": 3.2, "expert_share": [[0.5, 0.25, 0.25], [0.3, 0.3, 0.4]]})
         log_fn({"step": 20, "val_loss": 3.0})
     assert run_id
+    # W&B's service is stopped with the run: no WANDB_SERVICE for the processes started later
+    # (a DVC stage or torchrun rank that inherited it wrote its run to a dead service)
+    assert "WANDB_SERVICE" not in os.environ
     rows = history(run_file(tmp_path, run_id))
     assert sorted(rows) == [10, 20]
     assert rows[10]["loss"] == 3.2 and rows[20]["val_loss"] == 3.0
