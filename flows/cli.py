@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     sup.add_argument("--no-ui", action="store_true", help="serve the API without the web UI")
     ssub.add_parser("status", help="each process of the stack and each pool's workers")
     ssub.add_parser("down", help="stop exactly the processes `up` started")
+    ssub.add_parser(
+        "watch", help="restart a worker that dies or fails its health check (`up` starts it)"
+    )
     srun = ssub.add_parser(
         "run", help="run the pipeline deployment: each stage on its pool's worker"
     )
@@ -100,6 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_params(srun)
     for p in ssub.choices.values():
         p.add_argument("--root", type=Path, default=Path("."), help="the project folder")
+
+    recovery = sub.add_parser(
+        "recovery",
+        help="the automations that crash a run whose machine vanished and run the stage again",
+    )
+    rsub = recovery.add_subparsers(dest="recovery_command", required=True)
+    rinst = rsub.add_parser(
+        "install",
+        help="create (or replace) them on the server of PREFECT_API_URL (yours, or Prefect "
+        "Cloud); needs the deployments of prefect.yaml (the recover deployment)",
+    )
+    _add_params(rinst)
 
     ckpt = sub.add_parser("checkpoint", help="inspect checkpoints")
     csub = ckpt.add_subparsers(dest="checkpoint_command", required=True)
@@ -148,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             return _lineage(args)
         if args.command == "stack":
             return _stack(args)
+        if args.command == "recovery":
+            return _recovery(load_config(args.params, args.overrides))
         # Validate the params and what the stages need before importing Prefect or touching
         # anything: bad input is one message and exit 2, never a flow run's traceback.
         cfg = load_config(args.params, args.overrides)
@@ -256,6 +273,8 @@ def _stack(args: argparse.Namespace) -> int:
         elif args.stack_command == "down":
             if not stack.down(args.root):
                 print("nothing of the stack was running")
+        elif args.stack_command == "watch":
+            stack.watch(args.root)
         else:
             result = stack.run(args.root, args.params, args.overrides, args.stages, args.handoff)
             work = args.root.resolve() / stack.STATE_DIR / "work"
@@ -265,6 +284,36 @@ def _stack(args: argparse.Namespace) -> int:
     except stack.StackError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _recovery(cfg: Config) -> int:
+    """`recovery install`: the two automations of flows/recovery.py on this server."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from flows.recovery import install
+
+    with get_client(sync_client=True) as client:
+        try:
+            names = install(client, cfg.recovery)
+        except ObjectNotFound:
+            print(
+                f"error: no deployment recover/recover on {client.api_url}: deploy prefect.yaml "
+                "first (prefect deploy --all)",
+                file=sys.stderr,
+            )
+            return 1
+        where = client.api_url
+    if not names:
+        print(f"recovery.enabled is false: the automations were removed from {where}")
+    for name in names:
+        print(f"automation {name!r} on {where}")
+    r = cfg.recovery
+    print(
+        f"workers must send flow-run heartbeats: PREFECT_FLOWS_HEARTBEAT_FREQUENCY={r.heartbeat_s} "
+        f"in each worker's environment (a run is crashed after {r.crashed_after_s} s without one)"
+    )
     return 0
 
 

@@ -106,6 +106,13 @@ def _dispatch(cfg: Config, stages: list[str], run: str) -> dict[str, Any]:
                 f"deployment {name}/{name} does not exist: deploy prefect.yaml "
                 "(prefect deploy --all, or moe-pipeline stack up)"
             ) from None
+        if fr.state is not None and fr.state.is_crashed() and cfg.recovery.enabled:
+            # Its machine vanished: the RECOVER automation runs the stage again (flows/
+            # recovery.py); wait for that run instead of failing the pipeline.
+            from flows.recovery import follow
+
+            with get_client(sync_client=True) as client:
+                fr = follow(client, fr, wait_s=300)
         state = fr.state
         if state is None or not state.is_completed():
             raise RuntimeError(

@@ -28,9 +28,11 @@ from typing import Any
 
 import psutil
 
+from flows.recovery import install as install_automations
 from moe.config import load_config
 
 STATE_DIR = ".stack"
+WATCHDOG = "watchdog"
 BUCKET = "moe-stack"
 # Files a worker's working folder gets: the code and its configuration (not data or outputs).
 CODE = ("moe", "tasks", "flows", "params.yaml", "prefect.yaml", "dvc.yaml", "pyproject.toml")
@@ -229,6 +231,9 @@ def up(
         state["deployed"] = [spec, state["procs"]["prefect-server"]["started"]]
         _save(root, state)
     _point_pipeline_at_stack(state)
+    with api_client(state) as client:  # flows/recovery.py: detect and recover lost machines
+        for name in install_automations(client, cfg.recovery):
+            say(f"automation: {name}")
     for pool in pools:
         name = f"worker-{pool}"
         running = _proc(state["procs"].get(name))
@@ -237,36 +242,18 @@ def up(
             kill_tree(running)
         elif running is not None:
             continue
-        env = {
-            **_api_env(root, state),
-            **_s3_env(),
-            "MOE_PIPELINE_DIR": str(workspaces[pool]),
-            "PYTHONPATH": str(workspaces[pool]),
-            "MOE_WORKER": name,
-            "MOE_CODE_COMMIT": _commit(root),
-            "PREFECT_WORKER_QUERY_SECONDS": str(query_seconds),
-            "PREFECT_WORKER_HEARTBEAT_SECONDS": "5",
-            "PREFECT_LOGGING_EXTRA_LOGGERS": "moe,tasks,flows",
-        }
+        start_worker(root, state, cfg, pool, workspaces[pool], query_seconds)
+        say(f"starting {name} in {workspaces[pool]}")
+    if _proc(state["procs"].get(WATCHDOG)) is None:
         _spawn(
             root,
             state,
-            name,
-            [
-                _exe("prefect"),
-                "worker",
-                "start",
-                "--pool",
-                pool,
-                "--name",
-                name,
-                "--type",
-                "process",
-            ],
-            env,
-            workspaces[pool],
+            WATCHDOG,
+            [sys.executable, "-m", "flows.cli", "stack", "watch"],
+            {**_base_env(root), "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+            root,
         )
-        say(f"starting {name} in {workspaces[pool]}")
+        say("starting the watchdog (restarts a worker that dies or fails its health check)")
     _wait_workers(state, pools)
     state["overrides"] = stack_overrides(state)
     _save(root, state)
@@ -274,6 +261,84 @@ def up(
     if ui:
         say(f"Prefect UI: http://127.0.0.1:{state['api_port']}")
     return state
+
+
+def start_worker(
+    root: Path,
+    state: dict[str, Any],
+    cfg: Any,
+    pool: str,
+    workspace: Path,
+    query_seconds: float,
+) -> None:
+    """One process worker of `pool` in its working folder, with its health check on a port
+    of its own (what the watchdog asks) and flow-run heartbeats (what detects a lost run)."""
+    name = f"worker-{pool}"
+    health = _free_port((state["procs"].get(name) or {}).get("health_port"))
+    env = {
+        **_api_env(root, state),
+        **_s3_env(),
+        "MOE_PIPELINE_DIR": str(workspace),
+        "PYTHONPATH": str(workspace),
+        "MOE_WORKER": name,
+        "MOE_CODE_COMMIT": _commit(root),
+        "PREFECT_WORKER_QUERY_SECONDS": str(query_seconds),
+        "PREFECT_WORKER_HEARTBEAT_SECONDS": "5",
+        "PREFECT_WORKER_WEBSERVER_HOST": "127.0.0.1",
+        "PREFECT_WORKER_WEBSERVER_PORT": str(health),
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(cfg.recovery.heartbeat_s),
+        "PREFECT_LOGGING_EXTRA_LOGGERS": "moe,tasks,flows",
+    }
+    cmd = [_exe("prefect"), "worker", "start", "--pool", pool, "--name", name]
+    _spawn(root, state, name, [*cmd, "--type", "process", "--with-healthcheck"], env, workspace)
+    state["procs"][name].update(health_port=health, pool=pool, query_seconds=query_seconds)
+    _save(root, state)
+
+
+def healthy(entry: dict[str, Any], timeout: float = 5.0) -> bool:
+    """The worker's own health check (`--with-healthcheck`): 200 while it polls for work."""
+    try:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{entry['health_port']}/health", timeout=timeout
+        ) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def watch(root: Path, every: float = 2.0, grace: float = 60.0, say: Any = print) -> None:
+    """Keep the stack's workers alive, as a cloud pool's infrastructure keeps its machines:
+    a worker whose process is gone, or whose health check has failed for `grace` seconds
+    (it answers once it polls; a hung one stops answering 200), is started again in its
+    working folder. Returns when the stack is taken down (its server entry is gone)."""
+    root = root.resolve()
+    failing: dict[str, float] = {}
+    while True:
+        state = load_state(root)
+        if _proc(state["procs"].get("prefect-server")) is None:
+            return
+        cfg = load_config(root / "params.yaml")
+        for name, entry in list(state["procs"].items()):
+            if not name.startswith("worker-") or "health_port" not in entry:
+                continue
+            proc = _proc(entry)
+            if proc is not None:
+                if healthy(entry):
+                    failing.pop(name, None)
+                    continue
+                first = failing.setdefault(name, time.monotonic())
+                if time.monotonic() - first < grace:
+                    continue
+                say(f"{name} failed its health check for {grace:.0f} s: restarting it")
+                kill_tree(proc)
+            else:
+                say(f"{name} is gone: starting it again")
+            failing.pop(name, None)
+            pool = entry["pool"]
+            start_worker(
+                root, state, cfg, pool, root / STATE_DIR / "work" / pool, entry["query_seconds"]
+            )
+        time.sleep(every)
 
 
 def _commit(root: Path) -> str:
@@ -446,8 +511,9 @@ def down(root: Path, say: Any = print, timeout: float = 30) -> list[str]:
     state = load_state(root)
     names = list(state["procs"])
     groups = [
+        [n for n in names if n == WATCHDOG],  # first: it would start the workers again
         [n for n in names if n.startswith("worker-")],
-        [n for n in names if not n.startswith("worker-") and n != "prefect-server"],
+        [n for n in names if not n.startswith("worker-") and n not in ("prefect-server", WATCHDOG)],
         [n for n in names if n == "prefect-server"],
     ]
     stopped = []

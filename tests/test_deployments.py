@@ -20,13 +20,16 @@ def test_every_stage_has_a_deployment_on_its_pool() -> None:
     deployments = {
         d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
     }
-    assert set(STAGES) | {"pipeline"} == set(deployments)
+    assert set(STAGES) | {"pipeline", "recover"} == set(deployments)
     for stage in STAGES:
         assert deployments[stage]["work_pool"]["name"] == cfg.pools.stages[stage]
+        assert "moe-stage" in deployments[stage]["tags"]  # what the recovery automation watches
+    assert deployments["recover"]["work_pool"]["name"] == "cpu"
+    assert "moe-stage" not in deployments["recover"].get("tags", [])
     for d in deployments.values():
         module, func = d["entrypoint"].split(":")
         flow = getattr(importlib.import_module(module.removesuffix(".py").replace("/", ".")), func)
-        assert flow.name in (d["name"], "pipeline")
+        assert flow.name == d["name"]
     assert all(s["active"] is False for s in deployments["pipeline"]["schedules"])
 
 
