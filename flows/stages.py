@@ -382,14 +382,26 @@ def evaluate(
         "",
         f"Dataset {receipt['name']}/{receipt['version']}, code {commit[:12]}",
         "",
-        "| stage | pool | wall s | cost |",
-        "|---|---|---|---|",
+        "| stage | pool | wall s | cost | interruptions (cost, goodput) |",
+        "|---|---|---|---|---|",
         *(
-            f"| {s} | {v['pool']} | {v['wall_s']:.1f} | {v['cost']:.5f} |"
+            f"| {s} | {v['pool']} | {v['wall_s']:.1f} | {v['cost']:.5f} | "
+            + (
+                f"{v['interruptions']} ({v['interruption_cost']:.5f}, {v['goodput']:.0%})"
+                if v.get("interruptions")
+                else "none"
+            )
+            + " |"
             for s, v in ledger["by_stage"].items()
         ),
         "",
-        f"Total {ledger['total']:.5f} {ledger['currency']}",
+        f"Total {ledger['total']:.5f} {ledger['currency']}"
+        + (
+            f", of which {ledger['interruptions']['cost']:.5f} paid for work lost to "
+            f"{ledger['interruptions']['count']} interruption(s)"
+            if ledger.get("interruptions", {}).get("count")
+            else ""
+        ),
         "",
         "Domain questions (held out), and generic questions never trained on, on the "
         "databases trained on (seen) and on schemas no training pair uses (held out):",

@@ -146,6 +146,9 @@ class AttemptJournal:
         now = self.wall()
         if attempts and not attempts[-1].get("finished"):
             prev = attempts[-1]
+            # A retry in the same process (a Prefect task retry) started before the failure:
+            # its restart counts from the last sign of life, with no time down.
+            started_at = max(started_at, prev["last_time"])
             steps_done = prev["last_step"] - prev["resumed_step"]
             train_s = prev["last_time"] - prev["train_start"]
             per_step = train_s / steps_done if steps_done > 0 else 0.0

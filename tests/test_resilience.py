@@ -139,3 +139,17 @@ def test_interrupted_attempt_is_recorded_and_the_resume_is_exact(tmp_path: Path)
     assert 0 < res["goodput"] <= 1
     rows = [json.loads(r) for r in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert [r["interruption"]["steps_lost"] for r in rows if "interruption" in r] == [2]
+
+
+def test_a_retry_in_the_same_process_has_no_time_down(tmp_path: Path) -> None:
+    """A Prefect task retry runs in the process that failed: it started before the failure,
+    so its restart is counted from the failure and nothing was down."""
+    now = [100.0]
+    j = AttemptJournal(tmp_path / "attempts.json", "fp", wall=lambda: now[0])
+    j.begin(started_at=90.0, resumed_step=0, restore_s=0.0)
+    now[0] = 120.0
+    j.progress(20, force=True)
+    now[0] = 130.0  # the retry trains again 10 s after the failure, same process (start 90)
+    lost = j.begin(started_at=90.0, resumed_step=20, restore_s=1.0)
+    assert lost is not None
+    assert (lost["down_s"], lost["restart_s"], lost["steps_lost"]) == (0.0, 9.0, 0)
