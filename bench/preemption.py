@@ -216,7 +216,7 @@ def main() -> None:
         f"{intervals['fixed']:.1f} s"
     )
     print(f"{'policy':8} {'finished':>9} {'goodput p50':>12} {'p10-p90':>14} {'cost p50':>10}")
-    result: dict[str, float | int | str | dict] = {}
+    result: dict[str, Any] = {}
     for name, o in out.items():
         fin = sum(o["ok"]) / len(o["ok"])
         g50, c50 = statistics.median(o["goodput"] or [math.nan]), q(o["cost"], 0.5)
@@ -224,8 +224,9 @@ def main() -> None:
             f"{name:8} {fin:9.2%} {g50:12.3f} {q(o['goodput'], 0.1):6.3f}-{q(o['goodput'], 0.9):6.3f}"
             f" {c50:10.2f}"
         )
-        result[f"goodput_{name}"] = round(g50, 4)
-        result[f"cost_{name}"] = round(c50, 3)
+        # null where no run of the policy finished (JSON has no NaN)
+        result[f"goodput_{name}"] = None if math.isnan(g50) else round(g50, 4)
+        result[f"cost_{name}"] = None if math.isnan(c50) else round(c50, 3)
         result[f"finished_{name}"] = round(fin, 4)
     print(f"on-demand, uninterrupted, fixed interval: cost {on_demand:.2f}")
     result.update(
