@@ -115,11 +115,23 @@ def _dispatch(cfg: Config, stages: list[str], run: str) -> dict[str, Any]:
                 fr = follow(client, fr, wait_s=300)
         state = fr.state
         if state is None or not state.is_completed():
+            recovery = ""
+            if state is not None and state.is_crashed() and cfg.recovery.enabled:
+                from flows.recovery import GAVE_UP
+
+                recovery = (
+                    " Recovery gave up on it (the recover flow run's log says why: "
+                    "recovery.max_attempts, or recovery.max_stalled attempts in a row that got "
+                    "no further)."
+                    if GAVE_UP in fr.tags
+                    else " No recovery run started within 300 s: are the recovery automations "
+                    "on this server (moe-pipeline recovery install) and a cpu worker up?"
+                )
             raise RuntimeError(
                 f"stage {name} (flow run {fr.id} on pool {pool}) ended "
                 f"{state.name if state else 'without a state'}: "
-                f"{(state.message if state else '') or 'see its logs in the Prefect UI'}. "
-                f"Fix it and re-run the pipeline with handoff={run!r} and the stages from "
+                f"{(state.message if state else '') or 'see its logs in the Prefect UI'}."
+                f"{recovery} Fix it and re-run the pipeline with handoff={run!r} and the stages from "
                 f"{name} on: they fetch the finished stages' hand-offs, and training resumes "
                 "from its newest checkpoint on the pool's disk"
             )

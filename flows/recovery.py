@@ -33,7 +33,7 @@ from uuid import UUID
 
 from prefect import flow
 
-from moe.config import STAGES, Config, RecoveryConfig, load_config
+from moe.config import STAGES, RecoveryConfig, load_config
 
 log = logging.getLogger("flows.recovery")  # by name: a deployment loads this file as a script
 
@@ -64,6 +64,12 @@ def automations(rec: RecoveryConfig, recover_deployment_id: UUID) -> list[Any]:
             after={"prefect.flow-run.heartbeat"},
             expect={"prefect.flow-run.heartbeat", *final},
             match={"prefect.resource.id": "prefect.flow-run.*"},
+            # only this project's stage runs: a run elsewhere on the server (other heartbeat
+            # settings, another project) is none of its business
+            match_related={
+                "prefect.resource.role": "tag",
+                "prefect.resource.id": f"prefect.tag.{STAGE_TAG}",
+            },
             for_each={"prefect.resource.id"},
             posture=Posture.Proactive,
             threshold=1,
@@ -106,15 +112,23 @@ def install(client: Any, rec: RecoveryConfig) -> list[str]:
     names. Needs the `recover/recover` deployment (prefect.yaml)."""
     from prefect.events.schemas.automations import AutomationCore
 
+    remove(client)
+    if not rec.enabled:
+        return []
     dep = client.read_deployment_by_name("recover/recover")
     made = []
     for a in automations(rec, dep.id):
-        for old in client.read_automations_by_name(a.name):
-            client.delete_automation(old.id)
-        if rec.enabled:
-            client.create_automation(AutomationCore(**a.model_dump(exclude={"id"})))
-            made.append(a.name)
+        client.create_automation(AutomationCore(**a.model_dump(exclude={"id"})))
+        made.append(a.name)
     return made
+
+
+def remove(client: Any) -> None:
+    """Delete both automations (`stack down` does, before it stops the workers: their runs
+    end Crashed, and nothing should run them again)."""
+    for name in (DETECT, RECOVER):
+        for old in client.read_automations_by_name(name):
+            client.delete_automation(old.id)
 
 
 def _uuid(resource_id: str) -> UUID:
@@ -125,8 +139,9 @@ def _link(fr: Any) -> str | None:
     return next((t[len(LINK) :] for t in fr.tags if t.startswith(LINK)), None)
 
 
-def _progress(client: Any, flow_run_id: UUID) -> float:
-    """How far a run got: the newest figure of its progress artifact (tasks/progress.py)."""
+def _progress(client: Any, flow_run_id: UUID) -> float | None:
+    """How far a run got: the newest figure of its progress artifact (tasks/progress.py);
+    None when it has none (torchrun ranks write no artifact): unknown, not "no progress"."""
     from prefect.client.schemas.filters import (
         ArtifactFilter,
         ArtifactFilterType,
@@ -138,7 +153,8 @@ def _progress(client: Any, flow_run_id: UUID) -> float:
         artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["progress"])),
         flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
     )
-    return max((float(a.data) for a in arts if isinstance(a.data, (int, float))), default=0.0)
+    figures = [float(a.data) for a in arts if isinstance(a.data, (int, float))]
+    return max(figures) if figures else None
 
 
 def chain(client: Any, flow_run_id: UUID) -> list[Any]:
@@ -149,14 +165,16 @@ def chain(client: Any, flow_run_id: UUID) -> list[Any]:
     return runs
 
 
-def decide(rec: RecoveryConfig, progress: list[float]) -> tuple[bool, float, str]:
-    """From the progress each crashed attempt reached (oldest first): recover or not, the
-    back-off in seconds, and why. A crashed attempt that got no further than the one before
-    it is "stalled"; `max_stalled` in a row is a crash loop, not bad luck."""
+def decide(rec: RecoveryConfig, progress: list[float | None]) -> tuple[bool, float, str]:
+    """From the progress each crashed attempt reached (oldest first; None = not known):
+    recover or not, the back-off in seconds, and why. A crashed attempt that got no further
+    than the one before it is "stalled"; `max_stalled` in a row is a crash loop, not bad
+    luck. Unknown progress is never counted as stalled (only max_attempts caps it)."""
     attempts = len(progress)
     stalled = 0
-    for before, now in zip([-1.0, *progress], progress, strict=False):
-        stalled = stalled + 1 if now <= before else 0
+    for before, now in zip([None, *progress], progress, strict=False):
+        known = before is not None and now is not None
+        stalled = stalled + 1 if known and now <= before else 0
     if attempts > rec.max_attempts:
         return False, 0.0, f"{attempts - 1} recoveries used (recovery.max_attempts)"
     if stalled >= rec.max_stalled:
@@ -193,11 +211,9 @@ def recover(crashed: str) -> dict[str, Any]:
         if dep.name not in STAGES:
             return {"recovered": False, "why": f"deployment {dep.name} is not a stage"}
         params = dict(fr.parameters or {})
-        rec = (
-            load_config(None, [], params["params"]).recovery
-            if params.get("params")
-            else Config().recovery
-        )
+        rec = load_config(
+            params.get("params_file"), params.get("overrides") or [], params.get("params")
+        ).recovery
         runs = chain(client, crashed_id)
         ok, delay, why = decide(rec, [_progress(client, r.id) for r in runs])
         if not ok:

@@ -14,6 +14,8 @@ in `.stack/stack.json`), and keeps the database, logs and working folders.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -23,12 +25,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from flows.recovery import install as install_automations
+from flows.recovery import remove as remove_automations
 from moe.config import load_config
 
 STATE_DIR = ".stack"
@@ -163,6 +167,20 @@ def stack_overrides(state: dict[str, Any]) -> list[str]:
     ]
 
 
+@contextlib.contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    """One writer of the stack's state at a time: `up`, `down` and the watchdog each read,
+    change and save it whole."""
+    path = root / STATE_DIR / "stack.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def up(
     root: Path,
     params_file: str | None = None,
@@ -172,10 +190,19 @@ def up(
 ) -> dict[str, Any]:
     """Start (or complete) the stack; returns its state."""
     root = root.resolve()
-    cfg = load_config(params_file or (root / "params.yaml"))
+    with _locked(root):
+        return _up(root, params_file, ui, query_seconds, say)
+
+
+def _up(
+    root: Path, params_file: str | None, ui: bool, query_seconds: float, say: Any
+) -> dict[str, Any]:
+    params_path = Path(params_file).resolve() if params_file else root / "params.yaml"
+    cfg = load_config(params_path)
     state = load_state(root)
     state.setdefault("procs", {})
     state["root"] = str(root)
+    state["params_file"] = str(params_path)  # what the watchdog reads (pools, heartbeats)
 
     moved = False  # a server or S3 endpoint on a new port: the workers must follow
     server = state["procs"].get("prefect-server")
@@ -317,20 +344,48 @@ def watch(root: Path, every: float = 2.0, grace: float = 60.0, say: Any = print)
         state = load_state(root)
         if _proc(state["procs"].get("prefect-server")) is None:
             return
-        cfg = load_config(root / "params.yaml")
-        for name, entry in list(state["procs"].items()):
-            if not name.startswith("worker-") or "health_port" not in entry:
+        try:
+            _watch_once(root, state, failing, grace, say)
+        except Exception as e:  # noqa: BLE001 - a watchdog that dies watches nothing: say, go on
+            say(f"watchdog: {type(e).__name__}: {e}")
+        time.sleep(every)
+
+
+def _watch_once(
+    root: Path, state: dict[str, Any], failing: dict[str, float], grace: float, say: Any
+) -> None:
+    sick = []
+    for name, entry in state["procs"].items():
+        if not name.startswith("worker-") or "health_port" not in entry:
+            continue
+        if _proc(entry) is not None and healthy(entry):
+            failing.pop(name, None)
+        elif _proc(entry) is not None:
+            first = failing.setdefault(name, time.monotonic())
+            if time.monotonic() - first >= grace:
+                sick.append(name)
+        else:
+            sick.append(name)
+    if not sick:
+        return
+    with _locked(root):
+        state = load_state(root)  # as `up` or `down` may have left it meanwhile
+        if _proc(state["procs"].get("prefect-server")) is None:
+            return
+        cfg = load_config(state.get("params_file") or root / "params.yaml")
+        for name in sick:
+            entry = state["procs"].get(name)
+            if entry is None or "health_port" not in entry:
                 continue
             proc = _proc(entry)
+            if proc is not None and healthy(entry):
+                continue  # restarted or recovered meanwhile
             if proc is not None:
-                if healthy(entry):
-                    failing.pop(name, None)
-                    continue
-                first = failing.setdefault(name, time.monotonic())
-                if time.monotonic() - first < grace:
-                    continue
                 say(f"{name} failed its health check for {grace:.0f} s: restarting it")
-                kill_tree(proc)
+                # the worker alone: its flow runs live in sessions of their own and go on
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.kill()
+                    proc.wait(10)
             else:
                 say(f"{name} is gone: starting it again")
             failing.pop(name, None)
@@ -338,7 +393,6 @@ def watch(root: Path, every: float = 2.0, grace: float = 60.0, say: Any = print)
             start_worker(
                 root, state, cfg, pool, root / STATE_DIR / "work" / pool, entry["query_seconds"]
             )
-        time.sleep(every)
 
 
 def _commit(root: Path) -> str:
@@ -508,8 +562,19 @@ def down(root: Path, say: Any = print, timeout: float = 30) -> list[str]:
     each with the processes it started (flow runs); returns their names. Each group gets
     SIGTERM, and SIGKILL for what is left after `timeout` seconds."""
     root = root.resolve()
+    with _locked(root):
+        return _down(root, say, timeout)
+
+
+def _down(root: Path, say: Any, timeout: float) -> list[str]:
     state = load_state(root)
     names = list(state["procs"])
+    if _proc(state["procs"].get("prefect-server")) is not None:
+        try:  # the stopped workers' runs end Crashed: nothing may run them again
+            with api_client(state) as client:
+                remove_automations(client)
+        except Exception as e:  # noqa: BLE001 - stopping goes on; say what was left
+            say(f"could not remove the recovery automations: {e}")
     groups = [
         [n for n in names if n == WATCHDOG],  # first: it would start the workers again
         [n for n in names if n.startswith("worker-")],

@@ -695,10 +695,11 @@ class RecoveryConfig:
             "must be >= 30 (Prefect's minimum)",
         )
         p.require(
-            self.crashed_after_s > self.heartbeat_s,
+            self.crashed_after_s >= 2 * self.heartbeat_s,
             "crashed_after_s",
             self.crashed_after_s,
-            f"must be more than heartbeat_s ({self.heartbeat_s}): a live run would be crashed",
+            f"must be at least twice heartbeat_s ({self.heartbeat_s}): with less, one late "
+            "heartbeat would crash a live run",
         )
         p.require(self.max_attempts >= 1, "max_attempts", self.max_attempts, "must be >= 1")
         p.require(self.max_stalled >= 1, "max_stalled", self.max_stalled, "must be >= 1")

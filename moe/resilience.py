@@ -215,6 +215,12 @@ class AttemptJournal:
             "lost_s": round(sum(i["lost_s"] for i in lost), 3),
             "billed_lost_s": round(sum(i["billed_lost_s"] for i in lost), 3),
             "lost_attempts_s": round(lost_attempts_s, 3),
+            # [start, last sign of life] of each lost attempt: the bill counts what of it lies
+            # before the current attempt's flow run started (a retry in the same process is
+            # inside that run's wall time already)
+            "lost_spans": [
+                [a["started"], a["last_time"]] for a in attempts[:-1] if a.get("interruption")
+            ],
             "wall_s": round(wall, 3),
             "productive_s": round(productive_s, 3),
             "goodput": round(min(1.0, productive_s / wall), 4) if wall > 0 else 1.0,

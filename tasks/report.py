@@ -197,11 +197,18 @@ class StageRecord:
     ) -> dict[str, Any]:
         """The record as of now, written nowhere (evaluate prices itself before it ends)."""
         wall_s = time.time() - self.t0
-        billed_s = wall_s if compute_s is None else max(wall_s, compute_s)
-        # Interrupted attempts before this one (moe/resilience.py): their machines were paid.
         res = (metrics or {}).get("resilience") or {}
-        lost_attempts_s = float(res.get("lost_attempts_s") or 0.0)
-        billed_s += lost_attempts_s
+        if res.get("interruptions"):
+            # Attempts lost before this flow run (moe/resilience.py): their machines were
+            # paid. compute_s is left out: a resumed run's training time includes the kept
+            # work of those attempts, already inside their spans.
+            lost_attempts_s = sum(
+                max(0.0, min(last, self.t0) - start) for start, last in res.get("lost_spans", [])
+            )
+            billed_s = wall_s + lost_attempts_s
+        else:
+            lost_attempts_s = 0.0
+            billed_s = wall_s if compute_s is None else max(wall_s, compute_s)
         record = {
             "stage": self.stage,
             "inputs": {k: {"path": str(p), "sha256": content_hash(p)} for k, p in inputs.items()},
@@ -227,14 +234,14 @@ class StageRecord:
             "currency": self.cfg.cost.currency,
             "metrics": metrics or {},
         }
-        if res.get("attempts"):
-            lost = res.get("interruptions", [])
+        if res.get("interruptions"):
+            lost = res["interruptions"]
             record["interruptions"] = {
                 "count": len(lost),
                 "attempts": res["attempts"],
                 "steps_lost": res.get("steps_lost", 0),
                 "lost_s": res.get("lost_s", 0.0),
-                "lost_attempts_s": lost_attempts_s,
+                "lost_attempts_s": round(lost_attempts_s, 3),
                 "goodput": res.get("goodput", 1.0),
                 # what the interruptions cost: machine time paid without progress
                 "cost": round(res.get("billed_lost_s", 0.0) / 3600 * self.price_per_hour, 6),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -139,7 +140,10 @@ def launch(
         str(budget_left),
     ]
     log.info("launching %s on %d processes: %s", stage, nproc, " ".join(cmd))
-    proc = subprocess.run(cmd, cwd=Path.cwd())
+    import psutil
+
+    env = {**os.environ, "MOE_ATTEMPT_STARTED": str(psutil.Process().create_time())}
+    proc = subprocess.run(cmd, cwd=Path.cwd(), env=env)
     if proc.returncode != 0 or not result_file.is_file():
         raise RuntimeError(
             f"{stage} under torchrun ({nproc} processes) failed with exit code "
@@ -220,7 +224,10 @@ def _resilience(cfg: Config, stage: str, ckpt_dir: Path, fingerprint: str) -> di
     pool = cfg.pools.definitions[cfg.pools.stages[stage]]
     return {
         "journal": AttemptJournal(ckpt_dir / "attempts.json", fingerprint),
-        "started_at": psutil.Process().create_time(),
+        # under torchrun: the stage's own process (launch() passes it), not the rank's
+        "started_at": float(
+            os.environ.get("MOE_ATTEMPT_STARTED") or psutil.Process().create_time()
+        ),
         "auto_checkpoint_mtbi_s": pool.mtbi_s if cfg.checkpoint.every == "auto" else None,
     }
 

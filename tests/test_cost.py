@@ -84,8 +84,10 @@ def test_interruptions_and_spot_prices_reach_the_record_and_the_bill(
         "goodput": 0.6,
     }
     rec = StageRecord(cfg, "pretrain", tmp_path)
-    rec.t0 -= 100.0  # this attempt ran 100 s
-    r = rec.build({}, {}, {"resilience": resilience}, compute_s=90.0)
+    rec.t0 -= 100.0  # this attempt ran 100 s; the lost one ran 42 s before it
+    resilience["lost_spans"] = [[rec.t0 - 50.0, rec.t0 - 8.0]]
+    # compute_s holds the kept training time of both attempts: not billed on top
+    r = rec.build({}, {}, {"resilience": resilience}, compute_s=130.0)
     assert r["pricing"] == "spot" and r["price_per_hour"] == h100.spot_price_per_hour
     assert r["wall_s"] == pytest.approx(142.0, abs=0.5)
     assert r["cost"] == pytest.approx(142.0 / 3600 * h100.spot_price_per_hour, rel=0.01)
@@ -95,3 +97,23 @@ def test_interruptions_and_spot_prices_reach_the_record_and_the_bill(
     ledger = cost_ledger(cfg, [*_records()[:1], r])
     assert ledger["by_stage"]["pretrain"]["interruptions"] == 1
     assert ledger["interruptions"] == {"count": 1, "cost": i["cost"], "lost_s": 30.0}
+
+
+def test_a_retry_inside_the_flow_run_is_not_billed_twice(tmp_path: Path) -> None:
+    """A task retry in the same process: the lost attempt lies inside this flow run's wall
+    time, which is all the bill counts."""
+    from tasks.report import StageRecord
+
+    cfg = Config()
+    rec = StageRecord(cfg, "pretrain", tmp_path)
+    rec.t0 -= 100.0
+    resilience = {
+        "attempts": 2,
+        "interruptions": [{"steps_lost": 1, "lost_s": 5.0, "billed_lost_s": 5.0}],
+        "lost_spans": [[rec.t0 + 10.0, rec.t0 + 40.0]],
+        "billed_lost_s": 5.0,
+        "goodput": 0.9,
+    }
+    r = rec.build({}, {}, {"resilience": resilience}, compute_s=95.0)
+    assert r["wall_s"] == pytest.approx(100.0, abs=0.5)
+    assert r["interruptions"]["lost_attempts_s"] == 0.0

@@ -25,6 +25,11 @@ def test_every_stage_has_a_deployment_on_its_pool() -> None:
         assert deployments[stage]["work_pool"]["name"] == cfg.pools.stages[stage]
         assert "moe-stage" in deployments[stage]["tags"]  # what the recovery automation watches
     assert deployments["recover"]["work_pool"]["name"] == "cpu"
+    # the stage runs send heartbeats as often as the crash detector expects, on any pool
+    heartbeat = str(cfg.recovery.heartbeat_s)
+    for t in (ROOT / "infra/pools").glob("*.json"):
+        env = json.loads(t.read_text())["variables"]["properties"]["env"]["default"]
+        assert env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == heartbeat, t.name
     assert "moe-stage" not in deployments["recover"].get("tags", [])
     for d in deployments.values():
         module, func = d["entrypoint"].split(":")

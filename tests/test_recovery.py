@@ -37,6 +37,9 @@ def test_the_automations_prefect_evaluates() -> None:
     assert t.posture == Posture.Proactive and t.within == timedelta(seconds=75)
     assert t.after == {"prefect.flow-run.heartbeat"} and "prefect.flow-run.Crashed" in t.expect
     assert t.for_each == {"prefect.resource.id"}
+    # only the stage runs of this project: another project's runs on the same server (with
+    # Prefect's default 180 s heartbeats) are never crashed by it
+    assert t.match_related.get("prefect.resource.id") == [f"prefect.tag.{STAGE_TAG}"]
     assert detect.actions[0].state == StateType.CRASHED
     r = recover.trigger
     assert r.expect == {"prefect.flow-run.Crashed"} and r.posture == Posture.Reactive
@@ -51,7 +54,7 @@ def test_the_automations_prefect_evaluates() -> None:
     ("key", "value", "why"),
     [
         ("heartbeat_s", 10, "Prefect's minimum"),
-        ("crashed_after_s", 30, "a live run would be crashed"),
+        ("crashed_after_s", 45, "at least twice heartbeat_s"),
         ("max_stalled", 0, ">= 1"),
     ],
 )
