@@ -24,6 +24,8 @@ def test_a_run_that_made_progress_is_recovered_at_once_a_crash_loop_is_not() -> 
     ok, _, why = decide(rec, [10.0, 20.0, 30.0, 40.0, 50.0, 60.0])  # six crashes, five recoveries
     assert not ok and "max_attempts" in why
     assert decide(rec, [10.0, 20.0, 30.0, 40.0, 50.0])[0]
+    # progress not known (torchrun ranks write no artifact): never a stall, only the cap
+    assert decide(rec, [None, None, None]) == (True, 10.0, "attempt 4, after 10 s")
 
 
 def test_the_automations_prefect_evaluates() -> None:
@@ -63,3 +65,43 @@ def test_settings_that_would_crash_live_runs_are_refused(key: str, value: int, w
 
     with pytest.raises(ConfigError, match=why):
         load_config(None, [f"recovery.{key}={value}"])
+
+
+class _Runs:
+    """The part of Prefect's client that `follow` reads, over runs held here."""
+
+    def __init__(self, *runs: object) -> None:
+        self.runs = {r.id: r for r in runs}
+
+    def read_flow_run(self, flow_run_id: object) -> object:
+        return self.runs[flow_run_id]
+
+    def read_flow_runs(self, flow_run_filter: object) -> list:
+        [tag] = flow_run_filter.tags.all_
+        return [r for r in self.runs.values() if tag in r.tags]
+
+
+def _run(name: str, state: object, tags: list[str] | None = None) -> object:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(id=uuid4(), name=name, state=state, tags=tags or [])
+
+
+def test_follow_waits_through_the_chain_of_recovery_runs() -> None:
+    from prefect.states import Completed, Crashed
+
+    from flows.recovery import LINK, follow
+
+    a = _run("a", Crashed())
+    b = _run("b", Crashed(), [LINK + str(a.id)])
+    c = _run("c", Completed(), [LINK + str(b.id)])
+    assert follow(_Runs(a, b, c), a, wait_s=5, poll_s=0) is c
+    # no recovery run: after wait_s the crashed run is returned; one given up on: at once
+    assert follow(_Runs(a), a, wait_s=0, poll_s=0) is a
+    from flows.recovery import GAVE_UP
+
+    gave_up = _run("g", Crashed(), [GAVE_UP])
+    assert follow(_Runs(gave_up), gave_up, wait_s=3600, poll_s=0) is gave_up
+    # a run that did not crash is not followed
+    done = _run("d", Completed())
+    assert follow(_Runs(done), done, wait_s=3600) is done
