@@ -104,6 +104,26 @@ def build_parser() -> argparse.ArgumentParser:
     for p in ssub.choices.values():
         p.add_argument("--root", type=Path, default=Path("."), help="the project folder")
 
+    pools = sub.add_parser(
+        "pools", help="work pools with per-pool job templates (GPUs, memory, image, volume)"
+    )
+    posub = pools.add_subparsers(dest="pools_command", required=True)
+    pcreate = posub.add_parser(
+        "create",
+        help="create or update every pool of pools.definitions on the server of "
+        "PREFECT_API_URL, each with its own job template",
+    )
+    ptemplate = posub.add_parser(
+        "template", help="print one pool's job template (for prefect work-pool create)"
+    )
+    ptemplate.add_argument("pool")
+    for p in (pcreate, ptemplate):
+        p.add_argument("--type", choices=["process", "docker", "kubernetes"], required=True)
+        p.add_argument(
+            "--image-tag", default="", help="image tag instead of the tier's (e.g. the commit)"
+        )
+        _add_params(p)
+
     recovery = sub.add_parser(
         "recovery",
         help="the automations that crash a run whose machine vanished and run the stage again",
@@ -163,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             return _lineage(args)
         if args.command == "stack":
             return _stack(args)
+        if args.command == "pools":
+            return _pools(args, load_config(args.params, args.overrides))
         if args.command == "recovery":
             return _recovery(load_config(args.params, args.overrides))
         # Validate the params and what the stages need before importing Prefect or touching
@@ -284,6 +306,31 @@ def _stack(args: argparse.Namespace) -> int:
     except stack.StackError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _pools(args: argparse.Namespace, cfg: Config) -> int:
+    import json
+
+    from flows.pools import create, job_template
+
+    if args.pools_command == "template":
+        if args.pool not in cfg.pools.definitions:
+            raise InputError(
+                f"pool {args.pool!r} is not in pools.definitions "
+                f"({', '.join(sorted(cfg.pools.definitions))})"
+            )
+        print(json.dumps(job_template(cfg, args.pool, args.type, args.image_tag), indent=2))
+        return 0
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        for pool in create(client, cfg, args.type, args.image_tag):
+            spec = cfg.pools.definitions[pool]
+            print(
+                f"pool {pool} ({args.type}): {spec.gpus} GPU(s) {spec.gpu_product or ''}, "
+                f"{spec.cpu:g} CPU, {spec.memory_gib} GiB, on {client.api_url}"
+            )
     return 0
 
 

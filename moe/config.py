@@ -554,6 +554,15 @@ class PoolSpec:
     pricing: Literal["on_demand", "spot"] = "on_demand"
     spot_price_per_hour: float = 0.0
     mean_hours_between_interruptions: float = 0.0
+    # One machine of the pool, as its job template requests it (flows/pools.py renders the
+    # Docker and Kubernetes templates with these): GPUs, CPUs, memory, shared memory for
+    # torch's data and NCCL, the GPU product label Kubernetes selects nodes by, the image.
+    gpus: int = 0
+    cpu: float = 4.0
+    memory_gib: int = 16
+    shm_gib: int = 2
+    gpu_product: str = ""  # e.g. NVIDIA-H100-80GB-HBM3 (label nvidia.com/gpu.product)
+    image: str = ""  # "" = moe-pipeline:gpu for a GPU pool, moe-pipeline:cpu otherwise
 
     @property
     def rate(self) -> float:
@@ -578,6 +587,21 @@ class PoolSpec:
             self.spot_price_per_hour,
             "must be set (> 0) when pricing is spot",
         )
+        p.require(self.gpus >= 0, "gpus", self.gpus, "must be >= 0")
+        p.require(
+            (self.gpus > 0) == bool(self.gpu),
+            "gpus",
+            self.gpus,
+            f"must be > 0 exactly when gpu is set (gpu: {self.gpu!r})",
+        )
+        p.require(self.cpu > 0, "cpu", self.cpu, "must be > 0")
+        p.require(self.memory_gib >= 1, "memory_gib", self.memory_gib, "must be >= 1")
+        p.require(
+            0 < self.shm_gib < self.memory_gib,
+            "shm_gib",
+            self.shm_gib,
+            f"must be > 0 and below memory_gib ({self.memory_gib}): /dev/shm counts against it",
+        )
         p.require(
             self.mean_hours_between_interruptions >= 0,
             "mean_hours_between_interruptions",
@@ -592,11 +616,25 @@ def _default_pools() -> dict[str, PoolSpec]:
     # a typical discount (they move with the market: set yours). Every pool rents on-demand
     # by default and declares no interruptions; a spot pool sets pricing: spot and its
     # mean_hours_between_interruptions (what your provider's interruption history says).
+    # Machines: one GPU each (train.nproc 1), the CPUs and memory a one-GPU slice of such a
+    # node typically has.
+    def gpu(price: float, name: str, spot: float, product: str, cpu: float, mem: int) -> PoolSpec:
+        return PoolSpec(
+            price_per_hour=price,
+            gpu=name,
+            spot_price_per_hour=spot,
+            gpus=1,
+            cpu=float(cpu),
+            memory_gib=mem,
+            shm_gib=8,
+            gpu_product=product,
+        )
+
     return {
         "cpu": PoolSpec(price_per_hour=0.10, spot_price_per_hour=0.04),
-        "gpu-4090": PoolSpec(price_per_hour=0.45, gpu="RTX 4090", spot_price_per_hour=0.27),
-        "gpu-a100": PoolSpec(price_per_hour=1.10, gpu="A100", spot_price_per_hour=0.66),
-        "gpu-h100": PoolSpec(price_per_hour=3.20, gpu="H100", spot_price_per_hour=1.92),
+        "gpu-4090": gpu(0.45, "RTX 4090", 0.27, "NVIDIA-GeForce-RTX-4090", 8, 32),
+        "gpu-a100": gpu(1.10, "A100", 0.66, "NVIDIA-A100-SXM4-80GB", 12, 96),
+        "gpu-h100": gpu(3.20, "H100", 1.92, "NVIDIA-H100-80GB-HBM3", 16, 128),
     }
 
 

@@ -70,7 +70,7 @@ def test_base_job_templates_define_every_variable_and_request_gpus() -> None:
 
 def test_a_prefect_server_accepts_the_templates(prefect_server: dict[str, str]) -> None:
     """Work pools of each type are created from infra/pools/*.json on a real server (the
-    docker and kubernetes workers themselves cannot run here)."""
+    docker and kubernetes workers' own job configurations build them in test_pools.py)."""
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.client.schemas.actions import WorkPoolCreate
 
