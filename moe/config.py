@@ -366,8 +366,9 @@ class TrainConfig:
     # that is ahead of the steps, so the run still ends annealed. 0 = max_steps only.
     time_budget_s: float = 0.0
     # Processes on this machine (torchrun: data parallel + expert parallel); moe.num_experts
-    # and batch_size must divide by it.
-    nproc: int = 1
+    # and batch_size must divide by it. 0 = one per GPU of the stage's pool
+    # (pools.definitions.<pool>.gpus; one where the machine turns out to have no GPU).
+    nproc: int = 0
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
     def check(self, p: _Problems) -> None:
@@ -401,7 +402,7 @@ class FinetuneConfig:
     seed: int = 1337
     log_every: int = 10
     checkpoint_every: int = 50
-    nproc: int = 1  # processes on this machine (torchrun), as train.nproc
+    nproc: int = 0  # processes on this machine (torchrun), as train.nproc (0 = the pool's GPUs)
     max_len: int = 128  # prompt + response tokens; longer pairs are truncated from the left
     # Rows of pretraining text added to each batch, as a fraction of batch_size (replay:
     # keeps the model from forgetting what pretraining taught it).
@@ -427,13 +428,7 @@ class FinetuneConfig:
 
 def _check_optim(c: TrainConfig | FinetuneConfig, p: _Problems) -> None:
     p.require(c.max_steps >= 1, "max_steps", c.max_steps, "must be >= 1")
-    p.require(c.nproc >= 1, "nproc", c.nproc, "must be >= 1")
-    p.require(
-        c.batch_size % c.nproc == 0,
-        "batch_size",
-        c.batch_size,
-        f"must be a multiple of nproc ({c.nproc}): each process takes an equal share",
-    )
+    p.require(c.nproc >= 0, "nproc", c.nproc, "must be >= 0 (0 = one per GPU of the pool)")
     p.require(c.batch_size >= 1, "batch_size", c.batch_size, "must be >= 1")
     p.require(c.grad_accum >= 1, "grad_accum", c.grad_accum, "must be >= 1")
     p.require(c.lr > 0, "lr", c.lr, "must be > 0")
@@ -807,6 +802,16 @@ class Config:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
+    def processes(self, section: str) -> int:
+        """The process count of a training section (train, finetune_sql, finetune_domain):
+        its nproc, or with nproc 0 one per GPU of its stage's pool (at least one)."""
+        n = getattr(self, section).nproc
+        if n:
+            return n
+        stage = "pretrain" if section == "train" else section
+        pool = self.pools.definitions.get(self.pools.stages.get(stage, ""))
+        return max(1, pool.gpus if pool else 0)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -1098,19 +1103,40 @@ def from_dict(
         )
     if cfg.moe.growth.enabled:
         p.require(
-            cfg.train.nproc == 1,
+            cfg.processes("train") == 1,
             "moe.growth.enabled",
             True,
             "expert growth runs in one process: set train.nproc to 1 or growth off",
         )
-    for stage in ("train", "finetune_sql", "finetune_domain"):
-        n = getattr(cfg, stage).nproc
+    for section in ("train", "finetune_sql", "finetune_domain"):
+        sec = getattr(cfg, section)
+        n = cfg.processes(section)
+        what = f"{n} (one per GPU of its pool)" if sec.nproc == 0 else n
+        stage = "pretrain" if section == "train" else section
+        pool_name = cfg.pools.stages.get(stage, "")
+        pool = cfg.pools.definitions.get(pool_name)
         p.require(
-            n >= 1 and cfg.moe.num_experts % n == 0,
-            f"{stage}.nproc",
-            n,
+            cfg.moe.num_experts % n == 0,
+            f"{section}.nproc",
+            what,
             f"must divide moe.num_experts ({cfg.moe.num_experts}): each process holds an equal "
             "share of the experts",
+        )
+        p.require(
+            sec.batch_size % n == 0,
+            f"{section}.batch_size",
+            sec.batch_size,
+            f"must be a multiple of nproc ({what}): each process takes an equal share",
+        )
+        # One process per GPU: more processes than the pool's machine has GPUs would share
+        # them (or fail to start); a CPU run (device: cpu) may use any count.
+        p.require(
+            pool is None or sec.device == "cpu" or pool.gpus == 0 or n <= pool.gpus,
+            f"{section}.nproc",
+            sec.nproc,
+            f"is more than the {pool.gpus if pool else 0} GPU(s) its pool {pool_name} gives "
+            f"(pools.definitions.{pool_name}.gpus): raise that, or lower nproc (processes "
+            f"on the CPU: set {section}.device to cpu)",
         )
     if p.items:
         raise ConfigError(p.items, source)

@@ -117,7 +117,7 @@ def launch(
     import subprocess
     import sys
 
-    nproc = cfg.train.nproc if stage == "pretrain" else getattr(cfg, stage).nproc
+    nproc = _processes(cfg, stage)
     work = out_dir / ".dist"
     work.mkdir(parents=True, exist_ok=True)
     cfg.dump(work / "params.yaml")
@@ -158,6 +158,26 @@ def launch(
     return result
 
 
+def _processes(cfg: Config, stage: str) -> int:
+    """How many training processes this stage launches here: `Config.processes` (nproc, or
+    with nproc 0 one per GPU of the stage's pool), but one where nproc is 0 and this machine
+    trains on the CPU (a laptop running the pipeline locally)."""
+    from moe.train import resolve_device
+
+    section = "train" if stage == "pretrain" else stage
+    sec = getattr(cfg, section)
+    n = cfg.processes(section)
+    if sec.nproc == 0 and n > 1 and resolve_device(sec.device).type != "cuda":
+        log.info("%s: no GPU here, one process instead of the pool's %d", stage, n)
+        return 1
+    if sec.nproc == 0 and torch.cuda.is_available() and n > torch.cuda.device_count():
+        raise InputError(
+            f"{stage}: its pool gives {n} GPUs (pools.definitions), this machine has "
+            f"{torch.cuda.device_count()}: fix the pool's gpus, or set {section}.nproc"
+        )
+    return n
+
+
 def _fit_and_save(cfg: Config, trainer: Trainer, out_dir: Path, run_key: str) -> TrainResult:
     """Train (resuming if a checkpoint fits), then write the final weights and the CSV log.
     Under torchrun every rank trains; the experts are gathered and rank 0 writes. A bar on a
@@ -189,7 +209,7 @@ def _resumable(cfg: Config, section: str) -> Config:
     """The config as far as resuming cares: the process count is not part of a training
     state (checkpoints hold every expert under its global id), so changing it resumes."""
     sec = getattr(cfg, section)
-    return dataclasses.replace(cfg, **{section: dataclasses.replace(sec, nproc=1)})
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(sec, nproc=0)})
 
 
 def training_fingerprint(
@@ -241,7 +261,7 @@ def pretrain_model(
     budget_left: float = 0.0,
 ) -> TrainResult:
     """budget_left: what is left of cost.budget for this stage (0 = no budget)."""
-    if cfg.train.nproc > 1 and not torch.distributed.is_initialized():
+    if _processes(cfg, "pretrain") > 1 and not torch.distributed.is_initialized():
         return launch(cfg, "pretrain", data_dir, out_dir, log_fn, budget_left=budget_left)
     train_store, val_store = TokenStore(data_dir, "train"), TokenStore(data_dir, "val")
     torch.manual_seed(cfg.train.seed)
@@ -305,7 +325,7 @@ def finetune_model(
     budget_left: float = 0.0,
 ) -> TrainResult:
     f: FinetuneConfig = getattr(cfg, stage)
-    if f.nproc > 1 and not torch.distributed.is_initialized():
+    if _processes(cfg, stage) > 1 and not torch.distributed.is_initialized():
         return launch(cfg, stage, data_dir, out_dir, log_fn, init_dir, pairs_file, budget_left)
     tok = load_tokenizer(data_dir / "tokenizer.json")
     examples = sft_examples(data_dir / "sql" / pairs_file, tok)

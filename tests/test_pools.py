@@ -162,3 +162,23 @@ def test_pools_create_puts_each_pools_template_on_the_server(
             assert props["gpus"]["default"] == spec.gpus
             assert props["work_claim"]["default"] == f"moe-work-{pool}"
             assert f"pool {pool} (kubernetes)" in r.stdout
+
+
+def test_a_stage_trains_on_the_gpus_its_pool_gives() -> None:
+    """nproc 0 (the default): one process per GPU of the stage's pool; more processes than
+    the pool's GPUs is a configuration error naming both; on a machine without a GPU the
+    launcher runs one process (a laptop running the pipeline locally)."""
+    from moe.config import ConfigError, load_config
+    from tasks.training import _processes
+
+    eight = ["pools.definitions.gpu-h100.gpus=8"]
+    cfg = load_config(None, eight)
+    assert cfg.processes("train") == 8 and cfg.processes("finetune_sql") == 1
+    assert load_config(None, [*eight, "train.nproc=4"]).processes("train") == 4
+    with pytest.raises(
+        ConfigError, match=r"train.nproc = 16: is more than the 8 GPU\(s\) its pool gpu-h100"
+    ):
+        load_config(None, [*eight, "train.nproc=16"])
+    load_config(None, ["train.nproc=2", "train.device=cpu"])  # CPU processes: any count
+    cpu_here = load_config(None, [*eight, "train.device=cpu"])
+    assert cpu_here.processes("train") == 8 and _processes(cpu_here, "pretrain") == 1
