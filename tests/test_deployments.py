@@ -82,3 +82,29 @@ def test_a_prefect_server_accepts_the_templates(prefect_server: dict[str, str]) 
                 WorkPoolCreate(name=name, type=kind, base_job_template=template), overwrite=True
             )
             assert client.read_work_pool(name).base_job_template == template
+
+
+def test_the_image_keeps_dependencies_apart_and_runs_as_a_user() -> None:
+    """infra/Dockerfile, read as Docker reads it (no daemon here to build it): the dependency
+    layer holds only pyproject and the lock (a docs or code edit does not reinstall torch),
+    the image records its commit and runs as the non-root user the Kubernetes template
+    expects, and bytecode is not switched off by a variable set to 0."""
+    lines = []
+    for raw in (ROOT / "infra/Dockerfile").read_text().replace("\\\n", " ").splitlines():
+        if raw.strip() and not raw.lstrip().startswith("#"):
+            lines.append(raw.split(None, 1))
+    ops = [op.upper() for op, _ in lines]
+    assert ops[0] == "FROM"
+    copies = [arg for op, arg in lines if op.upper() == "COPY"]
+    installs = [
+        i for i, (op, arg) in enumerate(lines) if op.upper() == "RUN" and "pip install" in arg
+    ]
+    first_copy = ops.index("COPY")
+    assert copies[0].split()[:-1] == ["pyproject.toml", "requirements.lock"]
+    assert first_copy < installs[0] < ops.index("COPY", first_copy + 1)
+    assert "PYTHONDONTWRITEBYTECODE" not in (ROOT / "infra/Dockerfile").read_text()
+    env = " ".join(arg for op, arg in lines if op.upper() == "ENV")
+    assert "MOE_CODE_COMMIT=$MOE_CODE_COMMIT" in env and "MOE_PIPELINE_DIR=/app" in env
+    template = json.loads((ROOT / "infra/pools/kubernetes.json").read_text())
+    user = template["variables"]["properties"]["run_as_user"]["default"]
+    assert lines[-1] == ["USER", str(user)]
