@@ -465,10 +465,32 @@ def _sync_workspaces(root: Path, pools: list[str]) -> dict[str, Path]:
     return out
 
 
+def local_deployments(root: Path) -> Path:
+    """prefect.yaml as the stack deploys it: without the image build and push steps and the
+    image job variables (its process workers run the code copied into their folders)."""
+    import yaml
+
+    spec = yaml.safe_load((root / "prefect.yaml").read_text())
+    spec.pop("build", None)
+    spec.pop("push", None)
+    for d in spec["deployments"]:
+        jv = d.get("job_variables") or {}
+        jv.pop("image", None)
+        if jv:
+            d["job_variables"] = jv
+        else:
+            d.pop("job_variables", None)
+    out = root / STATE_DIR / "prefect.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return out
+
+
 def _deploy(root: Path, state: dict[str, Any], say: Any) -> None:
-    say("deploying prefect.yaml (one deployment per stage, and the pipeline)")
+    say("deploying prefect.yaml (one deployment per stage, the pipeline and recover)")
+    spec = local_deployments(root)
     proc = subprocess.run(
-        [_exe("prefect"), "--no-prompt", "deploy", "--all"],
+        [_exe("prefect"), "--no-prompt", "deploy", "--all", "--prefect-file", str(spec)],
         cwd=root,
         env=_api_env(root, state),
         capture_output=True,

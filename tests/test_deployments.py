@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from moe.config import STAGES, load_config
@@ -108,3 +109,72 @@ def test_the_image_keeps_dependencies_apart_and_runs_as_a_user() -> None:
     template = json.loads((ROOT / "infra/pools/kubernetes.json").read_text())
     user = template["variables"]["properties"]["run_as_user"]["default"]
     assert lines[-1] == ["USER", str(user)]
+
+
+def test_one_image_per_commit_and_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """prefect.yaml's build steps as `prefect deploy` runs them, up to Docker (no daemon
+    here): the commit and repository steps run for real in a git checkout, the build and push
+    steps' inputs bind to prefect-docker's own step functions, and every deployment's image is
+    the commit's tag of its pool's tier (gpu where the pool has GPUs)."""
+    import asyncio
+    import inspect
+    import shutil
+    import subprocess
+
+    from prefect.deployments.steps.core import run_step
+    from prefect.utilities.templating import apply_values
+    from prefect_docker.deployments import steps as docker_steps
+
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    shutil.copy(ROOT / "prefect.yaml", tmp_path / "prefect.yaml")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    commit = subprocess.run(
+        [*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+    outputs: dict = {}
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MOE_IMAGE_REPO", "registry.example/ml/moe")
+    for step in spec["build"]:
+        ((fqn, inputs),) = step.items()
+        if fqn.startswith("prefect_docker."):
+            inputs = apply_values(dict(inputs), outputs)
+            inputs.pop("id"), inputs.pop("requires")
+            inspect.signature(docker_steps.build_docker_image).bind(**inputs)
+            outputs[step[fqn]["id"]] = {
+                "image": f"{inputs['image_name']}:{inputs['tag']}",
+                "image_name": inputs["image_name"],
+                "tag": inputs["tag"],
+            }
+            assert inputs["buildargs"]["MOE_CODE_COMMIT"] == commit
+        else:
+            outputs[inputs["id"]] = asyncio.run(run_step(step))
+    assert outputs["image-gpu"]["image"] == f"registry.example/ml/moe:{commit}-gpu"
+    assert outputs["image-cpu"]["image"] == f"registry.example/ml/moe:{commit}-cpu"
+    for step in spec["push"]:
+        ((_, inputs),) = step.items()
+        inputs = apply_values({k: v for k, v in inputs.items() if k != "requires"}, outputs)
+        inspect.signature(docker_steps.push_docker_image).bind(**inputs)
+    cfg = load_config(ROOT / "params.yaml")
+    for d in spec["deployments"]:
+        tier = "gpu" if cfg.pools.definitions[d["work_pool"]["name"]].gpus else "cpu"
+        assert (
+            apply_values(d["job_variables"], outputs)["image"] == outputs[f"image-{tier}"]["image"]
+        )
+
+
+def test_the_stack_deploys_without_images(tmp_path: Path) -> None:
+    """The local stack's copy of prefect.yaml: no build or push step (no Docker needed), no
+    image job variable (process workers), the same deployments otherwise."""
+    from flows.stack import local_deployments
+
+    for name in ("prefect.yaml",):
+        (tmp_path / name).write_text((ROOT / name).read_text())
+    spec = yaml.safe_load(local_deployments(tmp_path).read_text())
+    full = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    assert "build" not in spec and "push" not in spec and spec["pull"] == full["pull"]
+    assert [d["name"] for d in spec["deployments"]] == [d["name"] for d in full["deployments"]]
+    assert not any("image" in (d.get("job_variables") or {}) for d in spec["deployments"])

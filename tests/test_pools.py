@@ -75,8 +75,10 @@ def test_kubernetes_job_of_every_pool(pool: str) -> None:
     assert c.args[:3] == ["prefect", "flow-run", "execute"] or "prefect" in " ".join(c.args)
 
 
-def test_kubernetes_overrides_a_deployment_sets() -> None:
-    """What a deployment's job_variables change (prefect.yaml or the UI) reaches the Job."""
+def test_kubernetes_overrides_a_deployment_sets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a deployment's job_variables change (prefect.yaml or the UI) reaches the Job; the
+    commit's image (`pools create --image-tag`) names the repository of MOE_IMAGE_REPO."""
+    monkeypatch.setenv("MOE_IMAGE_REPO", "registry.example/ml/moe")
     from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
 
     cfg = Config()
@@ -87,7 +89,7 @@ def test_kubernetes_overrides_a_deployment_sets() -> None:
     )
     pod = conf.job_manifest["spec"]["template"]["spec"]
     [c] = pod["containers"]
-    assert c["image"] == "moe-pipeline:abc123-gpu"
+    assert c["image"] == "registry.example/ml/moe:abc123-gpu"
     assert (
         c["resources"]["limits"]["nvidia.com/gpu"] == 8
         and c["resources"]["requests"]["cpu"] == "64"
