@@ -2,14 +2,17 @@
 
 `moe-pipeline stack up` starts a Prefect server and a moto S3 server, creates the bucket, one
 work pool per entry of `pools.definitions` (process type, infra/pools/process.json), deploys
-prefect.yaml, and starts one process worker per pool. Each worker has its own working folder
+prefect.yaml (without its image steps), creates the recovery automations (flows/recovery.py),
+starts one process worker per pool (flow-run heartbeats on, its health check served) and a
+watchdog that starts a dead or unhealthy worker again. Each worker has its own working folder
 under `.stack/work/<pool>/` with a copy of the code (what an image per pool would hold), so
 stages on different pools share no disk: they exchange outputs through the S3 bucket.
 `stack run` starts the pipeline deployment with `dispatch: deployments`; `stack status` shows
 what runs; `stack down` stops exactly the processes `up` started (pid and start time recorded
 in `.stack/stack.json`), and keeps the database, logs and working folders.
 
-`up` is idempotent: it restarts only what is not running (a killed worker, for instance).
+`up` is idempotent: it restarts only what is not running. `up`, `down` and the watchdog
+change `.stack/stack.json` under a file lock.
 """
 
 from __future__ import annotations

@@ -456,6 +456,8 @@ class Trainer:
         t_restore = self.clock()
         resumed = self._try_resume()
         restore_s = self.clock() - t_restore if resumed is not None else 0.0
+        if resumed is None and self.rank == 0 and self.metrics_path and self.metrics_path.is_file():
+            self.metrics_path.unlink()  # a fresh run starts a fresh log
         if self.journal is not None and self.rank == 0:
             started = self.started_at if self.started_at is not None else self.journal.wall()
             lost = self.journal.begin(started, self.step, restore_s)
@@ -480,8 +482,6 @@ class Trainer:
         every = cfg.checkpoint_every
         next_save = self.step + min(every, 10) if auto else (self.step // every + 1) * every
         run_t0, run_step0 = self.elapsed_s, self.step
-        if resumed is None and self.rank == 0 and self.metrics_path and self.metrics_path.is_file():
-            self.metrics_path.unlink()  # a fresh run starts a fresh log
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]
         window_loss, window_tokens, window_t0 = 0.0, 0, self.clock()
