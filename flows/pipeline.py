@@ -109,22 +109,23 @@ def _dispatch(cfg: Config, stages: list[str], run: str) -> dict[str, Any]:
         if fr.state is not None and fr.state.is_crashed() and cfg.recovery.enabled:
             # Its machine vanished: the RECOVER automation runs the stage again (flows/
             # recovery.py); wait for that run instead of failing the pipeline.
-            from flows.recovery import follow
+            from flows.recovery import RECOVERY_WAIT_S, follow
 
             with get_client(sync_client=True) as client:
-                fr = follow(client, fr, wait_s=300)
+                fr = follow(client, fr, wait_s=RECOVERY_WAIT_S)
         state = fr.state
         if state is None or not state.is_completed():
             recovery = ""
             if state is not None and state.is_crashed() and cfg.recovery.enabled:
-                from flows.recovery import GAVE_UP
+                from flows.recovery import GAVE_UP, RECOVERY_WAIT_S
 
                 recovery = (
                     " Recovery gave up on it (the recover flow run's log says why: "
                     "recovery.max_attempts, or recovery.max_stalled attempts in a row that got "
                     "no further)."
                     if GAVE_UP in fr.tags
-                    else " No recovery run started within 300 s: are the recovery automations "
+                    else f" No recovery run started within {RECOVERY_WAIT_S} s: are the recovery "
+                    "automations "
                     "on this server (moe-pipeline recovery install) and a cpu worker up?"
                 )
             raise RuntimeError(

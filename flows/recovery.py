@@ -43,6 +43,9 @@ STAGE_TAG = "moe-stage"  # on every stage deployment (prefect.yaml): what RECOVE
 RECOVERY_TAG = "moe-recovery"
 LINK = "recovers:"  # tag prefix on a recovery run: the id of the run it replaces
 GAVE_UP = "recovery:gave-up"  # tag on a crashed run that will not be recovered
+# How long the pipeline waits for a crashed stage's recovery run to appear (the automation
+# and the recover flow on the cpu pool take seconds; more means they are not there).
+RECOVERY_WAIT_S = 300
 
 
 def automations(rec: RecoveryConfig, recover_deployment_id: UUID) -> list[Any]:

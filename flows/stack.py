@@ -361,9 +361,10 @@ def _watch_once(
     for name, entry in state["procs"].items():
         if not name.startswith("worker-") or "health_port" not in entry:
             continue
-        if _proc(entry) is not None and healthy(entry):
+        alive = _proc(entry) is not None
+        if alive and healthy(entry):
             failing.pop(name, None)
-        elif _proc(entry) is not None:
+        elif alive:
             first = failing.setdefault(name, time.monotonic())
             if time.monotonic() - first >= grace:
                 sick.append(name)

@@ -802,14 +802,18 @@ class Config:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
+    def pool_of(self, section: str) -> tuple[str, PoolSpec | None]:
+        """The pool (name, spec) a training section's stage runs on (None if undefined)."""
+        name = self.pools.stages.get("pretrain" if section == "train" else section, "")
+        return name, self.pools.definitions.get(name)
+
     def processes(self, section: str) -> int:
         """The process count of a training section (train, finetune_sql, finetune_domain):
         its nproc, or with nproc 0 one per GPU of its stage's pool (at least one)."""
         n = getattr(self, section).nproc
         if n:
             return n
-        stage = "pretrain" if section == "train" else section
-        pool = self.pools.definitions.get(self.pools.stages.get(stage, ""))
+        pool = self.pool_of(section)[1]
         return max(1, pool.gpus if pool else 0)
 
     def to_dict(self) -> dict[str, Any]:
@@ -1112,9 +1116,7 @@ def from_dict(
         sec = getattr(cfg, section)
         n = cfg.processes(section)
         what = f"{n} (one per GPU of its pool)" if sec.nproc == 0 else n
-        stage = "pretrain" if section == "train" else section
-        pool_name = cfg.pools.stages.get(stage, "")
-        pool = cfg.pools.definitions.get(pool_name)
+        pool_name, pool = cfg.pool_of(section)
         p.require(
             cfg.moe.num_experts % n == 0,
             f"{section}.nproc",

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from moe import distributed as D
 from moe.checkpoint import load_model_tensors, model_tensors, sha256_file
-from moe.config import Config, FinetuneConfig, GrowthConfig, ModelConfig, MoEConfig
+from moe.config import Config, FinetuneConfig, GrowthConfig, ModelConfig, MoEConfig, PoolSpec
 from moe.data import BatchSampler, MixedBatches, SFTBatches, SFTExample, TokenStore
 from moe.errors import InputError
 from moe.growth import resize_model
@@ -231,8 +231,12 @@ def training_fingerprint(
     return ":".join([*parts, sha256_file(data_dir / "meta.json")])
 
 
+def _pool(cfg: Config, stage: str) -> PoolSpec:
+    return cfg.pools.definitions[cfg.pools.stages[stage]]
+
+
 def _price(cfg: Config, stage: str) -> float:
-    return cfg.pools.definitions[cfg.pools.stages[stage]].rate
+    return _pool(cfg, stage).rate
 
 
 def _resilience(cfg: Config, stage: str, ckpt_dir: Path, fingerprint: str) -> dict[str, Any]:
@@ -241,7 +245,7 @@ def _resilience(cfg: Config, stage: str, ckpt_dir: Path, fingerprint: str) -> di
     checkpoint.every: auto, the pool's mean time between interruptions."""
     import psutil
 
-    pool = cfg.pools.definitions[cfg.pools.stages[stage]]
+    pool = _pool(cfg, stage)
     return {
         "journal": AttemptJournal(ckpt_dir / "attempts.json", fingerprint),
         # under torchrun: the stage's own process (launch() passes it), not the rank's
