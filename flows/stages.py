@@ -229,7 +229,9 @@ def pretrain(
     record = StageRecord(cfg, "pretrain", out)
     data_dir = download_dataset(cfg, receipt)
     with wandb_run(cfg, "pretrain") as (log_fn, run_id):
-        result = pretrain_model(cfg, data_dir, out, log_fn, _budget_left(cfg, "pretrain"))
+        result = pretrain_model(
+            cfg, data_dir, out, log_fn, _budget_left(cfg, "pretrain"), receipt=receipt
+        )
     summary = _train_summary("pretrain", result, {"dataset_version": receipt["version"]})
     write_json(REPORTS / "pretrain.json", summary)
     record.write(
@@ -268,7 +270,15 @@ def _finetune(
     data_dir = download_dataset(cfg, receipt)
     with wandb_run(cfg, stage) as (log_fn, run_id):
         result = finetune_model(
-            cfg, stage, data_dir, pairs_file, init_dir, out, log_fn, _budget_left(cfg, stage)
+            cfg,
+            stage,
+            data_dir,
+            pairs_file,
+            init_dir,
+            out,
+            log_fn,
+            _budget_left(cfg, stage),
+            receipt=receipt,
         )
     summary = _train_summary(stage, result)
     write_json(REPORTS / f"{stage}.json", summary)

@@ -369,6 +369,11 @@ class TrainConfig:
     # and batch_size must divide by it. 0 = one per GPU of the stage's pool
     # (pools.definitions.<pool>.gpus; one where the machine turns out to have no GPU).
     nproc: int = 0
+    # Machines this stage spans, each with the processes above (world size = nodes x
+    # processes). Above 1 the stage's flow run launches a Kubernetes Indexed Job of that many
+    # pods (tasks/multinode.py, the `multinode` section); data, the start model and the
+    # checkpoints reach every node through the object store.
+    nodes: int = 1
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
     def check(self, p: _Problems) -> None:
@@ -403,6 +408,7 @@ class FinetuneConfig:
     log_every: int = 10
     checkpoint_every: int = 50
     nproc: int = 0  # processes on this machine (torchrun), as train.nproc (0 = the pool's GPUs)
+    nodes: int = 1  # machines this stage spans, as train.nodes
     max_len: int = 128  # prompt + response tokens; longer pairs are truncated from the left
     # Rows of pretraining text added to each batch, as a fraction of batch_size (replay:
     # keeps the model from forgetting what pretraining taught it).
@@ -429,6 +435,7 @@ class FinetuneConfig:
 def _check_optim(c: TrainConfig | FinetuneConfig, p: _Problems) -> None:
     p.require(c.max_steps >= 1, "max_steps", c.max_steps, "must be >= 1")
     p.require(c.nproc >= 0, "nproc", c.nproc, "must be >= 0 (0 = one per GPU of the pool)")
+    p.require(c.nodes >= 1, "nodes", c.nodes, "must be >= 1")
     p.require(c.batch_size >= 1, "batch_size", c.batch_size, "must be >= 1")
     p.require(c.grad_accum >= 1, "grad_accum", c.grad_accum, "must be >= 1")
     p.require(c.lr > 0, "lr", c.lr, "must be > 0")
@@ -698,6 +705,40 @@ class CostConfig:
 
 
 @dataclass
+class MultinodeConfig:
+    """How a stage with `nodes` > 1 runs on a Kubernetes cluster (tasks/multinode.py): an
+    Indexed Job of `nodes` pods of the stage's pool, a headless Service that gives pod 0 a
+    name, and torchrun's c10d rendezvous at that name."""
+
+    namespace: str = "moe-pipeline"
+    service_account: str = ""  # "" = the namespace's default
+    # A Kubernetes Secret whose keys become every pod's environment: the object store's
+    # credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, HF_TOKEN, WANDB_API_KEY).
+    credentials_secret: str = "moe-credentials"
+    image_pull_secrets: list[str] = field(default_factory=list)
+    rdzv_port: int = 29400
+    # How long the pods wait for each other at the rendezvous (nodes are scheduled and pull
+    # the image at different times), and the Job's whole deadline (0 = none).
+    join_timeout_s: int = 900
+    deadline_s: int = 0
+    poll_s: float = 10.0  # how often the flow run reads the Job's status
+
+    def check(self, p: _Problems) -> None:
+        p.require(
+            bool(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", self.namespace)),
+            "namespace",
+            self.namespace,
+            "must be a Kubernetes name (lower-case letters, digits, '-')",
+        )
+        p.require(
+            1024 <= self.rdzv_port <= 65535, "rdzv_port", self.rdzv_port, "must be in 1024..65535"
+        )
+        p.require(self.join_timeout_s >= 30, "join_timeout_s", self.join_timeout_s, "must be >= 30")
+        p.require(self.deadline_s >= 0, "deadline_s", self.deadline_s, "must be >= 0 (0 = none)")
+        p.require(self.poll_s > 0, "poll_s", self.poll_s, "must be > 0")
+
+
+@dataclass
 class RecoveryConfig:
     """Automatic recovery of a stage whose machine vanished (flows/recovery.py): Prefect
     automations that `stack up` creates (and infra/README.md shows for any server)."""
@@ -800,6 +841,7 @@ class Config:
     pools: PoolsConfig = field(default_factory=PoolsConfig)
     cost: CostConfig = field(default_factory=CostConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    multinode: MultinodeConfig = field(default_factory=MultinodeConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def pool_of(self, section: str) -> tuple[str, PoolSpec | None]:
@@ -815,6 +857,15 @@ class Config:
             return n
         pool = self.pool_of(section)[1]
         return max(1, pool.gpus if pool else 0)
+
+    def machines(self, stage: str) -> int:
+        """Machines a stage rents at once: a training stage's nodes, else one."""
+        section = "train" if stage == "pretrain" else stage
+        return getattr(getattr(self, section, None), "nodes", 1)
+
+    def world(self, section: str) -> int:
+        """Training processes of a section over all its machines: nodes x processes."""
+        return getattr(self, section).nodes * self.processes(section)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -1107,28 +1158,37 @@ def from_dict(
         )
     if cfg.moe.growth.enabled:
         p.require(
-            cfg.processes("train") == 1,
+            cfg.world("train") == 1,
             "moe.growth.enabled",
             True,
-            "expert growth runs in one process: set train.nproc to 1 or growth off",
+            "expert growth runs in one process: set train.nproc and train.nodes to 1 or growth off",
         )
     for section in ("train", "finetune_sql", "finetune_domain"):
         sec = getattr(cfg, section)
         n = cfg.processes(section)
-        what = f"{n} (one per GPU of its pool)" if sec.nproc == 0 else n
+        what = f"{n} (one per GPU of its pool)" if sec.nproc == 0 else f"{n}"
+        if sec.nodes > 1:
+            what = f"{sec.nodes * n} ({sec.nodes} nodes x {n})"
         pool_name, pool = cfg.pool_of(section)
         p.require(
-            cfg.moe.num_experts % n == 0,
+            cfg.moe.num_experts % (sec.nodes * n) == 0,
             f"{section}.nproc",
             what,
             f"must divide moe.num_experts ({cfg.moe.num_experts}): each process holds an equal "
             "share of the experts",
         )
         p.require(
-            sec.batch_size % n == 0,
+            sec.batch_size % (sec.nodes * n) == 0,
             f"{section}.batch_size",
             sec.batch_size,
-            f"must be a multiple of nproc ({what}): each process takes an equal share",
+            f"must be a multiple of the process count ({what}): each process takes an equal share",
+        )
+        p.require(
+            sec.nodes == 1 or cfg.storage.backend != "local",
+            f"{section}.nodes",
+            sec.nodes,
+            f"needs an object store every node reaches (storage.backend s3 or hf, not "
+            f"{cfg.storage.backend!r}): data, the start model and checkpoints travel through it",
         )
         # One process per GPU: more processes than the pool's machine has GPUs would share
         # them (or fail to start); a CPU run (device: cpu) may use any count.

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +39,23 @@ def checkpoint_store(cfg: Config, root: Path, run_key: str | None = None) -> Che
     """The stage's checkpoint store. With offload on it fetches offloaded files back, and
     given the run's key it also offloads after each save (on the writer thread)."""
     store = CheckpointStore.from_config(root, cfg.checkpoint)
+    hooks: list[Callable[[], Any]] = []
     if cfg.checkpoint.offload:
         objects = open_store(cfg.storage)
         store.fetch = lambda key, dest: objects.get(key, dest)
         if run_key is not None:
-            store.on_saved = lambda _path: offload(
-                store, objects, run_key, cfg.checkpoint.cold_storage_class
+            hooks.append(
+                lambda: offload(store, objects, run_key, cfg.checkpoint.cold_storage_class)
             )
+    if run_key is not None and os.environ.get("MOE_CHECKPOINT_MIRROR") == run_key:
+        # a node of a multi-node Job (tasks/multinode.py): the next machines resume from the
+        # mirror, so it follows every save (after the offload, which it then reflects)
+        from tasks.multinode import sync_checkpoints
+
+        mirror, digests = open_store(cfg.storage), {}
+        hooks.append(lambda: sync_checkpoints(mirror, store.root, run_key, digests))
+    if hooks:
+        store.on_saved = lambda _path: [hook() for hook in hooks]
     return store
 
 

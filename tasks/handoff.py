@@ -14,10 +14,7 @@ stages download and verify it from the receipt (tasks/storage.py).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,10 +22,9 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NONE
 
-from moe.checkpoint import sha256_file
 from moe.config import STAGES, Config
 from moe.errors import InputError
-from tasks.storage import RETRIES, _check_key, open_store
+from tasks.storage import RETRIES, _check_key, open_store, pull_files, push_files
 
 log = logging.getLogger(__name__)
 
@@ -78,23 +74,14 @@ def _prefix(run: str, stage: str) -> str:
 def push_outputs(cfg: Config, stage: str, run: str) -> dict[str, Any]:
     """Upload `stage`'s outputs under runs/<run>/<stage>/, the manifest last."""
     store, prefix = open_store(cfg.storage), _prefix(run, stage)
-    files: dict[str, dict[str, Any]] = {}
+    files: dict[str, Path] = {}
     t0 = time.perf_counter()
     for path in stage_outputs(cfg, stage):
         if not path.is_file():
             raise InputError(f"{path} is missing after the {stage} stage; nothing was handed off")
-        rel = path.as_posix()
-        _check_key(rel)
-        digest = sha256_file(path)
-        key = f"{prefix}/files/{rel}"
-        # a retry after a failed upload skips what already arrived intact
-        if not (store.exists(f"{key}.sha256") and store.read_text(f"{key}.sha256") == digest):
-            store.put(path, key)
-            _put_text(store, f"{key}.sha256", digest)
-        files[rel] = {"sha256": digest, "bytes": path.stat().st_size}
-    manifest = {"stage": stage, "run": run, "files": files, "created": time.time()}
-    _put_text(store, f"{prefix}/manifest.json", json.dumps(manifest, indent=1))
-    total = sum(f["bytes"] for f in files.values())
+        files[path.as_posix()] = path
+    manifest = push_files(store, prefix, files, {"stage": stage, "run": run})
+    total = sum(f["bytes"] for f in manifest["files"].values())
     log.info(
         "handed off %d files (%.1f MB) of %s to %s/%s in %.1f s",
         len(files),
@@ -115,44 +102,13 @@ def pull_inputs(cfg: Config, stage: str, run: str, upto: list[str] | None = None
     earlier = upto if upto is not None else list(STAGES[: STAGES.index(stage)])
     fetched = 0
     for up in earlier:
-        prefix = _prefix(run, up)
-        if not store.exists(f"{prefix}/manifest.json"):
-            raise InputError(
-                f"{store.uri}/{prefix}/manifest.json is missing: the {up} stage of run {run} "
-                f"has not finished; run it first (its outputs reach {stage} only through the "
-                "object store)"
-            )
-        manifest = json.loads(store.read_text(f"{prefix}/manifest.json"))
-        for rel, meta in manifest["files"].items():
-            _check_key(rel)  # a manifest may not point outside the working folder
-            dest = Path(rel)
-            if dest.is_file() and sha256_file(dest) == meta["sha256"]:
-                continue
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
-            os.close(fd)
-            tmp = Path(tmp_name)
-            try:
-                store.get(f"{prefix}/files/{rel}", tmp)
-                got = sha256_file(tmp)
-                if got != meta["sha256"]:
-                    raise ValueError(
-                        f"{store.uri}/{prefix}/files/{rel}: sha256 {got} does not match the "
-                        f"manifest ({meta['sha256']}); the hand-off of {up} is damaged"
-                    )
-                os.replace(tmp, dest)
-            finally:
-                tmp.unlink(missing_ok=True)
-            fetched += 1
+        fetched += pull_files(
+            store,
+            _prefix(run, up),
+            Path("."),
+            f"the {up} stage of run {run} has not finished; run it first (its outputs reach "
+            f"{stage} only through the object store)",
+        )
     if fetched:
         log.info("fetched %d hand-off files of %s for %s", fetched, ", ".join(earlier), stage)
     return fetched
-
-
-def _put_text(store: Any, key: str, text: str) -> None:
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write(text)
-    try:
-        store.put(Path(f.name), key)
-    finally:
-        os.unlink(f.name)

@@ -167,7 +167,7 @@ class StageRecord:
         self.cfg, self.stage, self.out_dir = cfg, stage, out_dir
         self.pool = cfg.pools.stages[stage]
         spec = cfg.pools.definitions[self.pool]
-        self.pricing, self.price_per_hour = spec.pricing, spec.rate
+        self.pricing, self.price_per_hour = spec.pricing, spec.rate * cfg.machines(stage)
         self.t0 = time.time()
 
     def write(
@@ -223,7 +223,8 @@ class StageRecord:
             "params_hash": self.cfg.fingerprint(),
             "stage_params_hash": stage_params_hash(self.cfg, self.stage),
             "code_deps": code_deps(self.stage),
-            "price_per_hour": self.price_per_hour,
+            "price_per_hour": self.price_per_hour,  # x machines for a multi-node stage
+            "machines": self.cfg.machines(self.stage),
             "pricing": self.pricing,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.t0)),
             "ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -201,6 +201,100 @@ def open_store(cfg: StorageConfig) -> ObjectStore:
     return LocalObjectStore(cfg.root)
 
 
+# ------------------------------------------------------------------ sets of files
+
+
+def put_text(store: ObjectStore, key: str, text: str) -> None:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(text)
+    try:
+        store.put(Path(f.name), key)
+    finally:
+        os.unlink(f.name)
+
+
+def push_files(
+    store: ObjectStore,
+    prefix: str,
+    files: dict[str, Path],
+    extra: dict[str, Any] | None = None,
+    digests: dict | None = None,
+    addressed: bool = False,
+) -> dict[str, Any]:
+    """Upload `files` (key relative to `prefix`/files -> local path) with a `.sha256` beside
+    each, then `prefix`/manifest.json listing them, written last: its presence means the set
+    is complete. A file whose sidecar already holds its digest is not sent again, so a retry
+    (or the next sync of a growing set) sends only what is new. `digests` caches sha256s of
+    unchanged files between calls (pass the same dict each time).
+
+    `addressed`: a set that is pushed again and again while its files change (a checkpoint
+    folder) stores each content once under `prefix`/objects/<sha256> instead: an object
+    never changes once written, so the manifest always describes objects that match it,
+    even when a push dies half-way and the last complete manifest is the one read."""
+    listed: dict[str, dict[str, Any]] = {}
+    for rel, path in sorted(files.items()):
+        _check_key(rel)
+        stat = path.stat()
+        cache_key = (path, stat.st_size, stat.st_mtime_ns)
+        digest = digests.get(cache_key) if digests is not None else None  # type: ignore[call-overload]
+        if digest is None:
+            digest = sha256_file(path)
+            if digests is not None:
+                digests[cache_key] = digest  # type: ignore[index]
+        if addressed:
+            key = f"{prefix}/objects/{digest}"
+            if not store.exists(key):
+                store.put(path, key)
+            listed[rel] = {"sha256": digest, "bytes": stat.st_size, "key": key}
+            continue
+        key = f"{prefix}/files/{rel}"
+        if not (store.exists(f"{key}.sha256") and store.read_text(f"{key}.sha256") == digest):
+            store.put(path, key)
+            put_text(store, f"{key}.sha256", digest)
+        listed[rel] = {"sha256": digest, "bytes": stat.st_size}
+    manifest = {**(extra or {}), "files": listed, "created": time.time()}
+    put_text(store, f"{prefix}/manifest.json", json.dumps(manifest, indent=1))
+    return manifest
+
+
+def pull_files(store: ObjectStore, prefix: str, dest_root: Path, missing: str) -> int:
+    """Fetch every file of `prefix`/manifest.json into dest_root/<key>, each verified against
+    its sha256 before it replaces anything; a file already there intact is not fetched.
+    Returns how many were fetched; no manifest is an InputError saying `missing`."""
+    import tempfile
+
+    if not store.exists(f"{prefix}/manifest.json"):
+        raise InputError(f"{store.uri}/{prefix}/manifest.json is missing: {missing}")
+    manifest = json.loads(store.read_text(f"{prefix}/manifest.json"))
+    fetched = 0
+    for rel, meta in manifest["files"].items():
+        _check_key(rel)  # a manifest may not point outside dest_root
+        _check_key(meta.get("key") or rel)
+        dest = dest_root / rel
+        if dest.is_file() and sha256_file(dest) == meta["sha256"]:
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            key = meta.get("key") or f"{prefix}/files/{rel}"
+            store.get(key, tmp)
+            got = sha256_file(tmp)
+            if got != meta["sha256"]:
+                raise ValueError(
+                    f"{store.uri}/{key}: sha256 {got} does not match the "
+                    f"manifest ({meta['sha256']}); the upload is damaged"
+                )
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+        fetched += 1
+    return fetched
+
+
 # --------------------------------------------------------------------------- publish
 
 

@@ -236,7 +236,14 @@ def _pool(cfg: Config, stage: str) -> PoolSpec:
 
 
 def _price(cfg: Config, stage: str) -> float:
-    return _pool(cfg, stage).rate
+    """What an hour of this stage costs: the pool's rate for each machine it spans."""
+    return _pool(cfg, stage).rate * cfg.machines(stage)
+
+
+def _need(receipt: dict[str, Any] | None) -> dict[str, Any]:
+    if receipt is None:
+        raise ValueError("a multi-node stage needs the dataset receipt (its nodes fetch it)")
+    return receipt
 
 
 def _resilience(cfg: Config, stage: str, ckpt_dir: Path, fingerprint: str) -> dict[str, Any]:
@@ -263,8 +270,17 @@ def pretrain_model(
     out_dir: Path,
     log_fn: Callable[[dict[str, Any]], None],
     budget_left: float = 0.0,
+    receipt: dict[str, Any] | None = None,
 ) -> TrainResult:
-    """budget_left: what is left of cost.budget for this stage (0 = no budget)."""
+    """budget_left: what is left of cost.budget for this stage (0 = no budget). With
+    train.nodes > 1 it runs as a Job across that many machines (tasks/multinode.py), which
+    fetch the data the receipt names."""
+    if cfg.train.nodes > 1 and not torch.distributed.is_initialized():
+        from tasks.multinode import run_on_cluster
+
+        return run_on_cluster(
+            cfg, "pretrain", _need(receipt), data_dir, out_dir, log_fn, budget_left=budget_left
+        )
     if _processes(cfg, "pretrain") > 1 and not torch.distributed.is_initialized():
         return launch(cfg, "pretrain", data_dir, out_dir, log_fn, budget_left=budget_left)
     train_store, val_store = TokenStore(data_dir, "train"), TokenStore(data_dir, "val")
@@ -327,8 +343,15 @@ def finetune_model(
     out_dir: Path,
     log_fn: Callable[[dict[str, Any]], None],
     budget_left: float = 0.0,
+    receipt: dict[str, Any] | None = None,
 ) -> TrainResult:
     f: FinetuneConfig = getattr(cfg, stage)
+    if f.nodes > 1 and not torch.distributed.is_initialized():
+        from tasks.multinode import run_on_cluster
+
+        return run_on_cluster(
+            cfg, stage, _need(receipt), data_dir, out_dir, log_fn, init_dir, pairs_file, budget_left
+        )
     if _processes(cfg, stage) > 1 and not torch.distributed.is_initialized():
         return launch(cfg, stage, data_dir, out_dir, log_fn, init_dir, pairs_file, budget_left)
     tok = load_tokenizer(data_dir / "tokenizer.json")

@@ -1,0 +1,564 @@
+"""Training across nodes: a Kubernetes Indexed Job of `nodes` pods, joined by torchrun's c10d
+rendezvous, with everything a node needs coming through the object store.
+
+Why an Indexed Job and a headless Service rather than a Kubeflow PyTorchJob or a JobSet:
+both are core Kubernetes (batch/v1, GA since 1.24), so the cluster needs no operator or CRD
+installed and the namespace's service account needs only the rights to create Jobs,
+Services and ConfigMaps. An Indexed Job gives pod i the hostname `<job>-<i>`; with the
+Service as its subdomain, pod 0 is reachable as `<job>-0.<service>` before any pod is
+ready (publishNotReadyAddresses), which is all torchrun's c10d rendezvous needs. The Job
+has backoffLimit 0: any pod that fails fails the Job (a lost node breaks every rank's
+collectives anyway), and the stage's Prefect retry launches a new Job that resumes from the
+newest checkpoint, on whatever machines the cluster gives it.
+
+What travels, and how (all verified by sha256, tasks/storage.push_files/pull_files):
+- the job description (stage, resolved params, the dataset receipt): a ConfigMap mounted
+  at /etc/moe;
+- the data: every node downloads the published archive from the receipt, as a
+  single-machine stage does;
+- the model a finetune stage starts from: uploaded by the flow run to multinode/<job>/init;
+- checkpoints: the process that writes them (global rank 0) mirrors the checkpoint folder to
+  checkpoints/<run key>/mirror after every save; every node restores the mirror before it
+  starts, so a new set of machines (or another node count) resumes where the last one
+  stopped;
+- the result: the node that held rank 0 uploads the final model, its metrics and the
+  result to multinode/<job>/out, which the flow run fetches into the stage's folder with
+  the checkpoint mirror.
+
+The flow run launches the Job, follows it (state changes and the newest mirrored step in
+its log), and deletes it if the flow run is cancelled or fails, so no node keeps billing.
+If the flow run's own machine dies, the Job keeps training; the recovered flow run finds it
+by its run-key label and follows it instead of launching a second one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from moe.config import Config, load_config
+from moe.errors import InputError
+from moe.train import TrainResult
+from tasks.storage import ObjectStore, open_store, pull_files, push_files
+
+log = logging.getLogger("tasks.multinode")  # also when run as __main__ (a pod)
+
+MOUNT = "/etc/moe"  # where each pod finds job.json (the ConfigMap)
+MODEL_FILES = ("model.safetensors", "model.json")
+OUT_FILES = (*MODEL_FILES, "metrics.jsonl", "metrics.csv", ".dist/result.json")
+RUN_LABEL = "moe-pipeline/run-key"
+
+
+# ------------------------------------------------------------------------- the job
+
+
+@dataclass
+class NodeJob:
+    """What every node of one launch reads (job.json in the ConfigMap)."""
+
+    job: str  # the Job's name; also the rendezvous id
+    stage: str
+    run_key: str  # <stage>/<fingerprint[:16]>: the checkpoints' key, the same for every launch
+    params: dict[str, Any]  # the resolved configuration
+    receipt: dict[str, Any]  # the published dataset
+    nodes: int
+    nproc: int
+    rdzv_endpoint: str  # host:port of pod 0
+    join_timeout_s: int
+    init: str = ""  # finetune: the stage whose model it starts from (fetched from the store)
+    pairs_file: str = ""
+    budget_left: float = 0.0
+    started: float = field(default_factory=time.time)
+
+    @property
+    def prefix(self) -> str:
+        return f"multinode/{self.job}"
+
+
+def job_name(stage: str, fingerprint: str) -> str:
+    """A Kubernetes name (<= 63 chars, DNS-1123) unique per launch: moe-<stage>-<fp>-<rand>."""
+    return f"moe-{stage.replace('_', '-')}-{fingerprint[:8]}-{secrets.token_hex(3)}"
+
+
+def mirror_prefix(run_key: str) -> str:
+    return f"checkpoints/{run_key}/mirror"
+
+
+def _section(stage: str) -> str:
+    return "train" if stage == "pretrain" else stage
+
+
+def manifests(cfg: Config, spec: NodeJob, image: str) -> list[dict[str, Any]]:
+    """The ConfigMap, the headless Service and the Indexed Job of one launch, in the order
+    they are created. Each pod asks for one machine of the stage's pool (its GPUs, CPUs,
+    memory, /dev/shm, node selector) and runs `python -m tasks.multinode node`."""
+    m = cfg.multinode
+    pool_name, pool = cfg.pool_of(_section(spec.stage))
+    if pool is None:
+        raise InputError(f"{spec.stage}: pools.stages names no pool in pools.definitions")
+    labels = {
+        "app.kubernetes.io/name": "moe-pipeline",
+        "moe-pipeline/stage": spec.stage,
+        RUN_LABEL: spec.run_key.replace("/", "."),
+        "moe-pipeline/job": spec.job,
+    }
+    meta = {"name": spec.job, "namespace": m.namespace, "labels": labels}
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta,
+        "data": {"job.json": json.dumps(asdict(spec), indent=1)},
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "clusterIP": "None",  # headless: DNS names for the pods, no load balancing
+            "publishNotReadyAddresses": True,  # pod 0 resolves before any pod is ready
+            "selector": {"moe-pipeline/job": spec.job},
+            "ports": [{"name": "rdzv", "port": m.rdzv_port, "targetPort": m.rdzv_port}],
+        },
+    }
+    resources: dict[str, dict[str, Any]] = {
+        "requests": {"cpu": f"{pool.cpu:g}", "memory": f"{pool.memory_gib}Gi"},
+        "limits": {"memory": f"{pool.memory_gib}Gi"},
+    }
+    if pool.gpus:
+        resources["requests"]["nvidia.com/gpu"] = pool.gpus
+        resources["limits"]["nvidia.com/gpu"] = pool.gpus
+    env = [
+        {"name": "MOE_NODE_JOB", "value": f"{MOUNT}/job.json"},
+        {"name": "PREFECT_LOGGING_EXTRA_LOGGERS", "value": "moe,tasks,flows"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "WANDB_SILENT", "value": "true"},
+        # NCCL finds its interface and reports why it fails; torchrun's agents talk over the
+        # pod network (the rendezvous), the ranks over NCCL (InfiniBand / RoCE if present).
+        {"name": "NCCL_DEBUG", "value": "WARN"},
+    ]
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "subdomain": spec.job,  # pod i: <job>-i.<job>.<namespace>.svc
+        "nodeSelector": {"nvidia.com/gpu.product": pool.gpu_product} if pool.gpu_product else {},
+        "tolerations": (
+            [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+            if pool.gpus
+            else []
+        ),
+        "containers": [
+            {
+                "name": "node",
+                "image": image,
+                "imagePullPolicy": "IfNotPresent",  # the tag is the commit: immutable
+                "command": ["python", "-m", "tasks.multinode", "node"],
+                "workingDir": "/work",
+                "env": env,
+                "envFrom": [{"secretRef": {"name": m.credentials_secret, "optional": True}}],
+                "ports": [{"name": "rdzv", "containerPort": m.rdzv_port}],
+                "resources": resources,
+                "volumeMounts": [
+                    {"name": "job", "mountPath": MOUNT, "readOnly": True},
+                    {"name": "work", "mountPath": "/work"},
+                    {"name": "dshm", "mountPath": "/dev/shm"},
+                ],
+                "securityContext": {"allowPrivilegeEscalation": False},
+            }
+        ],
+        "volumes": [
+            {"name": "job", "configMap": {"name": spec.job}},
+            # a node's disk is scratch: what must survive is in the object store
+            {"name": "work", "emptyDir": {}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{pool.shm_gib}Gi"}},
+        ],
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+        },
+    }
+    if m.service_account:
+        pod_spec["serviceAccountName"] = m.service_account
+    if m.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in m.image_pull_secrets]
+    job_spec: dict[str, Any] = {
+        "completionMode": "Indexed",
+        "completions": spec.nodes,
+        "parallelism": spec.nodes,
+        "backoffLimit": 0,  # one lost node fails the Job; the Prefect retry resumes it
+        "ttlSecondsAfterFinished": 3600,
+        "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+    }
+    if m.deadline_s:
+        job_spec["activeDeadlineSeconds"] = m.deadline_s
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": job_spec}
+    log.debug("pool %s: %d nodes x %s", pool_name, spec.nodes, resources)
+    return [config_map, service, job]
+
+
+# ------------------------------------------------------------------------- clusters
+
+
+@dataclass
+class JobState:
+    active: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    complete: bool = False  # the Job's Complete condition: every index succeeded
+    reason: str = ""  # set when the Job failed: why (BackoffLimitExceeded, DeadlineExceeded)
+
+
+class Cluster(Protocol):
+    """What the launcher needs from a cluster. KubernetesCluster is the real one."""
+
+    def create(self, manifest: dict[str, Any]) -> None: ...
+    def job_state(self, namespace: str, name: str) -> JobState: ...
+    def running_jobs(self, namespace: str, labels: dict[str, str]) -> list[str]: ...
+    def delete(self, kind: str, namespace: str, name: str) -> None: ...
+
+
+class KubernetesCluster:
+    """The Kubernetes API through kubernetes_asyncio (installed with prefect-kubernetes):
+    in-cluster credentials in a pod (the flow run's service account), else ~/.kube/config."""
+
+    def _run(self, fn: Callable[[Any], Any]) -> Any:
+        from kubernetes_asyncio import client, config
+
+        async def go() -> Any:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                await config.load_kube_config()
+            async with client.ApiClient() as api:
+                return await fn(api)
+
+        return asyncio.run(go())
+
+    def create(self, manifest: dict[str, Any]) -> None:
+        from kubernetes_asyncio import client
+
+        ns, kind = manifest["metadata"]["namespace"], manifest["kind"]
+
+        async def go(api: Any) -> None:
+            if kind == "Job":
+                await client.BatchV1Api(api).create_namespaced_job(ns, manifest)
+            elif kind == "Service":
+                await client.CoreV1Api(api).create_namespaced_service(ns, manifest)
+            else:
+                await client.CoreV1Api(api).create_namespaced_config_map(ns, manifest)
+
+        self._run(go)
+
+    def job_state(self, namespace: str, name: str) -> JobState:
+        from kubernetes_asyncio import client
+
+        async def go(api: Any) -> JobState:
+            job = await client.BatchV1Api(api).read_namespaced_job_status(name, namespace)
+            s = job.status
+            true = {c.type: c for c in s.conditions or [] if c.status == "True"}
+            failed = true.get("Failed")
+            reason = f"{failed.reason}: {failed.message}" if failed else ""
+            complete = "Complete" in true
+            return JobState(s.active or 0, s.succeeded or 0, s.failed or 0, complete, reason)
+
+        return self._run(go)
+
+    def running_jobs(self, namespace: str, labels: dict[str, str]) -> list[str]:
+        from kubernetes_asyncio import client
+
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+
+        async def go(api: Any) -> list[str]:
+            jobs = await client.BatchV1Api(api).list_namespaced_job(
+                namespace, label_selector=selector
+            )
+            return [  # a Job that failed or completed may still count terminating pods
+                j.metadata.name
+                for j in jobs.items
+                if (j.status.active or 0) > 0
+                and not any(
+                    c.type in ("Failed", "Complete") and c.status == "True"
+                    for c in j.status.conditions or []
+                )
+            ]
+
+        return self._run(go)
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        from kubernetes_asyncio import client
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        async def go(api: Any) -> None:
+            try:
+                if kind == "Job":  # its pods with it
+                    await client.BatchV1Api(api).delete_namespaced_job(
+                        name, namespace, propagation_policy="Background"
+                    )
+                elif kind == "Service":
+                    await client.CoreV1Api(api).delete_namespaced_service(name, namespace)
+                else:
+                    await client.CoreV1Api(api).delete_namespaced_config_map(name, namespace)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+
+        self._run(go)
+
+
+def open_cluster() -> Cluster:
+    """The cluster the launcher talks to: Kubernetes, or the class MOE_CLUSTER names
+    (module:Class; the tests run pods as local processes this way)."""
+    spec = os.environ.get("MOE_CLUSTER", "")
+    if not spec:
+        return KubernetesCluster()
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)()
+
+
+# ------------------------------------------------------------------------- checkpoints
+
+
+def sync_checkpoints(
+    store: ObjectStore, root: Path, run_key: str, digests: dict | None = None
+) -> dict[str, Any]:
+    """Mirror the checkpoint folder (every finished file; the journal too) to the store."""
+    files = {
+        p.relative_to(root).as_posix(): p
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    }
+    return push_files(
+        store, mirror_prefix(run_key), files, {"run_key": run_key}, digests, addressed=True
+    )
+
+
+def restore_checkpoints(store: ObjectStore, root: Path, run_key: str) -> int:
+    """Fetch the mirrored checkpoints of `run_key` into `root` (none yet: nothing to do)."""
+    if not store.exists(f"{mirror_prefix(run_key)}/manifest.json"):
+        return 0
+    return pull_files(store, mirror_prefix(run_key), root, "")
+
+
+def newest_mirrored_step(store: ObjectStore, run_key: str) -> int | None:
+    if not store.exists(f"{mirror_prefix(run_key)}/manifest.json"):
+        return None
+    files = json.loads(store.read_text(f"{mirror_prefix(run_key)}/manifest.json"))["files"]
+    steps = [int(k.split("/")[0][5:]) for k in files if k.startswith("step_")]
+    return max(steps, default=None)
+
+
+# ------------------------------------------------------------------------- one node
+
+
+def node_main(job_file: Path) -> int:
+    """One pod: fetch the data, the start model and the checkpoints; run this node's share
+    of torchrun (c10d rendezvous at pod 0); the node that held rank 0 uploads the result."""
+    from tasks.storage import download_dataset
+
+    spec = NodeJob(**json.loads(job_file.read_text()))
+    cfg = load_config(params=spec.params)
+    store = open_store(cfg.storage)
+    index = os.environ.get("JOB_COMPLETION_INDEX", "?")
+    t0 = time.time()
+    data_dir = download_dataset.fn(cfg, spec.receipt)
+    init_dir = Path("models") / spec.init if spec.init else None
+    if init_dir is not None:
+        pull_files(store, f"{spec.prefix}/init", init_dir, "the launcher did not upload it")
+    out_dir = Path("models") / spec.stage
+    restored = restore_checkpoints(store, out_dir / "checkpoints", spec.run_key)
+    log.info(
+        "node %s of %s: data, model and %d checkpoint files fetched in %.1f s",
+        index,
+        spec.job,
+        restored,
+        time.time() - t0,
+    )
+    work = out_dir / ".dist"
+    work.mkdir(parents=True, exist_ok=True)
+    cfg.dump(work / "params.yaml")
+    (work / "result.json").unlink(missing_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={spec.nodes}",
+        f"--nproc_per_node={spec.nproc}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={spec.rdzv_endpoint}",
+        f"--rdzv_id={spec.job}",
+        f"--rdzv_conf=join_timeout={spec.join_timeout_s}",
+        "--max_restarts=0",  # a node that fails fails the Job; the retry is Prefect's
+        "-m",
+        "tasks.dist_entry",
+        spec.stage,
+        str(work / "params.yaml"),
+        str(data_dir),
+        str(out_dir),
+        str(init_dir or ""),
+        spec.pairs_file,
+        str(spec.budget_left),
+    ]
+    env = {
+        **os.environ,
+        "MOE_ATTEMPT_STARTED": str(spec.started),
+        "MOE_CHECKPOINT_MIRROR": spec.run_key,  # rank 0 mirrors each checkpoint it saves
+    }
+    rc = subprocess.run(cmd, env=env).returncode
+    if rc != 0:
+        log.error("node %s: torchrun exited with %d", index, rc)
+        return rc
+    if (work / "result.json").is_file():  # this node held global rank 0: it has the outputs
+        sync_checkpoints(store, out_dir / "checkpoints", spec.run_key)
+        files = {name: out_dir / name for name in OUT_FILES if (out_dir / name).is_file()}
+        push_files(store, f"{spec.prefix}/out", files, {"job": spec.job})
+        log.info("node %s: outputs of %s uploaded to %s", index, spec.job, store.uri)
+    return 0
+
+
+# ------------------------------------------------------------------------- the flow run's side
+
+
+def run_on_cluster(
+    cfg: Config,
+    stage: str,
+    receipt: dict[str, Any],
+    data_dir: Path,
+    out_dir: Path,
+    log_fn: Callable[[dict[str, Any]], None],
+    init_dir: Path | None = None,
+    pairs_file: str = "",
+    budget_left: float = 0.0,
+    cluster: Cluster | None = None,
+    image: str = "",
+) -> TrainResult:
+    """Launch `stage` as an Indexed Job of `nodes` pods, follow it to the end, and bring its
+    result, model, metrics and checkpoints into out_dir. A failed Job raises (the task's
+    retry launches a new one, which resumes from the mirrored checkpoints)."""
+    from flows.pools import image as pool_image
+    from tasks.training import training_fingerprint
+
+    section = _section(stage)
+    sec, m = getattr(cfg, section), cfg.multinode
+    cluster = cluster or open_cluster()
+    store = open_store(cfg.storage)
+    fingerprint = training_fingerprint(cfg, stage, data_dir, init_dir)
+    run_key = f"{stage}/{fingerprint[:16]}"
+    labels = {RUN_LABEL: run_key.replace("/", ".")}
+    running = cluster.running_jobs(m.namespace, labels)
+    if running:  # the flow run before this one died; its Job did not
+        job = running[0]
+        log.info("%s: following the Job %s that is still training it", stage, job)
+        spec = None
+    else:
+        job = job_name(stage, fingerprint)
+        commit = os.environ.get("MOE_CODE_COMMIT", "")
+        pool = cfg.pool_of(section)[1]
+        assert pool is not None  # the config check makes sure
+        image = image or pool_image(pool, commit if commit not in ("", "unknown") else "")
+        spec = NodeJob(
+            job=job,
+            stage=stage,
+            run_key=run_key,
+            params=cfg.to_dict(),
+            receipt=receipt,
+            nodes=sec.nodes,
+            nproc=cfg.processes(section),
+            rdzv_endpoint=f"{job}-0.{job}:{m.rdzv_port}",
+            join_timeout_s=m.join_timeout_s,
+            init=init_dir.name if init_dir is not None else "",
+            pairs_file=pairs_file,
+            budget_left=budget_left,
+        )
+        if init_dir is not None:
+            push_files(store, f"{spec.prefix}/init", {n: init_dir / n for n in MODEL_FILES})
+        for manifest in manifests(cfg, spec, image):
+            cluster.create(manifest)
+        log.info(
+            "%s: launched Job %s in %s: %d nodes x %d processes, image %s",
+            stage,
+            job,
+            m.namespace,
+            spec.nodes,
+            spec.nproc,
+            image,
+        )
+    finished = False
+    try:
+        state = _follow(cluster, store, m.namespace, job, run_key, m.poll_s, stage)
+        finished = True
+    finally:
+        if not finished:  # cancelled or crashed here: stop the nodes, they bill by the hour
+            log.warning("%s: deleting Job %s (its flow run is ending)", stage, job)
+            cluster.delete("Job", m.namespace, job)
+        cluster.delete("Service", m.namespace, job)
+        cluster.delete("ConfigMap", m.namespace, job)
+    if not state.complete:
+        raise RuntimeError(
+            f"{stage}: Job {job} failed ({state.reason or f'{state.failed} pod(s) failed'}); "
+            f"its pods' logs: kubectl -n {m.namespace} logs -l moe-pipeline/job={job}. "
+            f"A retry launches a new Job that resumes from {store.uri}/{mirror_prefix(run_key)}"
+        )
+    pull_files(store, f"multinode/{job}/out", out_dir, f"Job {job} ended without its outputs")
+    restore_checkpoints(store, out_dir / "checkpoints", run_key)
+    result = TrainResult(**json.loads((out_dir / ".dist" / "result.json").read_text()))
+    metrics = out_dir / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            if line:
+                log_fn(json.loads(line))
+    return result
+
+
+def _follow(
+    cluster: Cluster,
+    store: ObjectStore,
+    namespace: str,
+    job: str,
+    run_key: str,
+    poll_s: float,
+    stage: str,
+) -> JobState:
+    """Poll the Job until it succeeds or fails; log its pods and newest checkpoint on change."""
+    seen: tuple[int, int, int, int | None] | None = None
+    t0 = time.time()
+    while True:
+        state = cluster.job_state(namespace, job)
+        step = newest_mirrored_step(store, run_key)
+        now = (state.active, state.succeeded, state.failed, step)
+        if now != seen:
+            log.info(
+                "%s: Job %s after %.0f s: %d pods running, %d done, %d failed; newest "
+                "checkpoint: %s",
+                stage,
+                job,
+                time.time() - t0,
+                *now[:3],
+                f"step {step}" if step is not None else "none yet",
+            )
+            seen = now
+        if state.complete or state.reason:
+            return state
+        time.sleep(poll_s)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] != ["node"]:
+        print("usage: python -m tasks.multinode node   (inside a pod; reads $MOE_NODE_JOB)")
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return node_main(Path(os.environ.get("MOE_NODE_JOB", f"{MOUNT}/job.json")))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

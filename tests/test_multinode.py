@@ -1,0 +1,254 @@
+"""Training across nodes (tasks/multinode.py): the Indexed Job, Service and ConfigMap the
+launcher renders, checked field by field against the Kubernetes API's own models; and two
+torchrun "nodes" on 127.0.0.1 joined by the c10d rendezvous, fed through a real S3 server
+(moto), run from those manifests by tests/local_cluster.py (Kubernetes itself cannot run
+here: no image can be pulled)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moe.config import ConfigError, PoolSpec, StorageConfig, load_config
+from tasks.multinode import (
+    MOUNT,
+    NodeJob,
+    manifests,
+    mirror_prefix,
+    newest_mirrored_step,
+    run_on_cluster,
+)
+from tasks.storage import open_store, publish_dataset
+from tests.conftest import free_port
+from tests.local_cluster import LocalCluster
+from tests.test_distributed import torchrun_config
+
+
+def _spec(cfg: Any, nodes: int = 2) -> NodeJob:
+    return NodeJob(
+        job="moe-pretrain-abcdef12-0a1b2c",
+        stage="pretrain",
+        run_key="pretrain/abcdef1234567890",
+        params=cfg.to_dict(),
+        receipt={"name": "d", "version": "v"},
+        nodes=nodes,
+        nproc=4,
+        rdzv_endpoint="moe-pretrain-abcdef12-0a1b2c-0.moe-pretrain-abcdef12-0a1b2c:29400",
+        join_timeout_s=900,
+    )
+
+
+def _h100_cfg(nodes: int = 2) -> Any:
+    cfg = load_config(
+        overrides=[
+            f"train.nodes={nodes}",
+            "pools.definitions.gpu-h100.gpus=4",
+            "storage.backend=s3",
+            "storage.bucket=bkt",
+            "multinode.image_pull_secrets=[regcred]",
+            "multinode.deadline_s=86400",
+        ]
+    )
+    return cfg
+
+
+def _strict(obj: Any, model: str, path: str = "") -> None:
+    """Every key of `obj` is a field of the Kubernetes API model `model` (kubernetes_asyncio's
+    generated classes carry the API's schema), recursively: a misspelt or misplaced field,
+    which the API server would drop or refuse, fails here."""
+    from kubernetes_asyncio import client
+
+    if model.startswith("list["):
+        assert isinstance(obj, list), path
+        for i, item in enumerate(obj):
+            _strict(item, model[5:-1], f"{path}[{i}]")
+        return
+    if model.startswith("dict("):
+        assert isinstance(obj, dict), path
+        inner = model[5:-1].split(", ", 1)[1]
+        for k, v in obj.items():
+            _strict(v, inner, f"{path}.{k}")
+        return
+    cls = getattr(client, model, None)
+    if cls is None:  # str, int, bool, object
+        return
+    assert isinstance(obj, dict), f"{path}: {model} must be a mapping"
+    by_json = {v: k for k, v in cls.attribute_map.items()}
+    for key, value in obj.items():
+        assert key in by_json, f"{path}.{key}: not a field of {model}"
+        _strict(value, cls.openapi_types[by_json[key]], f"{path}.{key}")
+
+
+def test_the_manifests_are_an_indexed_job_the_api_knows() -> None:
+    cfg = _h100_cfg()
+    spec = _spec(cfg)
+    config_map, service, job = manifests(cfg, spec, "registry/moe:abc-gpu")
+    _strict(config_map, "V1ConfigMap")
+    _strict(service, "V1Service")
+    _strict(job, "V1Job")
+
+    # the pods find pod 0 through the headless Service, before any pod is ready
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+    pod = job["spec"]["template"]
+    assert pod["spec"]["subdomain"] == service["metadata"]["name"] == spec.job
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert spec.rdzv_endpoint == f"{spec.job}-0.{spec.job}:{cfg.multinode.rdzv_port}"
+    # one pod per node, all at once; one lost node fails the Job (the Prefect retry resumes)
+    j = job["spec"]
+    assert (j["completionMode"], j["completions"], j["parallelism"], j["backoffLimit"]) == (
+        "Indexed",
+        2,
+        2,
+        0,
+    )
+    assert j["activeDeadlineSeconds"] == 86400
+    # each pod is one machine of the stage's pool
+    (c,) = pod["spec"]["containers"]
+    h100 = cfg.pools.definitions["gpu-h100"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert c["resources"]["requests"] == {
+        "cpu": f"{h100.cpu:g}",
+        "memory": "128Gi",
+        "nvidia.com/gpu": 4,
+    }
+    assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": h100.gpu_product}
+    shm = [v for v in pod["spec"]["volumes"] if v["name"] == "dshm"][0]["emptyDir"]
+    assert shm == {"medium": "Memory", "sizeLimit": "8Gi"}
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert c["image"] == "registry/moe:abc-gpu"
+    assert c["command"] == ["python", "-m", "tasks.multinode", "node"]
+    assert c["envFrom"] == [{"secretRef": {"name": "moe-credentials", "optional": True}}]
+    # the job description is the ConfigMap, mounted where the node entry reads it
+    env = {e["name"]: e["value"] for e in c["env"]}
+    mount = [m for m in c["volumeMounts"] if m["name"] == "job"][0]
+    assert mount["mountPath"] == MOUNT and env["MOE_NODE_JOB"] == f"{MOUNT}/job.json"
+    assert NodeJob(**json.loads(config_map["data"]["job.json"])) == spec
+    # a CPU pool's pods ask for no GPU and tolerate no GPU taint
+    cfg.pools.stages["pretrain"] = "cpu"
+    (_, _, cpu_job) = manifests(cfg, spec, "img")
+    cpu_pod = cpu_job["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in cpu_pod["containers"][0]["resources"]["limits"]
+    assert cpu_pod["tolerations"] == [] and cpu_pod["nodeSelector"] == {}
+
+
+def test_a_multi_node_stage_is_checked_before_it_launches() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["train.nodes=2"])  # the default store is a local folder
+    assert "train.nodes" in str(e.value) and "storage.backend s3 or hf" in str(e.value)
+    with pytest.raises(ConfigError) as e:  # 8 experts over 3 nodes x 1 process
+        load_config(overrides=["finetune_sql.nodes=3", "storage.backend=s3", "storage.bucket=bkt"])
+    assert "finetune_sql.nproc" in str(e.value) and "3 (3 nodes x 1)" in str(e.value)
+    # the bill counts every machine
+    cfg = _h100_cfg(nodes=2)
+    assert cfg.machines("pretrain") == 2 and cfg.machines("evaluate") == 1
+    assert cfg.world("train") == 8
+
+
+@pytest.mark.slow
+def test_two_nodes_train_like_one_machine_and_resume_on_new_machines(
+    tmp_path: Path, moto_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.nodes 2 x nproc 1: two pods join at pod 0's rendezvous; each fetches the data
+    from S3 on an empty disk. Pod 1's machine dies after the first checkpoint: the Job fails.
+    The next launch runs on two new machines, resumes from the mirrored checkpoint, and ends
+    with the same weights as one machine running 2 processes without interruption."""
+    from tasks.training import pretrain_model
+    from tests.test_train import _data
+
+    monkeypatch.chdir(tmp_path)
+    boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1").create_bucket(
+        Bucket="nodes"
+    )
+    cfg = torchrun_config("cpu")
+    cfg.train.max_steps, cfg.train.checkpoint_every, cfg.train.eval_every = 40, 2, 40
+    cfg.storage = StorageConfig(backend="s3", bucket="nodes", endpoint_url=moto_server)
+    cfg.pools.definitions["cpu-node"] = PoolSpec(price_per_hour=0.1)
+    cfg.pools.stages["pretrain"] = "cpu-node"
+    cfg.multinode.rdzv_port, cfg.multinode.poll_s = free_port(), 0.2
+    receipt = publish_dataset.fn(cfg, _data(tmp_path / "prepared"), tmp_path / "pub").to_dict()
+    data = tmp_path / "prepared"
+
+    # the reference: one machine, two processes (standalone torchrun)
+    ref = pretrain_model.fn(cfg, data, tmp_path / "one-machine", lambda r: None)
+    want = load_file(str(tmp_path / "one-machine" / "model.safetensors"))
+
+    cfg.train.nproc, cfg.train.nodes = 1, 2
+    store = open_store(cfg.storage)
+    cluster = LocalCluster(tmp_path / "cluster")
+    out = tmp_path / "launcher" / "models" / "pretrain"
+
+    def lose_pod_1() -> None:  # once a checkpoint is in the store, node 1's machine dies
+        while not LocalCluster.created or newest_mirrored_step(store, run_key()) is None:
+            time.sleep(0.05)
+        cluster.kill(LocalCluster.created[-1]["metadata"]["name"], 1)
+
+    def run_key() -> str:
+        return json.loads(LocalCluster.created[0]["data"]["job.json"])["run_key"]
+
+    LocalCluster.created.clear()
+    LocalCluster.deleted.clear()
+    killer = threading.Thread(target=lose_pod_1, daemon=True)
+    killer.start()
+    with pytest.raises(RuntimeError, match="failed .*resumes from s3://nodes/"):
+        run_on_cluster(cfg, "pretrain", receipt, data, out, lambda r: None, cluster=cluster)
+    killer.join(timeout=5)
+    first = LocalCluster.created[-1]["metadata"]["name"]
+    died_at = newest_mirrored_step(store, run_key())
+    assert died_at is not None and died_at < 40, died_at
+    # the failed launch cleaned up after itself
+    assert {("Service", first), ("ConfigMap", first)} <= set(LocalCluster.deleted)
+
+    rows: list[dict] = []
+    result = run_on_cluster(cfg, "pretrain", receipt, data, out, rows.append, cluster=cluster)
+    second = LocalCluster.created[-1]["metadata"]["name"]
+    assert second != first
+    assert result.resumed_from is not None and result.resumed_from >= died_at
+    assert result.steps == 40 and ref.steps == 40
+    # both nodes of the second Job started on empty disks and fetched what they needed
+    for i in (0, 1):
+        log = (cluster.pod_dir(second, i) / "pod.log").read_text()
+        assert "checkpoint files fetched" in log, log[-2000:]
+    got = load_file(str(out / "model.safetensors"))
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    # the flow run's machine has the result, the metrics and the checkpoints
+    assert [r["step"] for r in rows if "loss" in r][-1] == 40
+    assert (out / "checkpoints" / "step_00000040" / "manifest.json").is_file()
+    assert store.exists(f"{mirror_prefix(run_key())}/manifest.json")
+
+
+def test_a_new_flow_run_follows_the_job_its_predecessor_launched(tmp_path: Path) -> None:
+    """The flow run's own machine died; its Job did not. The recovered flow run finds that
+    Job by its run-key label and follows it instead of launching a second one."""
+    from moe.errors import InputError
+    from tasks.training import training_fingerprint
+    from tests.test_train import _data
+
+    cfg = torchrun_config("cpu")
+    cfg.train.nodes, cfg.train.nproc = 2, 1
+    cfg.storage = StorageConfig(backend="local", root=str(tmp_path / "store"))
+    cfg.multinode.poll_s = 0.1
+    data = _data(tmp_path / "data")
+    run_key = f"pretrain/{training_fingerprint(cfg, 'pretrain', data)[:16]}"
+    spec = NodeJob("moe-pretrain-orphan", "pretrain", run_key, {}, {}, 2, 1, "x:1", 60)
+    cluster = LocalCluster(tmp_path / "cluster")
+    config_map, _, job = manifests(cfg, spec, "img")
+    pod = job["spec"]["template"]["spec"]["containers"][0]
+    pod["command"] = ["python", "-c", "import time; time.sleep(1)"]  # a Job still training
+    cluster.create(config_map)
+    cluster.create(job)
+    LocalCluster.created.clear()
+    with pytest.raises(InputError, match="Job moe-pretrain-orphan ended without its outputs"):
+        run_on_cluster(cfg, "pretrain", {}, data, tmp_path / "out", lambda r: None, cluster=cluster)
+    assert LocalCluster.created == []  # nothing launched
+    assert ("Service", "moe-pretrain-orphan") in LocalCluster.deleted
