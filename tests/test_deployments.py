@@ -181,3 +181,35 @@ def test_the_stack_deploys_without_images(tmp_path: Path) -> None:
     assert "build" not in spec and "push" not in spec and spec["pull"] == full["pull"]
     assert [d["name"] for d in spec["deployments"]] == [d["name"] for d in full["deployments"]]
     assert not any("image" in (d.get("job_variables") or {}) for d in spec["deployments"])
+
+
+def test_a_worker_without_moe_pipeline_dir_is_told_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pull steps, run as a worker runs them: without MOE_PIPELINE_DIR they stop with a
+    message naming it (not a chdir into ''); with it they enter the folder."""
+    import asyncio
+
+    from prefect.utilities.templating import apply_values
+
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+
+    def pull() -> None:
+        for step in spec["pull"]:
+            ((fqn, inputs),) = step.items()
+            module, name = fqn.rsplit(".", 1)
+            fn = getattr(importlib.import_module(module), name)
+            kwargs = apply_values(dict(inputs), dict(os.environ))
+            result = fn(**kwargs)
+            if asyncio.iscoroutine(result):
+                asyncio.run(result)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MOE_PIPELINE_DIR", raising=False)
+    with pytest.raises(RuntimeError, match="MOE_PIPELINE_DIR is unset on this worker"):
+        pull()
+    assert Path.cwd() == tmp_path
+    (tmp_path / "code").mkdir()
+    monkeypatch.setenv("MOE_PIPELINE_DIR", str(tmp_path / "code"))
+    pull()
+    assert Path.cwd() == tmp_path / "code"
