@@ -12,7 +12,9 @@ Each variant runs with `moe.growth.enabled` on, and once off with the same balan
 baseline), on the same seed and batches.
 
 Reports the load CV and MaxVio of the growth run in the logged window before its first
-growth (`cv_before`), over its last three windows (`cv_after`), the same for the baseline,
+growth (`cv_before`, both layers), over its last three windows (`cv_after`), the same for
+the baseline; per layer that grew, its own CV in the window that triggered its growth, at
+the end, and at the end without growth (`per_layer`);
 the expert counts at the end, and the validation loss at equal steps (`loss_delta` = with
 growth - without); then mean and standard deviation over seeds per variant. Targets: CV after
 < CV before, loss_delta <= 0. JSON last.
@@ -100,6 +102,32 @@ def _window(rows: list[dict], upto: int | None = None, last: int = 0) -> tuple[f
     )
 
 
+def _layer_cv(share: list[float]) -> float:
+    t = torch.tensor(share, dtype=torch.float64)
+    return float(t.std(unbiased=False) / t.mean().clamp_min(1e-12))
+
+
+def _per_layer(rows: list[dict], rows_plain: list[dict], events: list[dict]) -> dict:
+    """For each layer that grew: its load CV in the window that triggered its first growth,
+    over its last three windows, and over the same windows of the run without growth."""
+    logged = [r for r in rows if "expert_share" in r]
+    plain = [r for r in rows_plain if "expert_share" in r][-3:]
+    out = {"cv_trigger": [], "cv_end": [], "cv_end_without": []}
+    for layer in sorted({e["layer"] for e in events if e["kind"] == "grow"}):
+        first = min(e["step"] for e in events if e["kind"] == "grow" and e["layer"] == layer)
+        at = [r for r in logged if r["step"] == first]
+        if not at:
+            continue
+        out["cv_trigger"].append(_layer_cv(at[0]["expert_share"][layer]))
+        out["cv_end"].append(
+            statistics.mean(_layer_cv(r["expert_share"][layer]) for r in logged[-3:])
+        )
+        out["cv_end_without"].append(
+            statistics.mean(_layer_cv(r["expert_share"][layer]) for r in plain)
+        )
+    return {k: [round(x, 4) for x in v] for k, v in out.items()}
+
+
 def measure(cfg, data: Path, steps: int, variant: str, seed: int) -> dict:
     init, bal = variant.split("+")
     balancing = [] if bal == "none" else [bal]
@@ -123,6 +151,7 @@ def measure(cfg, data: Path, steps: int, variant: str, seed: int) -> dict:
         "max_vio_after": vio_after,
         "cv_without_growth": cv_plain,
         "max_vio_without_growth": vio_plain,
+        "per_layer": _per_layer(rows_g, rows_n, events),
         "val_loss_with": round(with_g["val_loss"], 4),
         "val_loss_without": round(without["val_loss"], 4),
         "loss_delta": round(with_g["val_loss"] - without["val_loss"], 4),
@@ -175,6 +204,24 @@ def main() -> None:
             f" | {_ms([r['loss_delta'] for r in rs], '+.3f')}"
             f" | {[r['experts_per_layer'] for r in rs]} |"
         )
+    print(
+        "\nPer grown layer (every seed's grown layers pooled): its load CV in the window that"
+        " triggered its first growth, over its last three windows, and over the same windows"
+        " without growth"
+    )
+    print(
+        "| variant | layers | CV at the trigger | CV at the end | the same layers without growth |"
+    )
+    print("|---|---|---|---|---|")
+    for v, per_seed in res.items():
+        pl = [r["per_layer"] for r in per_seed.values()]
+        trig = [x for p in pl for x in p["cv_trigger"]]
+        if not trig:
+            print(f"| {v} | 0 | - | - | - |")
+            continue
+        end = [x for p in pl for x in p["cv_end"]]
+        plain = [x for p in pl for x in p["cv_end_without"]]
+        print(f"| {v} | {len(trig)} | {_ms(trig)} | {_ms(end)} | {_ms(plain)} |")
     print(json.dumps({"steps": steps, "seeds": a.seeds, "results": res}))
 
 

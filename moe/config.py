@@ -183,6 +183,9 @@ class GrowthConfig:
     top_fraction: float = 0.2  # grow when the top 20% of experts...
     top_load: float = 0.8  # ...carry more than 80% of the load,
     importance_var: float = 0.25  # or the importance variance exceeds this (seed: 0.2-0.3)
+    # ...and, either way, only while the layer's load CV is above this: importance also
+    # reads gradient norms, uneven in a balanced layer too (bench/RESULTS.md, growth).
+    min_load_cv: float = 0.5
     cooldown: int = 5000  # steps between growth events in one layer (seed: 5000)
     max_experts: int = 32  # per layer
     ema: float = 0.98  # moving average of activation frequency and gradient norm
@@ -200,6 +203,7 @@ class GrowthConfig:
         p.require(0 < self.top_fraction < 1, "top_fraction", self.top_fraction, "must be in (0, 1)")
         p.require(0 < self.top_load <= 1, "top_load", self.top_load, "must be in (0, 1]")
         p.require(self.importance_var > 0, "importance_var", self.importance_var, "must be > 0")
+        p.require(self.min_load_cv >= 0, "min_load_cv", self.min_load_cv, "must be >= 0")
         p.require(self.cooldown >= 1, "cooldown", self.cooldown, "must be >= 1")
         p.require(0 <= self.ema < 1, "ema", self.ema, "must be in [0, 1)")
         p.require(self.ramp_steps >= 1, "ramp_steps", self.ramp_steps, "must be >= 1")

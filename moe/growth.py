@@ -6,14 +6,17 @@ Seed 001 §3.2 (dynamic orthogonal growth) and §5 (pruning and merging). Per Mo
   layer's assignments) and of its gradient-norm share; importance_i = mean of the two, each
   scaled so a balanced layer scores 1.0 per expert;
 - growth trigger: the top `top_fraction` of experts carry more than `top_load` of the
-  load, or the variance of the importance exceeds `importance_var`; at most one growth per
+  load, or the variance of the importance exceeds `importance_var`, and in either case the
+  load itself is uneven (its CV over `min_load_cv`: a balanced layer never grows, whatever
+  its gradient norms say); at most one growth per
   `cooldown` steps per layer, up to `max_experts`;
 - growth: one new expert whose weights are orthogonal to the span of the layer's experts
   (Gram-Schmidt against a QR basis of their flattened weights) and scaled to their mean norm;
   (`init: split` starts it instead as the hottest expert plus an orthogonal component of 10%
   of its norm); its router row is the hottest expert's row plus an orthogonal perturbation,
   so it competes
-  for that expert's tokens. Departure from the seed: the new expert starts at zero combine
+  for that expert's tokens (under aux_free balancing it also starts with that expert's
+  routing bias). Departure from the seed: the new expert starts at zero combine
   weight (a router logit offset of -1e4: its softmax probability is exactly 0 in fp32), so the
   model's output right after growth equals the output before; the offset ramps from -20 to 0
   over `ramp_steps`, handing it traffic gradually;
@@ -90,7 +93,12 @@ def expert_grad_norms(layer: MoELayer) -> torch.Tensor:
 
 
 def grow_reason(state: LayerState, cfg: GrowthConfig) -> str | None:
-    """Why this layer should grow now, or None (cooldown and size are checked by the caller)."""
+    """Why this layer should grow now, or None (cooldown and size are checked by the caller).
+    Only a layer whose load is uneven grows (load CV over `min_load_cv`): the importance
+    variance also reads gradient norms, which differ between experts of a balanced layer, and
+    growing such a layer only adds an expert that starts with no traffic."""
+    if _cv(state.freq_E) <= cfg.min_load_cv:
+        return None
     E = state.freq_E.numel()
     top_n = max(1, math.ceil(cfg.top_fraction * E))
     top_share = float(state.freq_E.sort(descending=True).values[:top_n].sum())
@@ -205,6 +213,8 @@ def grow(
         gate = torch.cat([layer.router.gate.weight, (row + perturb)[None]])
     index = torch.cat([torch.arange(E), torch.tensor([-1])])
     _resize_layer(layer, index, w13, w2, gate, optimizer)
+    with torch.no_grad():  # aux_free: it competes for its parent's tokens on equal terms
+        layer.router.expert_bias_E[-1] = layer.router.expert_bias_E[hot]
     state.reindex(index, step)
     return {
         "kind": "grow",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from moe.checkpoint import (
@@ -127,6 +128,12 @@ def test_trigger_fires_on_skewed_load_not_on_balanced() -> None:
     spread.freq_E = torch.tensor([0.3, 0.25, 0.2, 0.1, 0.05, 0.05, 0.03, 0.02])
     spread.grad_E = spread.freq_E.clone()
     assert "variance" in grow_reason(spread, cfg)
+    # an even load with uneven gradient norms: the importance variance is high, the layer
+    # does not grow (a new expert there would start with no traffic and only add imbalance)
+    busy = LayerState.fresh(8)
+    busy.grad_E = torch.tensor([0.5, 0.3, 0.1, 0.04, 0.03, 0.01, 0.01, 0.01])
+    assert float(busy.importance().var(unbiased=False)) > cfg.importance_var
+    assert grow_reason(busy, cfg) is None
 
 
 def test_manager_grows_a_skewed_layer_and_prunes_a_dead_expert() -> None:
@@ -181,6 +188,7 @@ def test_training_with_growth_resumes_bit_identically(tmp_path: Path) -> None:
             check_every=2,
             cooldown=4,
             importance_var=0.001,
+            min_load_cv=0.0,  # grow on any unevenness: the test needs growth events
             max_experts=6,
             ramp_steps=2,
             ema=0.5,
@@ -232,11 +240,14 @@ def test_split_init_starts_near_the_hot_expert_and_keeps_the_output() -> None:
     model = _model()
     idx = torch.randint(0, 50, (3, 16))
     model.eval()
-    before = model(idx)[0]
     layer = model.moe_layers[0]
+    layer.router.expert_bias_E.copy_(torch.tensor([0.02, 0.01, -0.04, 0.01]))  # aux_free
+    before = model(idx)[0]
     state = LayerState.fresh(4)
     state.freq_E = torch.tensor([0.1, 0.1, 0.7, 0.1])
     grow(layer, state, None, step=3, init="split")
+    # the new expert starts with the routing bias of the expert it competes with
+    assert layer.router.expert_bias_E.tolist() == pytest.approx([0.02, 0.01, -0.04, 0.01, -0.04])
     w = layer.experts.w13_EDG.detach()
     rel = float((w[4] - w[2]).norm() / w[2].norm())
     assert abs(rel - 0.1) < 1e-4  # the hot expert plus a 10% orthogonal component
