@@ -382,7 +382,7 @@ def _lineage(args: argparse.Namespace) -> int:
     whether each file still has the hash the record holds."""
     import json
 
-    from tasks.report import content_hash
+    from tasks.lineage import content_hash
 
     root = args.root
     records = []

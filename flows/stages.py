@@ -21,23 +21,19 @@ from prefect import flow
 
 from moe.config import Config, load_config
 from moe.errors import InputError
-from moe.sql import TEMPLATES
 from tasks import quiet_input_errors
+from tasks.cost import cost_ledger, phase_costs, storage_costs
 from tasks.data import build_sql_sets, build_tokenizer, commit_folder, tokenize_corpus
 from tasks.evaluation import evaluate_perplexity, evaluate_sql
 from tasks.handoff import pull_inputs, push_outputs, stage_outputs
-from tasks.report import (
-    StageRecord,
-    cost_ledger,
-    phase_costs,
+from tasks.lineage import StageRecord, up_to_date, write_json
+from tasks.presentation import (
     plot_cost,
     plot_expert_load,
     plot_training,
     publish_artifacts,
     publish_cost_table,
-    storage_costs,
-    up_to_date,
-    write_json,
+    run_report,
 )
 from tasks.storage import download_dataset, open_store, publish_dataset
 from tasks.tracking import wandb_run
@@ -387,80 +383,7 @@ def evaluate(
     metrics["cost_total"] = ledger["total"]
     write_json(REPORTS / "metrics.json", metrics)
     write_json(REPORTS / "summary.json", headline(metrics, ledger))
-    lines = [
-        "# Run report",
-        "",
-        f"Dataset {receipt['name']}/{receipt['version']}, code {commit[:12]}",
-        "",
-        "| stage | pool | wall s | cost | interruptions (cost, goodput) |",
-        "|---|---|---|---|---|",
-        *(
-            f"| {s} | {v['pool']} | {v['wall_s']:.1f} | {v['cost']:.5f} | "
-            + (
-                f"{v['interruptions']} ({v['interruption_cost']:.5f}, {v['goodput']:.0%})"
-                if v.get("interruptions")
-                else "none"
-            )
-            + " |"
-            for s, v in ledger["by_stage"].items()
-        ),
-        "",
-        f"Total {ledger['total']:.5f} {ledger['currency']}"
-        + (
-            f", of which {ledger['interruptions']['cost']:.5f} paid for work lost to "
-            f"{ledger['interruptions']['count']} interruption(s)"
-            if ledger.get("interruptions", {}).get("count")
-            else ""
-        ),
-        "",
-        "Domain questions (held out), and generic questions never trained on, on the "
-        "databases trained on (seen) and on schemas no training pair uses (held out):",
-        "",
-        "| model after | val perplexity | valid SQL | execution accuracy | exact match "
-        "| generic exec. (seen DBs) | generic exec. (held-out DBs) |",
-        "|---|---|---|---|---|---|---|",
-        *(
-            f"| {s} | {metrics[s]['val']['perplexity']:.2f} | {metrics[s]['sql']['valid_sql']:.3f}"
-            f" | {metrics[s]['sql']['execution_accuracy']:.3f} | {metrics[s]['sql']['exact_match']:.3f}"
-            f" | {_acc(metrics[s], 'generic_seen')} | {_acc(metrics[s], 'generic_heldout')} |"
-            for s in TRAIN_STAGES
-        ),
-        "",
-        "Domain execution accuracy per kind of query:",
-        "",
-        "| model after | " + " | ".join(TEMPLATES) + " |",
-        "|---|" + "---|" * len(TEMPLATES),
-        *(
-            f"| {s} | "
-            + " | ".join(
-                f"{b[t]['execution_accuracy']:.2f} ({b[t]['examples']})" if t in b else "-"
-                for b in [metrics[s]["sql"]["by_template"]]
-                for t in TEMPLATES
-            )
-            + " |"
-            for s in TRAIN_STAGES
-        ),
-        "",
-        "Samples (the first five, then the first five wrong) after finetune_domain:",
-        "",
-        *(
-            f"- {'ok' if x['execution_match'] else 'WRONG'}: {x['question']}  \n"
-            f"  gold `{x['gold']}`  \n  got `{x['predicted']}`"
-            for x in metrics["finetune_domain"]["sql"]["samples"]
-        ),
-    ]
-    lines += [
-        "",
-        f"Against every stage on {ledger['all_on_pool']['pool']}: "
-        f"{ledger['all_on_pool']['cost']:.5f}, a saving of {ledger['saving']:.5f} "
-        f"({ledger['saving_fraction']:.0%}).",
-        "",
-        f"![cost]({cost_png.name})",
-    ]
-    if plot:
-        lines += ["", f"![training loss]({plot.name})"]
-    lines += [f"![expert load]({h.name})" for h in heatmaps if h]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    run_report(out / "report.md", receipt, commit, metrics, ledger, cost_png, plot, heatmaps)
     publish_artifacts(
         "evaluate",
         {
@@ -479,10 +402,6 @@ def evaluate(
     )
     _hand_off(cfg, "evaluate", handoff)
     return metrics
-
-
-def _acc(stage_metrics: dict[str, Any], name: str) -> str:
-    return f"{stage_metrics[name]['execution_accuracy']:.3f}" if name in stage_metrics else "-"
 
 
 def headline(metrics: dict[str, Any], ledger: dict[str, Any]) -> dict[str, Any]:

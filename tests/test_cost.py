@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from moe.config import Config
-from tasks.report import cost_ledger, phase_costs, plot_cost, storage_costs
+from tasks.cost import cost_ledger, phase_costs, storage_costs
+from tasks.presentation import plot_cost
 
 
 def _records() -> list[dict]:
@@ -67,7 +68,7 @@ def test_interruptions_and_spot_prices_reach_the_record_and_the_bill(
 ) -> None:
     """A stage that survived an interruption bills the lost attempt's machine time and says
     what the interruption cost; a spot pool is billed at its spot price."""
-    from tasks.report import StageRecord
+    from tasks.lineage import StageRecord
 
     monkeypatch.chdir(tmp_path)
     cfg = Config()
@@ -102,7 +103,7 @@ def test_interruptions_and_spot_prices_reach_the_record_and_the_bill(
 def test_a_retry_inside_the_flow_run_is_not_billed_twice(tmp_path: Path) -> None:
     """A task retry in the same process: the lost attempt lies inside this flow run's wall
     time, which is all the bill counts."""
-    from tasks.report import StageRecord
+    from tasks.lineage import StageRecord
 
     cfg = Config()
     rec = StageRecord(cfg, "pretrain", tmp_path)

@@ -13,7 +13,7 @@ import pytest
 from moe.config import load_config
 from moe.errors import InputError
 from tasks.handoff import pull_inputs, push_outputs, stage_outputs
-from tasks.report import StageRecord, up_to_date
+from tasks.lineage import StageRecord, up_to_date
 from tests.conftest import ROOT
 
 

@@ -1,0 +1,271 @@
+"""Lineage: what each stage ran on and made, and whether it can be skipped.
+
+Every stage writes `lineage.json` beside its outputs (`StageRecord`): input and output content
+hashes, the resolved params, the code commit, the Prefect flow-run id, the W&B run id, the
+pool and worker, wall time and cost, with a copy in the object store. `up_to_date` reads it
+back to decide whether a stage can be skipped. Secrets never reach a record (`scrub`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from moe.checkpoint import sha256_file
+from moe.config import Config
+
+log = logging.getLogger(__name__)
+
+SECRET_ENV = (
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "WANDB_API_KEY",
+)
+
+
+def scrub(text: str) -> str:
+    """Replace the value of any secret environment variable that leaked into `text`."""
+    for name in SECRET_ENV:
+        value = os.environ.get(name)
+        if value and len(value) >= 4:
+            text = text.replace(value, f"<{name}>")
+    return text
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Atomic JSON write with secrets scrubbed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(scrub(json.dumps(data, indent=1, sort_keys=True, default=str)) + "\n")
+    os.replace(tmp, path)
+
+
+def content_hash(path: Path) -> str:
+    """sha256 of a file, or of a folder's (relative path, sha256) list."""
+    if path.is_file():
+        return sha256_file(path)
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        if p.is_file() and p.name not in ("lineage.json", "params.yaml"):
+            h.update(f"{p.relative_to(path)}\0{sha256_file(p)}\n".encode())
+    return h.hexdigest()
+
+
+def code_version() -> dict[str, Any]:
+    """The git commit of the code (and whether moe/tasks/flows differ from it). Where the code
+    is a copy without git (an image, a stack worker's folder), MOE_CODE_COMMIT says it."""
+    if os.environ.get("MOE_CODE_COMMIT") and not Path(".git").exists():
+        return {"commit": os.environ["MOE_CODE_COMMIT"], "dirty": None}
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--", "moe", "tasks", "flows"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+        )
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": "unknown", "dirty": None}
+    return {"commit": commit, "dirty": dirty}
+
+
+def flow_run_id() -> str | None:
+    try:
+        from prefect.runtime import flow_run
+
+        return str(flow_run.id) if flow_run.id else None
+    except Exception:  # noqa: BLE001 - outside a flow run
+        return None
+
+
+def _dvc_stage(stage: str) -> dict[str, Any]:
+    """The stage's entry in dvc.yaml: the one list of the params and code each stage reads."""
+    import yaml
+
+    path = Path("dvc.yaml")
+    if not path.is_file():
+        return {}
+    return yaml.safe_load(path.read_text()).get("stages", {}).get(stage, {})
+
+
+def stage_params_hash(cfg: Config, stage: str) -> str:
+    """sha256 of the params this stage reads (dvc.yaml's `params` of the stage), so that a
+    change to a later stage's params does not invalidate an earlier stage."""
+    full = cfg.to_dict()
+    picked: dict[str, Any] = {}
+    for key in _dvc_stage(stage).get("params") or list(full):
+        node: Any = full
+        for part in str(key).split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        picked[str(key)] = node
+    if stage == "prepare" and cfg.data.source == "stdlib":
+        picked["python"] = platform.python_version()  # the corpus is this Python's stdlib
+    return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()
+
+
+def code_deps(stage: str) -> dict[str, str]:
+    """sha256 of each source file dvc.yaml lists as a dependency of the stage."""
+    out = {}
+    for dep in _dvc_stage(stage).get("deps") or []:
+        p = Path(str(dep))
+        if p.suffix == ".py" and p.is_file():
+            out[str(p)] = sha256_file(p)
+    return out
+
+
+def up_to_date(
+    cfg: Config, stage: str, out_dir: Path, inputs: dict[str, Path], outputs: list[Path]
+) -> dict[str, Any] | None:
+    """The lineage record of the stage's last run if that run is still valid: same params
+    (the stage's), same code, same content hashes of its inputs, outputs present and
+    unchanged, and it finished (not cut by a budget). Else None: the stage must run."""
+    path = out_dir / "lineage.json"
+    if not path.is_file():
+        return None
+    try:
+        rec = json.loads(path.read_text())
+    except ValueError:
+        return None
+    if rec.get("stage_params_hash") != stage_params_hash(cfg, stage):
+        return None
+    if rec.get("code_deps") != code_deps(stage):
+        return None
+    stop = str(rec.get("metrics", {}).get("stop_reason", ""))
+    if "budget" in stop or stop == "stop_after":
+        return None
+    if not rec.get("outputs") or set(rec.get("inputs", {})) != set(inputs):
+        return None
+    for name, p in inputs.items():
+        if not p.exists() or rec["inputs"][name].get("sha256") != content_hash(p):
+            return None
+    for o in rec.get("outputs", {}).values():
+        p = Path(o["path"])
+        if not p.exists() or content_hash(p) != o["sha256"]:
+            return None
+    if not all(p.exists() for p in outputs):
+        return None
+    return rec
+
+
+class StageRecord:
+    """Times a stage and writes its lineage record (with its cost) beside its outputs."""
+
+    def __init__(self, cfg: Config, stage: str, out_dir: Path) -> None:
+        self.cfg, self.stage, self.out_dir = cfg, stage, out_dir
+        self.pool = cfg.pools.stages[stage]
+        spec = cfg.pools.definitions[self.pool]
+        self.pricing, self.price_per_hour = spec.pricing, spec.rate * cfg.machines(stage)
+        self.t0 = time.time()
+
+    def write(
+        self,
+        inputs: dict[str, Path],
+        outputs: dict[str, Path],
+        metrics: dict[str, Any] | None = None,
+        wandb_run_id: str | None = None,
+        compute_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Build the record and keep it: lineage.json and params.yaml beside the outputs, a
+        copy in the object store, a Prefect artifact."""
+        record = self.build(inputs, outputs, metrics, wandb_run_id, compute_s)
+        self.cfg.dump(self.out_dir / "params.yaml")
+        write_json(self.out_dir / "lineage.json", record)
+        self._to_object_store(record)
+        from tasks.presentation import lineage_artifact
+
+        lineage_artifact(record)
+        return record
+
+    def build(
+        self,
+        inputs: dict[str, Path],
+        outputs: dict[str, Path],
+        metrics: dict[str, Any] | None = None,
+        wandb_run_id: str | None = None,
+        compute_s: float | None = None,
+    ) -> dict[str, Any]:
+        """The record as of now, written nowhere (evaluate prices itself before it ends)."""
+        wall_s = time.time() - self.t0
+        res = (metrics or {}).get("resilience") or {}
+        if res.get("interruptions"):
+            # Attempts lost before this flow run (moe/resilience.py): their machines were
+            # paid. compute_s is left out: a resumed run's training time includes the kept
+            # work of those attempts, already inside their spans.
+            lost_attempts_s = sum(
+                max(0.0, min(last, self.t0) - start) for start, last in res.get("lost_spans", [])
+            )
+            billed_s = wall_s + lost_attempts_s
+        else:
+            lost_attempts_s = 0.0
+            billed_s = wall_s if compute_s is None else max(wall_s, compute_s)
+        record = {
+            "stage": self.stage,
+            "inputs": {k: {"path": str(p), "sha256": content_hash(p)} for k, p in inputs.items()},
+            "outputs": {k: {"path": str(p), "sha256": content_hash(p)} for k, p in outputs.items()},
+            "params": self.cfg.to_dict(),
+            "code": code_version(),
+            "flow_run_id": flow_run_id(),
+            "wandb_run_id": wandb_run_id,
+            "pool": self.pool,
+            # the Prefect worker that ran it (the local stack names them), and its machine
+            "worker": "@".join(filter(None, [os.environ.get("MOE_WORKER"), socket.gethostname()])),
+            "params_hash": self.cfg.fingerprint(),
+            "stage_params_hash": stage_params_hash(self.cfg, self.stage),
+            "code_deps": code_deps(self.stage),
+            "price_per_hour": self.price_per_hour,  # x machines for a multi-node stage
+            "machines": self.cfg.machines(self.stage),
+            "pricing": self.pricing,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.t0)),
+            "ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "wall_s": round(wall_s, 3),
+            # NOTE: priced at the pool's rate for the time this run took on *this* machine;
+            # on the pool's GPU the same stage is faster, so this is an upper bound there.
+            "cost": round(billed_s / 3600 * self.price_per_hour, 6),
+            "currency": self.cfg.cost.currency,
+            "metrics": metrics or {},
+        }
+        if res.get("interruptions"):
+            lost = res["interruptions"]
+            record["interruptions"] = {
+                "count": len(lost),
+                "attempts": res["attempts"],
+                "steps_lost": res.get("steps_lost", 0),
+                "lost_s": res.get("lost_s", 0.0),
+                "lost_attempts_s": round(lost_attempts_s, 3),
+                "goodput": res.get("goodput", 1.0),
+                # what the interruptions cost: machine time paid without progress
+                "cost": round(res.get("billed_lost_s", 0.0) / 3600 * self.price_per_hour, 6),
+                "each": lost,
+            }
+            record["wall_s"] = round(wall_s + lost_attempts_s, 3)
+        return record
+
+    def _to_object_store(self, record: dict[str, Any]) -> None:
+        """A copy of the record in the object store, beside the data (`lineage/<stage>/`), so
+        a run's history outlives the machine that ran it."""
+        from tasks.storage import open_store
+
+        run = record["flow_run_id"] or "local"
+        key = f"lineage/{self.stage}/{record['started'].replace(':', '')}-{run}.json"
+        try:
+            store = open_store(self.cfg.storage)
+            store.put(self.out_dir / "lineage.json", key)
+            record["object_store_key"] = f"{store.uri}/{key}"
+        except Exception as e:  # noqa: BLE001 - the local record stands; say so
+            log.warning(
+                "could not copy the %s lineage record to the object store: %s", self.stage, e
+            )
