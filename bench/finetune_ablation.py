@@ -37,7 +37,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import tasks  # noqa: E402, F401 - offline defaults
+import tasks  # noqa: E402
+
+tasks.offline_defaults()
 from moe.config import load_config  # noqa: E402
 
 ARMS = ("two_stage", "domain_only", "generic_only", "no_focus", "no_replay", "random_init")

@@ -25,9 +25,11 @@ from typing import Any
 import numpy as np
 import zstandard
 
-import tasks  # noqa: F401 - offline defaults
-from moe.data import CorpusStats, iter_documents, token_dtype, write_token_store
-from moe.tokenizer import EOT, batch_encoder, train_tokenizer
+import tasks
+
+tasks.offline_defaults()
+from moe.data import CorpusStats, iter_documents, token_dtype, write_token_store  # noqa: E402
+from moe.tokenizer import EOT, batch_encoder, train_tokenizer  # noqa: E402
 
 
 def nanogpt_run(texts: list[str], tok: Any, vocab: int, out: Path) -> int:

@@ -19,6 +19,7 @@ from prefect.runtime import flow_run
 
 from flows.stages import STAGE_FLOWS
 from moe.config import STAGES, Config, load_config
+from moe.errors import InputError
 
 log = logging.getLogger("flows.pipeline")  # by name: a deployment loads this file as a script
 
@@ -42,12 +43,12 @@ def pipeline(
     chosen = list(stages or STAGES)
     unknown = [s for s in chosen if s not in STAGE_FLOWS]
     if unknown:
-        raise ValueError(f"unknown stage(s) {unknown}; stages are {', '.join(STAGES)}")
+        raise InputError(f"unknown stage(s) {unknown}; stages are {', '.join(STAGES)}")
     ordered = [name for name in STAGES if name in chosen]
     if dispatch == "deployments":
         return _dispatch(cfg, ordered, handoff or str(flow_run.get_id() or uuid.uuid4()))
     if dispatch != "local":
-        raise ValueError(f"dispatch must be 'local' or 'deployments', got {dispatch!r}")
+        raise InputError(f"dispatch must be 'local' or 'deployments', got {dispatch!r}")
     results: dict[str, Any] = {}
     for name in ordered:
         log.info("stage %s", name)
@@ -64,7 +65,7 @@ def _dispatch(cfg: Config, stages: list[str], run: str) -> dict[str, Any]:
     from tasks.handoff import pull_inputs
 
     if cfg.storage.backend == "local" and not Path(cfg.storage.root).is_absolute():
-        raise ValueError(
+        raise InputError(
             f"storage.backend is local with a relative root ({cfg.storage.root!r}): stages on "
             "other machines cannot reach it. Set storage.backend: s3 and storage.bucket (or hf), "
             "or an absolute storage.root that every worker shares"
@@ -76,7 +77,7 @@ def _dispatch(cfg: Config, stages: list[str], run: str) -> dict[str, Any]:
             try:
                 workers = client.read_workers_for_work_pool(pool)
             except ObjectNotFound:
-                raise RuntimeError(
+                raise InputError(
                     f"work pool {pool!r} (pools.stages in params) does not exist on "
                     f"{client.api_url}: create it and start a worker (moe-pipeline stack up, "
                     "or infra/README.md)"
@@ -102,7 +103,7 @@ def _dispatch(cfg: Config, stages: list[str], run: str) -> dict[str, Any]:
                 poll_interval=1,
             )
         except ObjectNotFound:
-            raise RuntimeError(
+            raise InputError(
                 f"deployment {name}/{name} does not exist: deploy prefect.yaml "
                 "(prefect deploy --all, or moe-pipeline stack up)"
             ) from None

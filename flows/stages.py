@@ -86,7 +86,7 @@ def _skipped(
     still_there: Callable[[], bool] = lambda: True,
 ) -> dict[str, Any] | None:
     """The stage's last summary if its params, code and inputs are unchanged since it ran and
-    its outputs are intact (tasks/report.py:up_to_date): the stage is skipped and says so.
+    its outputs are intact (tasks/lineage.py:up_to_date): the stage is skipped and says so.
     MOE_FORCE=1 runs it anyway (`moe-pipeline stage|run --force`)."""
     if os.environ.get("MOE_FORCE", "") not in ("", "0"):
         return None

@@ -3,9 +3,10 @@
 import logging
 import os
 
-# Offline-friendly defaults, set before Prefect, W&B or Hugging Face read their settings.
-# setdefault: whatever the user configured wins.
-_DEFAULTS = {
+# Offline-friendly defaults, for Prefect, W&B, DVC and Hugging Face. Applied by the entry
+# points (the `flows` package, a torchrun rank, a multi-node pod, the benchmarks) before those
+# libraries read their settings; importing `tasks` alone changes nothing.
+OFFLINE_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "DO_NOT_TRACK": "1",
     "DVC_NO_ANALYTICS": "1",
@@ -18,12 +19,15 @@ _DEFAULTS = {
     "PREFECT_LOGGING_EXTRA_LOGGERS": "moe,tasks,flows",
     "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
 }
-for _k, _v in _DEFAULTS.items():
-    os.environ.setdefault(_k, _v)
 
-# Prefect forwards these loggers (PREFECT_LOGGING_EXTRA_LOGGERS); let their INFO lines through.
-for _name in ("moe", "tasks", "flows"):
-    logging.getLogger(_name).setLevel(logging.INFO)
+
+def offline_defaults() -> None:
+    """Set OFFLINE_DEFAULTS where the user has not (whatever they configured wins), and let
+    the INFO lines of our loggers through (Prefect forwards them: PREFECT_LOGGING_EXTRA_LOGGERS)."""
+    for k, v in OFFLINE_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    for name in ("moe", "tasks", "flows"):
+        logging.getLogger(name).setLevel(logging.INFO)
 
 
 def retry_unless_input_error(task: object, task_run: object, state: object) -> bool:

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-import tasks  # noqa: F401 - offline defaults
-from moe import distributed as D
-from moe.config import load_config
-from tasks.training import finetune_model, pretrain_model
+import tasks
+
+tasks.offline_defaults()  # before Prefect and W&B read their settings
+from moe import distributed as D  # noqa: E402
+from moe.config import load_config  # noqa: E402
+from tasks.training import finetune_model, pretrain_model  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

@@ -556,6 +556,9 @@ def main(argv: list[str]) -> int:
     if argv[:1] != ["node"]:
         print("usage: python -m tasks.multinode node   (inside a pod; reads $MOE_NODE_JOB)")
         return 2
+    import tasks
+
+    tasks.offline_defaults()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     return node_main(Path(os.environ.get("MOE_NODE_JOB", f"{MOUNT}/job.json")))
 

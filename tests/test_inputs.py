@@ -320,3 +320,35 @@ def test_a_single_book_file_prepares_with_every_split(
     assert meta["documents"] >= 60, meta
     for split in ("train", "val", "replay"):
         assert meta["splits"][split]["documents"] >= 2, meta["splits"]
+
+
+def test_pipeline_input_errors_are_input_errors(tmp_path: Path, monkeypatch) -> None:
+    """What a user can get wrong when starting the pipeline is an InputError (exit code 2 on
+    the CLI, no retry): an unknown stage, a dispatch mode, a store other machines cannot
+    reach."""
+    from flows.pipeline import pipeline
+
+    monkeypatch.chdir(tmp_path)  # the embedded default params; nothing to overwrite here
+    with pytest.raises(InputError, match="unknown stage"):
+        pipeline.fn(stages=["pretrain", "distill"])
+    with pytest.raises(InputError, match="dispatch must be"):
+        pipeline.fn(stages=["prepare"], dispatch="cluster")
+    with pytest.raises(InputError, match="relative root"):
+        pipeline.fn(stages=["prepare"], dispatch="deployments")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_importing_tasks_changes_no_environment() -> None:
+    """The offline defaults are applied by the entry points (the flows package), not as a side
+    effect of importing the task library."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "DO_NOT_TRACK")}
+    code = (
+        "import os, tasks.storage, tasks.training;"
+        "print(os.environ.get('HF_HUB_OFFLINE'), os.environ.get('DO_NOT_TRACK'));"
+        "import flows;"
+        "print(os.environ.get('HF_HUB_OFFLINE'), os.environ.get('DO_NOT_TRACK'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    assert out[:2] == ["None None", "1 1"]
