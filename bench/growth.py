@@ -5,7 +5,7 @@ Skewed start: the default model with 4 experts, top-1 routing and a router learn
 the base rate, so a few experts take most tokens. Variants (`--variants`, each
 `INIT+BALANCING`):
 - `orthogonal+none`, `split+none`: no balancing at all; the new expert starts orthogonal to
-  the others (the seed's rule) or as the hottest expert plus a 10% orthogonal component;
+  the others (the rule the growth design specifies) or as the hottest expert plus a 10% orthogonal component;
 - `orthogonal+aux_free`, `split+aux_free`: auxiliary-loss-free balancing on, so a new
   expert gets traffic through its routing bias rather than through its combine weight.
 Each variant runs with `moe.growth.enabled` on, and once off with the same balancing (the

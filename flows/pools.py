@@ -14,25 +14,14 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 from typing import Any, Literal
 
-from moe.config import Config, PoolSpec
+from moe.config import Config
+from tasks.multinode import pool_image as image
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "infra" / "pools"
 Kind = Literal["process", "docker", "kubernetes"]
-
-
-def image(spec: PoolSpec, tag: str = "") -> str:
-    """The pool's image: its own setting, else the tier's (`moe-pipeline:gpu` / `:cpu`), or
-    with `tag` (the commit) the image prefect.yaml's build steps make for the tier:
-    `$MOE_IMAGE_REPO:<tag>-gpu` (repository moe-pipeline by default)."""
-    if spec.image:
-        return spec.image
-    tier = "gpu" if spec.gpus else "cpu"
-    repo = os.environ.get("MOE_IMAGE_REPO") or "moe-pipeline"
-    return f"{repo}:{tag}-{tier}" if tag else f"moe-pipeline:{tier}"
 
 
 def job_template(cfg: Config, pool: str, kind: Kind, image_tag: str = "") -> dict[str, Any]:

@@ -373,7 +373,7 @@ def evaluate(
         for s in TRAIN_STAGES
     }
     # Kept: the published archive and the three models; moved: one archive download per
-    # training stage and for evaluation (seed 002: storage and transfer are part of the bill).
+    # training stage and for evaluation (storage and transfer are part of the bill).
     model_bytes = sum((MODELS / s / "model.safetensors").stat().st_size for s in TRAIN_STAGES)
     archive = int(receipt.get("archive_bytes", 0))
     ledger["storage"] = storage_costs(cfg, archive + model_bytes, archive * (len(TRAIN_STAGES) + 1))

@@ -1,6 +1,6 @@
 """Tiered checkpoint store: every checkpoint is one consistent, verified training state.
 
-Seed 001's hierarchical checkpoints, made safe. Tiering decides where a tensor is stored,
+Hierarchical (tiered) checkpoints, made safe. Tiering decides where a tensor is stored,
 with which codec and how often it is written in full, never which step it comes from:
 
 - L0: the shared (non-expert) parameters, their optimizer state and the RNG state;

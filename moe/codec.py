@@ -14,7 +14,7 @@ Codecs (the name goes in the manifest; decoding needs only the name, dtype and s
 - `xor-zstd`: XOR of the bytes against the same tensor in a base checkpoint, then byte-grouped
   + zstd. Between two nearby training steps most sign/exponent bits and high mantissa bits do
   not change, so the XOR is mostly zero bytes. Lossless;
-- `fp16-zstd`: cast to fp16, then `bg-zstd`. LOSSY (seed 001's cold-tier option); the manifest
+- `fp16-zstd`: cast to fp16, then `bg-zstd`. LOSSY (an option for the cold tier); the manifest
   marks it so and a restore says so;
 - `raw`: the bytes as they are.
 """

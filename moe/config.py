@@ -66,11 +66,11 @@ class DataConfig:
     # so that one big file (a book as nanoGPT's input.txt) splits into train/val/replay.
     doc_max_bytes: int = 16_384
     val_fraction: float = 0.05  # fraction of documents held out for validation
-    replay_fraction: float = 0.05  # held back from pretraining for finetune replay (seed 000 §7.1)
+    replay_fraction: float = 0.05  # held back from pretraining for finetune replay
     seed: int = 1337
     out_dir: str = "data/prepared"
-    sql_generic_pairs: int = 10_000  # seed 000 §7: ~10k generic text-to-SQL pairs
-    sql_domain_train_pairs: int = 500  # seed 000 §7: ~500 target-domain pairs
+    sql_generic_pairs: int = 10_000  # stage one of finetuning: ~10k generic text-to-SQL pairs
+    sql_domain_train_pairs: int = 500  # stage two: ~500 pairs of the target domain
     sql_domain_test_pairs: int = 200
     # Generic questions never trained on: half on the training databases, half on schemas no
     # training pair uses (moe/sql.py: generate_sql_sets).
@@ -176,7 +176,7 @@ class ModelConfig:
 
 @dataclass
 class GrowthConfig:
-    """Expert growth and pruning (seed 001 §3.2 and §5; moe/growth.py). Off by default."""
+    """Expert growth and pruning (moe/growth.py). Off by default."""
 
     enabled: bool = False
     check_every: int = 10  # steps between trigger checks
@@ -190,7 +190,7 @@ class GrowthConfig:
     max_experts: int = 32  # per layer
     ema: float = 0.98  # moving average of activation frequency and gradient norm
     ramp_steps: int = 100  # a new expert's router offset ramps from -20 to 0 over these
-    # orthogonal: new weights orthogonal to the layer's experts, at their mean norm (seed 001);
+    # orthogonal: new weights orthogonal to the layer's experts, at their mean norm;
     # split: the hottest expert's weights plus an orthogonal component of 10% of their norm.
     init: Literal["orthogonal", "split"] = "orthogonal"
     prune: bool = True
@@ -228,7 +228,7 @@ class MoEConfig:
     # lowest-scoring overflow is dropped (its residual passes through).
     dropless: bool = True
     capacity_factor: float = 1.25
-    # Seed 004 §4.2: 1.2-1.5 early, 0.8-1.0 late. > 0: capacity_factor moves linearly to this
+    # Typical: 1.2-1.5 early (routing still moves), 0.8-1.0 late. > 0: capacity_factor moves linearly to this
     # value over the training run; 0 = constant.
     capacity_factor_end: float = 0.0
     renormalize: bool = True  # renormalise the kept top-k weights to sum to 1
@@ -237,10 +237,10 @@ class MoEConfig:
     balancing: list[BalancingMethod] = field(default_factory=lambda: ["aux_free", "z_loss"])
     aux_loss_coef: float = 0.01  # aux_loss: Switch/GShard E * sum f_i * P_i
     z_loss_coef: float = 0.001  # z_loss: ST-MoE router z-loss
-    cv_penalty_coef: float = 0.01  # cv_penalty: seed 000's std/mean of expert load
-    util_alpha: float = 0.2  # util_aware: seed 004's alpha (0.1-0.3)
+    cv_penalty_coef: float = 0.01  # cv_penalty: std/mean of expert load
+    util_alpha: float = 0.2  # util_aware: alpha (0.1-0.3 is the usual range)
     util_momentum: float = 0.99  # util_aware/rebalance: moving average of utilisation
-    rebalance_every: int = 1000  # rebalance: seed 004 recalibrates the gate every 1000 steps
+    rebalance_every: int = 1000  # rebalance: recalibrate the gate every this many steps
     rebalance_beta: float = 0.1  # rebalance: gate row e *= 1 - beta * (util_e - 1)
     # aux_free: the bias update speed u. DeepSeek-V3 uses 0.001 over ~15T tokens; in a run of a
     # few hundred steps that moves the bias too little (measured: MaxVio 1.4 after 100 steps at
@@ -248,7 +248,7 @@ class MoEConfig:
     aux_free_rate: float = 0.01
     warmup_steps: int = 50  # warmup: uniform routing for this many pretraining steps...
     warmup_blend_steps: int = 50  # ...then the router's choice blended in over this many
-    router_lr_mult: float = 3.0  # seed 004: gate learning rate 3-5x the base rate
+    router_lr_mult: float = 3.0  # routers learn 3-5x faster than the base rate
     shared_expert: bool = False
     force_balanced: bool = False  # debug: round-robin routing, for throughput/memory tests
     growth: GrowthConfig = field(default_factory=GrowthConfig)
@@ -322,7 +322,7 @@ class MoEConfig:
 
 @dataclass
 class EarlyStopConfig:
-    """Seed 000 §6.1: composite score, lr-scaled patience, cost-aware stop."""
+    """Early stopping (moe/early_stop.py): composite score, lr-scaled patience, cost-aware stop."""
 
     patience: int = 0  # evaluations without improvement before stopping, at the initial lr; 0 = off
     min_delta: float = 0.001  # an improvement smaller than this does not count
@@ -358,7 +358,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
-    grad_clip: float = 1.0  # max_norm; seed 000 uses 2.0 under bf16
+    grad_clip: float = 1.0  # max_norm (2.0 is a common choice under bf16)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     device: str = "auto"
     seed: int = 1337
@@ -422,7 +422,7 @@ class FinetuneConfig:
     # data.replay_fraction; ~55k tokens on the default, so a long finetune memorises it and
     # forgets the rest: bench/RESULTS.md).
     replay_split: Literal["train", "replay"] = "train"
-    focus_weight: float = 2.0  # loss weight of focus tokens (seed 000 §7.2)
+    focus_weight: float = 2.0  # loss weight of focus tokens (the SQL keywords below)
     focus_tokens: list[str] = field(
         default_factory=lambda: ["SELECT", "WHERE", "JOIN", "GROUP", "ORDER", "COUNT", "LIMIT"]
     )
@@ -460,20 +460,20 @@ def _check_optim(c: TrainConfig | FinetuneConfig, p: _Problems) -> None:
 
 @dataclass
 class CheckpointConfig:
-    """Tiered checkpoints (seed 001 §3): see moe/checkpoint.py."""
+    """Tiered checkpoints: see moe/checkpoint.py."""
 
-    max_retain: int = 3  # seed 001: keep the last 3 (plus the best, plus bases they need)
+    max_retain: int = 3  # keep the last 3 (plus the best, plus the bases they need)
     keep_best: bool = True  # also keep the checkpoint with the lowest validation loss
     hot_every: int = 100  # steps between full writes of L0 (shared) and L1 (hot experts)
     cold_every: int = 1000  # steps between full writes of L2 (cold experts)
     cold_threshold: float = 0.5  # an expert below this x its layer's mean load is cold
     hot_codec: Literal["bg-zstd", "raw"] = "bg-zstd"
     hot_level: int = 1  # zstd level of L0/L1: fast (~220 MB/s per exponent plane here)
-    # fp16-zstd is LOSSY (seed 001's cold-tier option): marked in the manifest and on restore.
+    # fp16-zstd is LOSSY (an option for the cold tier): marked in the manifest and on restore.
     cold_codec: Literal["bg-zstd", "bg-lzma", "fp16-zstd"] = "bg-zstd"
     cold_level: int = 19  # L2 is written rarely: slow and ~7% smaller (bench/RESULTS.md)
     background: bool = True  # encode and write on a worker thread; training only copies
-    # Seed 002: cold data to cheap object storage. After each save and at the end of a
+    # Cold data to cheap object storage. After each save and at the end of a
     # training stage, move the newest checkpoint's cold tier (L2) and every older
     # checkpoint's tensors to the `storage` object store; restore fetches them back.
     offload: bool = False
@@ -617,7 +617,7 @@ class PoolSpec:
 
 
 def _default_pools() -> dict[str, PoolSpec]:
-    # Prices: seed 000's Modal-style rates (A100 $1.10/h, H100 $3.20/h); a cheap CPU box and a
+    # Prices: Modal-style serverless rates (A100 $1.10/h, H100 $3.20/h); a cheap CPU box and a
     # community RTX 4090 at typical rental prices. Spot prices: roughly 40% below on-demand,
     # a typical discount (they move with the market: set yours). Every pool rents on-demand
     # by default and declares no interruptions; a spot pool sets pricing: spot and its

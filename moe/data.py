@@ -540,8 +540,8 @@ class SFTBatches:
 
 
 class MixedBatches:
-    """SFT batches plus `replay.batch_size` rows of held-back pretraining windows (seed 000
-    §7.1), padded to one width: the replay rows carry loss on every token."""
+    """SFT batches plus `replay.batch_size` rows of pretraining windows (replay),
+    padded to one width: the replay rows carry loss on every token."""
 
     def __init__(self, sft: SFTBatches, replay: BatchSampler) -> None:
         self.sft, self.replay = sft, replay

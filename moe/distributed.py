@@ -1,6 +1,6 @@
 """Data parallel + expert parallel training on torch.distributed (NCCL on GPUs, gloo on CPUs).
 
-Seed 004: experts spread evenly over the ranks, tokens exchanged with all_to_all.
+Experts spread evenly over the ranks, tokens exchanged with all_to_all.
 
 - Dense parameters (attention, norms, embeddings, routers, shared experts) are replicated;
   their gradients are averaged over ranks with one all-reduce of a flat buffer.

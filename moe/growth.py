@@ -1,6 +1,6 @@
 """Expert growth and pruning: the MoE grows where the load is and sheds dead experts.
 
-Seed 001 §3.2 (dynamic orthogonal growth) and §5 (pruning and merging). Per MoE layer:
+Dynamic orthogonal growth, and pruning by merging. Per MoE layer:
 
 - importance: moving averages of each expert's activation frequency (its share of the
   layer's assignments) and of its gradient-norm share; importance_i = mean of the two, each
@@ -16,13 +16,13 @@ Seed 001 §3.2 (dynamic orthogonal growth) and §5 (pruning and merging). Per Mo
   of its norm); its router row is the hottest expert's row plus an orthogonal perturbation,
   so it competes
   for that expert's tokens (under aux_free balancing it also starts with that expert's
-  routing bias). Departure from the seed: the new expert starts at zero combine
+  routing bias). Departure from plain orthogonal growth: the new expert starts at zero combine
   weight (a router logit offset of -1e4: its softmax probability is exactly 0 in fp32), so the
   model's output right after growth equals the output before; the offset ramps from -20 to 0
   over `ramp_steps`, handing it traffic gradually;
 - pruning: an expert under `u_min` of its fair share of the load for `prune_window`
   consecutive steps is merged into its most similar expert (cosine similarity of the
-  flattened weights), weighted by their loads and the similarity (seed 001 §5), then removed;
+  flattened weights), weighted by their loads and the similarity, then removed;
 - whatever changes size follows: expert weights, router rows and routing buffers, the
   optimizer's moments (new rows start at zero; removed rows are dropped) and the trainer's
   load statistics (`ExpertLoad.resize`). Every event is returned as a dict for the metrics,

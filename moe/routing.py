@@ -8,24 +8,24 @@ Each method is switched on by name in `moe.balancing` (params.yaml) and they com
   Lepikhin et al. 2020). Departure: f_i counts all top-k assignments and is normalised by
   T*K, so a perfectly balanced router scores 1.0 for any K, as in Switch's top-1 case.
 - `z_loss`: router z-loss  mean(logsumexp(logits)^2)  (Zoph et al. 2022, ST-MoE, eq. 5).
-- `cv_penalty`: seed 000's  std(load) / mean(load). Departure: the seed takes the std of the
+- `cv_penalty`:  std(load) / mean(load). Departure from the usual form, which takes the std of the
   integer counts, which has no gradient; we take it of the soft load (the router
   probabilities summed over tokens), which is Shazeer et al. 2017's "importance" loss without
   its square.
-- `util_aware`: seed 004's  p_i = softmax(logit_i * (1 + alpha * (1 - util_i)))  with util_i a
+- `util_aware`:  p_i = softmax(logit_i * (1 + alpha * (1 - util_i)))  with util_i a
   moving average of expert i's load over its fair share (1.0 = balanced). Departure: the
   logits are first shifted so the smallest is 0 (softmax does not change), because scaling
   a negative logit up would *lower* an under-used expert's share; (1 - util_i) is clipped
   to [-1, 1].
-- `rebalance`: seed 004's periodic gate recalibration: every `rebalance_every` optimizer
+- `rebalance`: periodic gate recalibration: every `rebalance_every` optimizer
   steps, gate row i *= 1 - beta * (util_i - 1) (target utilisation 1.0), the factor clipped to
-  [0.5, 1.5]. Departure: the seed does not say what util is; we use the same moving average.
+  [0.5, 1.5]. util is the same moving average as above.
 - `aux_free`: auxiliary-loss-free balancing (Wang et al. 2024; DeepSeek-V3 §2.1.2): a
   per-expert bias added to the scores only to *choose* experts, updated after each optimizer
   step by u * sign(mean_load - load_i) and re-centred to mean 0. The combine weights come
   from the unbiased probabilities. Departure: DeepSeek-V3 biases sigmoid affinities; we bias
   the softmax probabilities the rest of this router uses.
-- `warmup`: seed 004's expert warm-up: for the first `warmup_steps` pretraining steps tokens
+- `warmup`: expert warm-up: for the first `warmup_steps` pretraining steps tokens
   go to K experts drawn uniformly at random with equal weights; over the next
   `warmup_blend_steps` the router's choice and weights are blended in linearly.
 
@@ -85,7 +85,7 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
         cfg, E, K = self.cfg, self.num_experts, self.top_k
         T = x_TD.shape[0]
-        # Router logits in fp32 even under bf16 autocast (seed 000; ST-MoE §3: bf16 round-off
+        # Router logits in fp32 even under bf16 autocast (ST-MoE §3: bf16 round-off
         # in the softmax's exponent destabilises routing).
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
             x32_TD = x_TD.float()

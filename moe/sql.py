@@ -1,6 +1,6 @@
 """Text-to-SQL pairs over generated sqlite databases, each statement checked by running it.
 
-Seed 000 §7 finetunes in two stages: ~10,000 generic SQL pairs, then ~500 pairs of one target
+Finetuning runs in two stages: ~10,000 generic SQL pairs, then ~500 pairs of one target
 domain. Generic pairs come from many schemas (themes x instances, each with its own data);
 domain pairs from one database that no generic schema shares. Every SQL statement is executed
 on sqlite and only pairs that run are kept.

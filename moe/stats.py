@@ -66,7 +66,7 @@ def summarize(counts: torch.Tensor | list[torch.Tensor]) -> Summary:
     """Load statistics of per-layer expert counts (a (layers x experts) tensor, or one 1-D
     tensor per layer when layers differ in size), averaged over layers.
 
-    - cv: std / mean of the counts (seed 000's balance measure);
+    - cv: std / mean of the counts (the balance measure the reports use);
     - max_vio: max / mean - 1 (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing");
     - utilisation: share of experts that got at least half their fair share;
     - dead: experts (summed over layers) that got no token at all in the window;

@@ -83,7 +83,7 @@ def build_optimizer(
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay, "lr_mult": 1.0, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "lr_mult": 1.0, "name": "no_decay"},
-        # seed 004: gate learning rate 3-5x the base rate; no decay on the router.
+        # routers learn 3-5x faster than the base rate; no weight decay on them.
         {"params": router, "weight_decay": 0.0, "lr_mult": router_lr_mult, "name": "router"},
     ]
     groups = [g for g in groups if g["params"]]

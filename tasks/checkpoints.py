@@ -1,4 +1,4 @@
-"""Checkpoint storage tiers (seed 002: hot data on fast disk, cold data in cheap object storage).
+"""Checkpoint storage tiers: hot data on fast disk, cold data in cheap object storage.
 
 `offload_checkpoints` keeps the newest checkpoint's shared and hot tiers (L0, L1) and its
 state on local disk, and moves to the `storage` object store its cold tier (L2) and every

@@ -22,7 +22,7 @@ def cost_ledger(
 ) -> dict[str, Any]:
     """Sum stage records into a bill per stage, per pool and per expert, with a budget check.
 
-    Per expert (seed 002's view): each training stage's cost is split over experts by the
+    Per expert: each training stage's cost is split over experts by the
     share of routed tokens each took in that stage, averaged over MoE layers. NOTE: this
     attributes attention and dense compute to experts in proportion too; it answers "which
     experts is the money flowing through", not "what did the expert FLOPs cost".
@@ -86,7 +86,7 @@ def cost_ledger(
 
 
 def phase_costs(rows: list[dict[str, Any]], warmup_steps: int) -> dict[str, float]:
-    """Split a training stage's compute cost into seed 002's phases from its metrics rows
+    """Split a training stage's compute cost into three phases from its metrics rows
     (each logged row carries the cumulative `cost`): warm-up (lr warm-up steps), plateau
     (from the first logged step whose loss is within 2% of the final loss and never leaves
     that band again), and convergence in between."""

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from moe.config import Config, load_config
+from moe.config import Config, PoolSpec, load_config
 from moe.errors import InputError
 from moe.train import TrainResult
 from tasks.storage import ObjectStore, open_store, pull_files, push_files
@@ -58,6 +58,17 @@ MOUNT = "/etc/moe"  # where each pod finds job.json (the ConfigMap)
 MODEL_FILES = ("model.safetensors", "model.json")
 OUT_FILES = (*MODEL_FILES, "metrics.jsonl", "metrics.csv", ".dist/result.json")
 RUN_LABEL = "moe-pipeline/run-key"
+
+
+def pool_image(spec: PoolSpec, tag: str = "") -> str:
+    """The pool's image: its own setting, else the tier's (`moe-pipeline:gpu` / `:cpu`), or
+    with `tag` (the commit) the image prefect.yaml's build steps make for the tier:
+    `$MOE_IMAGE_REPO:<tag>-gpu` (repository moe-pipeline by default)."""
+    if spec.image:
+        return spec.image
+    tier = "gpu" if spec.gpus else "cpu"
+    repo = os.environ.get("MOE_IMAGE_REPO") or "moe-pipeline"
+    return f"{repo}:{tag}-{tier}" if tag else f"moe-pipeline:{tier}"
 
 
 # ------------------------------------------------------------------------- the job
@@ -445,7 +456,6 @@ def run_on_cluster(
     """Launch `stage` as an Indexed Job of `nodes` pods, follow it to the end, and bring its
     result, model, metrics and checkpoints into out_dir. A failed Job raises (the task's
     retry launches a new one, which resumes from the mirrored checkpoints)."""
-    from flows.pools import image as pool_image
     from tasks.training import training_fingerprint
 
     section = _section(stage)

@@ -338,7 +338,7 @@ def pack(folder: Path, archive: Path, level: int, threads: int) -> None:
 
 
 def _token_ratio(folder: Path, level: int, threads: int) -> tuple[int, float]:
-    """zstd ratio on the .bin token files alone (the seed's "70% smaller" claim is about these)."""
+    """zstd ratio on the .bin token files alone (the "70% smaller" claim for zstd is about these)."""
     raw = comp = 0
     for p in sorted(folder.glob("*.bin")):
         raw += p.stat().st_size

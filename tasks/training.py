@@ -325,7 +325,7 @@ def sft_examples(path: Path, tok: Any) -> list[SFTExample]:
 
 def focus_token_ids(tok: Any, words: list[str]) -> set[int]:
     """Token ids of the focus words, with and without a leading space. A word the tokenizer
-    splits contributes all of its pieces (seed 000 §7.2 weights whole keywords)."""
+    splits contributes all of its pieces (whole keywords are weighted)."""
     ids: set[int] = set()
     for w in words:
         for variant in (w, " " + w):

@@ -197,7 +197,7 @@ def test_util_aware_routing_moves_load_to_under_used_experts() -> None:
         aware.update_state(step)  # the moving average follows the routed load
         if step > 30:
             routed += counts
-    # Seed 004's reweighting is a weak balancer (measured: MaxVio 1.85 -> 0.93 here at
+    # Utilisation-aware reweighting is a weak balancer (measured: MaxVio 1.85 -> 0.93 here at
     # alpha 0.3, -> 1.49 at 0.2), but it moves load off the busy experts.
     assert _max_vio(routed) < 0.75 * _max_vio(plain_counts)
     assert float(aware.util_E.min()) < 1 < float(aware.util_E.max())

@@ -211,7 +211,7 @@ def test_schedules() -> None:
     assert abs(lr_at(55, 100, 1.0, 10, 0.0, "linear") - 0.5) < 1e-9
 
 
-# ----------------------------------------------------------------- early stopping (seed 000 §6.1)
+# ----------------------------------------------------------------- early stopping
 
 from moe.config import EarlyStopConfig  # noqa: E402
 from moe.early_stop import EarlyStopper  # noqa: E402
