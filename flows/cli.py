@@ -215,41 +215,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # What each stage reads that an earlier stage writes (local paths, as dvc.yaml lists them).
-_NEEDS = {
-    "publish": [("data/prepared/meta.json", "prepare")],
-    "pretrain": [("data/published/receipt.json", "publish")],
-    "finetune_sql": [
-        ("data/published/receipt.json", "publish"),
-        ("models/pretrain/model.safetensors", "pretrain"),
-    ],
-    "finetune_domain": [
-        ("data/published/receipt.json", "publish"),
-        ("models/finetune_sql/model.safetensors", "finetune_sql"),
-    ],
-    "evaluate": [
-        ("data/published/receipt.json", "publish"),
-        *(
-            (f"models/{s}/model.safetensors", s)
-            for s in ("pretrain", "finetune_sql", "finetune_domain")
-        ),
-    ],
-}
-
-
 def preflight(cfg: Config, stages: list[str] | tuple[str, ...]) -> None:
     """Raise InputError for what the stages need and cannot get: a corpus with no readable
     text, or an upstream output that no stage of this run makes and that is missing or no
     longer matches the hash its stage's lineage record holds."""
+    from flows.stages import STAGES_BY_NAME
     from moe.data import check_source
 
     if "prepare" in stages:
         d = cfg.data
         check_source(d.source, d.text_field, d.on_bad_record, d.encoding, d.doc_max_bytes)
     for stage in stages:
-        for rel, producer in _NEEDS.get(stage, []):
+        for path, producer in STAGES_BY_NAME[stage].reads(cfg):
             if producer in stages:  # made earlier in this run
                 continue
-            path = Path(cfg.data.out_dir, "meta.json") if producer == "prepare" else Path(rel)
             if not path.is_file():
                 raise InputError(
                     f"stage {stage} needs {path}, which is missing: run the {producer} stage "
@@ -365,15 +344,9 @@ def _recovery(cfg: Config) -> int:
 
 
 def _where(stage: str) -> None:
-    places = {
-        "prepare": "data/prepared/",
-        "publish": "data/published/receipt.json",
-        "pretrain": "models/pretrain/ (metrics: reports/pretrain.json)",
-        "finetune_sql": "models/finetune_sql/ (metrics: reports/finetune_sql.json)",
-        "finetune_domain": "models/finetune_domain/ (metrics: reports/finetune_domain.json)",
-        "evaluate": "reports/metrics.json, reports/cost.json, reports/evaluate/report.md",
-    }
-    print(f"{stage} done: {places[stage]}")
+    from flows.stages import STAGES_BY_NAME
+
+    print(f"{stage} done: {STAGES_BY_NAME[stage].done}")
 
 
 def _lineage(args: argparse.Namespace) -> int:

@@ -1,9 +1,23 @@
-"""One Prefect flow per stage. A stage is the unit that runs on one work pool.
+"""The pipeline's stages: one declaration each, one wrapper for all, one Prefect flow each.
+
+A stage is the unit that runs on one work pool. Its declaration (`Stage`, in `STAGE_LIST`)
+says everything the rest of the code needs: its name and params section, its folder, the
+content-hashed inputs its skip decision and lineage record read, the files later stages on
+other machines read (the hand-off), what the CLI says when it is done, whether it trains
+(a W&B run, the cost budget), and its body. `run_stage` does, for every stage: load and
+validate the params (and, under `dispatch: deployments`, fetch the earlier stages'
+hand-offs), skip the stage if nothing it depends on changed, run the body, write the lineage
+record with its cost, publish the summary artifact, hand the outputs off.
+
+Adding a stage: one `Stage(...)` in STAGE_LIST and its body; then its name in
+`moe.config.STAGES` with a default pool (the params check reads them), a `dvc.yaml` stage
+and a `prefect.yaml` deployment. This module refuses to load while STAGES disagrees, and
+tests/test_deployments.py checks dvc.yaml and prefect.yaml against STAGE_LIST.
 
 Stages hand data to each other through the object store (publish uploads, training stages
-download and verify) and through model folders; each writes `lineage.json` beside its outputs.
-Every flow takes the params file and `--set` overrides, validates them before any work, and
-saves the resolved configuration beside its outputs.
+download and verify) and through model folders; each writes `lineage.json` beside its
+outputs. Every flow takes the params file and `--set` overrides, validates them before any
+work, and saves the resolved configuration beside its outputs.
 """
 
 from __future__ import annotations
@@ -13,19 +27,19 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prefect import flow
 
-from moe.config import Config, load_config
+from moe.config import STAGES, Config, load_config
 from moe.errors import InputError
 from tasks import quiet_input_errors
 from tasks.cost import cost_ledger, phase_costs, storage_costs
 from tasks.data import build_sql_sets, build_tokenizer, commit_folder, tokenize_corpus
 from tasks.evaluation import evaluate_perplexity, evaluate_sql
-from tasks.handoff import pull_inputs, push_outputs, stage_outputs
+from tasks.handoff import pull_inputs, push_outputs
 from tasks.lineage import StageRecord, up_to_date, write_json
 from tasks.presentation import (
     plot_cost,
@@ -45,7 +59,44 @@ quiet_input_errors()  # bad input that reaches a flow: one line in its log, no t
 PUBLISHED = Path("data/published")
 MODELS = Path("models")
 REPORTS = Path("reports")
-TRAIN_STAGES = ("pretrain", "finetune_sql", "finetune_domain")
+
+
+# ------------------------------------------------------------------------- declarations
+
+
+@dataclass
+class Done:
+    """What a stage's body made. `result` is what the flow returns; `summary` goes to the
+    Prefect artifact and `metrics` to the lineage record (both default to `result`)."""
+
+    result: dict[str, Any]
+    outputs: dict[str, Path]
+    summary: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
+    wandb_run_id: str | None = None
+    compute_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    section: str  # the params section with its settings
+    doc: str  # one line: what it does (the flow's description)
+    out: Callable[[Config], Path]  # its folder: lineage.json lands there
+    inputs: Callable[[Config], dict[str, Path]]  # content-hashed; raises if one is missing
+    handoff: Callable[[Config], list[Path]]  # the files later stages (or the user) read
+    body: Callable[[Config, StageRecord], Done]
+    done: str  # what `moe-pipeline stage` prints when it is done
+    # what it reads that an earlier stage makes: (file, that stage); `moe-pipeline` checks
+    # them before a run starts (flows/cli.py preflight)
+    reads: Callable[[Config], list[tuple[Path, str]]] = field(default=lambda cfg: [])
+    trains: bool = False  # a training stage: its model is evaluated and has a cost budget
+    # an extra condition for skipping (publish: its objects are still in the store)
+    still_there: Callable[[Config], bool] = field(default=lambda cfg: True)
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
 
 
 def _receipt() -> dict[str, Any]:
@@ -57,54 +108,7 @@ def _receipt() -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _load(
-    stage: str,
-    params_file: str | None,
-    overrides: list[str] | None,
-    params: dict[str, Any] | None,
-    handoff: str | None,
-) -> Config:
-    """The stage's configuration; with a hand-off run key (dispatch: deployments), first fetch
-    and verify what the earlier stages handed off through the object store."""
-    cfg = load_config(params_file, overrides or [], params)
-    if handoff and stage != "prepare":
-        pull_inputs(cfg, stage, handoff)
-    return cfg
-
-
-def _hand_off(cfg: Config, stage: str, handoff: str | None) -> None:
-    if handoff:
-        push_outputs(cfg, stage, handoff)
-
-
-def _skipped(
-    cfg: Config,
-    stage: str,
-    out_dir: Path,
-    inputs: dict[str, Path],
-    handoff: str | None,
-    still_there: Callable[[], bool] = lambda: True,
-) -> dict[str, Any] | None:
-    """The stage's last summary if its params, code and inputs are unchanged since it ran and
-    its outputs are intact (tasks/lineage.py:up_to_date): the stage is skipped and says so.
-    MOE_FORCE=1 runs it anyway (`moe-pipeline stage|run --force`)."""
-    if os.environ.get("MOE_FORCE", "") not in ("", "0"):
-        return None
-    rec = up_to_date(cfg, stage, out_dir, inputs, stage_outputs(cfg, stage))
-    if rec is None or not still_there():
-        return None
-    log.info(
-        "stage %s skipped: its params, code and inputs (%s) are unchanged since its run that "
-        "ended %s (flow run %s); its outputs in %s are kept (MOE_FORCE=1 runs it anyway)",
-        stage,
-        ", ".join(inputs) or "none",
-        rec.get("ended"),
-        rec.get("flow_run_id"),
-        out_dir,
-    )
-    publish_artifacts(stage, {"skipped": True, "unchanged_since": rec.get("ended")})
-    _hand_off(cfg, stage, handoff)
-    return {**rec.get("metrics", {}), "skipped": True}
+# ------------------------------------------------------------------------- prepare
 
 
 def _corpus(cfg: Config) -> dict[str, Path]:
@@ -114,24 +118,9 @@ def _corpus(cfg: Config) -> dict[str, Path]:
     return {"corpus": src} if cfg.data.source != "stdlib" and src.exists() else {}
 
 
-# Every stage flow takes the same parameters: a params file and `--set` overrides (the CLI and
-# dvc.yaml), or `params`, a resolved configuration, and `handoff`, the run key under which
-# stages on different machines pass their outputs through the object store (flows/pipeline.py).
-
-
-@flow(name="prepare", log_prints=True)
-def prepare(
-    params_file: str | None = None,
-    overrides: list[str] | None = None,
-    params: dict[str, Any] | None = None,
-    handoff: str | None = None,
-) -> dict[str, Any]:
+def _prepare(cfg: Config, record: StageRecord) -> Done:
     """Tokenize the corpus into memmap token files and generate the SQL pair sets (CPU)."""
-    cfg = _load("prepare", params_file, overrides, params, handoff)
     out = Path(cfg.data.out_dir)
-    if (done := _skipped(cfg, "prepare", out, _corpus(cfg), handoff)) is not None:
-        return done
-    record = StageRecord(cfg, "prepare", out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -152,37 +141,41 @@ def prepare(
         "tokens_per_s": meta["tokens_per_s"],
         **{f"sql_{k}": v for k, v in sql.items()},
     }
-    record.write(inputs=_corpus(cfg), outputs={"prepared": out}, metrics=summary)
-    publish_artifacts("prepare", summary)
-    _hand_off(cfg, "prepare", handoff)
-    return summary
+    return Done(summary, {"prepared": out})
 
 
-@flow(name="publish", log_prints=True)
-def publish(
-    params_file: str | None = None,
-    overrides: list[str] | None = None,
-    params: dict[str, Any] | None = None,
-    handoff: str | None = None,
-) -> dict[str, Any]:
-    """Archive the prepared data with zstd and upload it with a sha256 manifest (CPU)."""
-    cfg = _load("publish", params_file, overrides, params, handoff)
+def _prepared_handoff(cfg: Config) -> list[Path]:
+    prepared = Path(cfg.data.out_dir)
+    if cfg.pools.stages["publish"] == cfg.pools.stages["prepare"]:
+        # publish runs on the same pool's disk: only the records travel
+        names = ["lineage.json", "params.yaml", "meta.json"]
+        return [prepared / n for n in names if (prepared / n).is_file()]
+    return _files(prepared)  # publish runs elsewhere: it needs the whole prepared folder
+
+
+# ------------------------------------------------------------------------- publish
+
+
+def _prepared(cfg: Config) -> dict[str, Path]:
     prepared = Path(cfg.data.out_dir)
     if not (prepared / "meta.json").is_file():
         raise InputError(
             f"{prepared}/meta.json is missing: run the prepare stage first (moe-pipeline stage prepare)"
         )
+    return {"prepared": prepared}
 
-    def in_store() -> bool:  # an emptied bucket (or another one) needs a new upload
-        receipt = json.loads((PUBLISHED / "receipt.json").read_text())
-        store = open_store(cfg.storage)
-        return all(store.exists(receipt[k]) for k in ("manifest_key", "archive_key"))
 
-    if done := _skipped(cfg, "publish", PUBLISHED, {"prepared": prepared}, handoff, in_store):
-        return done
-    record = StageRecord(cfg, "publish", PUBLISHED)
+def _in_store(cfg: Config) -> bool:
+    """An emptied bucket (or another one) needs a new upload."""
+    receipt = json.loads((PUBLISHED / "receipt.json").read_text())
+    store = open_store(cfg.storage)
+    return all(store.exists(receipt[k]) for k in ("manifest_key", "archive_key"))
+
+
+def _publish(cfg: Config, record: StageRecord) -> Done:
+    """Archive the prepared data with zstd and upload it with a sha256 manifest (CPU)."""
     work = Path(".cache/publish")
-    published = publish_dataset(cfg, prepared, work)
+    published = publish_dataset(cfg, Path(cfg.data.out_dir), work)
     shutil.rmtree(work, ignore_errors=True)
     write_json(PUBLISHED / "receipt.json", published.to_dict())
     log.info(
@@ -194,35 +187,24 @@ def publish(
         published.archive_bytes,
         100 * published.token_archive_ratio,
     )
-    record.write(
-        inputs={"prepared": prepared},
-        outputs={"receipt": PUBLISHED / "receipt.json"},
-        metrics=published.to_dict(),
-    )
-    publish_artifacts("publish", published.to_dict())
-    _hand_off(cfg, "publish", handoff)
-    return published.to_dict()
+    return Done(published.to_dict(), {"receipt": PUBLISHED / "receipt.json"})
+
+
+# ------------------------------------------------------------------------- training
 
 
 def _train_summary(stage: str, result: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"stage": stage, **asdict(result), **(extra or {})}
 
 
-@flow(name="pretrain", log_prints=True)
-def pretrain(
-    params_file: str | None = None,
-    overrides: list[str] | None = None,
-    params: dict[str, Any] | None = None,
-    handoff: str | None = None,
-) -> dict[str, Any]:
+def _published(cfg: Config) -> dict[str, Path]:
+    _receipt()  # a missing receipt says which stage to run
+    return {"receipt": PUBLISHED / "receipt.json"}
+
+
+def _pretrain(cfg: Config, record: StageRecord) -> Done:
     """Download and verify the published data, then pretrain the MoE model (GPU)."""
-    cfg = _load("pretrain", params_file, overrides, params, handoff)
-    receipt = _receipt()
-    out = MODELS / "pretrain"
-    inputs = {"receipt": PUBLISHED / "receipt.json"}
-    if (done := _skipped(cfg, "pretrain", out, inputs, handoff)) is not None:
-        return done
-    record = StageRecord(cfg, "pretrain", out)
+    receipt, out = _receipt(), MODELS / "pretrain"
     data_dir = download_dataset(cfg, receipt)
     with wandb_run(cfg, "pretrain") as (log_fn, run_id):
         result = pretrain_model(
@@ -230,137 +212,90 @@ def pretrain(
         )
     summary = _train_summary("pretrain", result, {"dataset_version": receipt["version"]})
     write_json(REPORTS / "pretrain.json", summary)
-    record.write(
-        inputs=inputs,
-        outputs={"model": out / "model.safetensors"},
-        metrics=summary,
-        wandb_run_id=run_id,
-        compute_s=result.wall_s,
-    )
-    publish_artifacts("pretrain", summary)
-    _hand_off(cfg, "pretrain", handoff)
-    return summary
+    return Done(summary, {"model": out / "model.safetensors"}, None, None, run_id, result.wall_s)
 
 
-def _finetune(
-    stage: str,
-    pairs_file: str,
-    init: str,
-    params_file: str | None,
-    overrides: list[str] | None,
-    params: dict[str, Any] | None,
-    handoff: str | None,
-) -> dict[str, Any]:
-    cfg = _load(stage, params_file, overrides, params, handoff)
-    receipt = _receipt()
-    out, init_dir = MODELS / stage, MODELS / init
-    if not (init_dir / "model.safetensors").is_file():
-        raise InputError(f"{init_dir}/model.safetensors is missing: run the {init} stage first")
-    inputs = {
-        "receipt": PUBLISHED / "receipt.json",
-        "init_model": init_dir / "model.safetensors",
-    }
-    if (done := _skipped(cfg, stage, out, inputs, handoff)) is not None:
-        return done
-    record = StageRecord(cfg, stage, out)
-    data_dir = download_dataset(cfg, receipt)
-    with wandb_run(cfg, stage) as (log_fn, run_id):
-        result = finetune_model(
-            cfg,
-            stage,
-            data_dir,
-            pairs_file,
-            init_dir,
-            out,
-            log_fn,
-            _budget_left(cfg, stage),
-            receipt=receipt,
+def _finetune_inputs(stage: str, init: str) -> Callable[[Config], dict[str, Path]]:
+    def inputs(cfg: Config) -> dict[str, Path]:
+        model = MODELS / init / "model.safetensors"
+        _receipt()
+        if not model.is_file():
+            raise InputError(f"{model} is missing: run the {init} stage first")
+        return {"receipt": PUBLISHED / "receipt.json", "init_model": model}
+
+    return inputs
+
+
+def _finetune(stage: str, pairs_file: str, init: str) -> Callable[[Config, StageRecord], Done]:
+    def body(cfg: Config, record: StageRecord) -> Done:
+        receipt, out = _receipt(), MODELS / stage
+        data_dir = download_dataset(cfg, receipt)
+        with wandb_run(cfg, stage) as (log_fn, run_id):
+            result = finetune_model(
+                cfg,
+                stage,
+                data_dir,
+                pairs_file,
+                MODELS / init,
+                out,
+                log_fn,
+                _budget_left(cfg, stage),
+                receipt=receipt,
+            )
+        summary = _train_summary(stage, result)
+        write_json(REPORTS / f"{stage}.json", summary)
+        return Done(
+            summary, {"model": out / "model.safetensors"}, None, None, run_id, result.wall_s
         )
-    summary = _train_summary(stage, result)
-    write_json(REPORTS / f"{stage}.json", summary)
-    record.write(
-        inputs=inputs,
-        outputs={"model": out / "model.safetensors"},
-        metrics=summary,
-        wandb_run_id=run_id,
-        compute_s=result.wall_s,
-    )
-    publish_artifacts(stage, summary)
-    _hand_off(cfg, stage, handoff)
-    return summary
+
+    return body
 
 
-@flow(name="finetune_sql", log_prints=True)
-def finetune_sql(
-    params_file: str | None = None,
-    overrides: list[str] | None = None,
-    params: dict[str, Any] | None = None,
-    handoff: str | None = None,
-) -> dict[str, Any]:
-    """Stage one of finetuning: the generic SQL pairs, from the pretrained model (GPU)."""
-    return _finetune(
-        "finetune_sql", "generic.jsonl", "pretrain", params_file, overrides, params, handoff
-    )
+def _model_handoff(stage: str) -> Callable[[Config], list[Path]]:
+    """A training stage's model folder without its checkpoints (they stay on the pool's disk
+    and, with checkpoint.offload, in the object store's checkpoint area), and its summary."""
+
+    def files(cfg: Config) -> list[Path]:
+        models = [p for p in _files(MODELS / stage) if "checkpoints" not in p.parts[2:]]
+        return [*models, REPORTS / f"{stage}.json"]
+
+    return files
 
 
-@flow(name="finetune_domain", log_prints=True)
-def finetune_domain(
-    params_file: str | None = None,
-    overrides: list[str] | None = None,
-    params: dict[str, Any] | None = None,
-    handoff: str | None = None,
-) -> dict[str, Any]:
-    """Stage two of finetuning: the target-domain pairs, from the SQL model (GPU)."""
-    return _finetune(
-        "finetune_domain",
-        "domain_train.jsonl",
-        "finetune_sql",
-        params_file,
-        overrides,
-        params,
-        handoff,
-    )
+# ------------------------------------------------------------------------- evaluate
 
 
-@flow(name="evaluate", log_prints=True)
-def evaluate(
-    params_file: str | None = None,
-    overrides: list[str] | None = None,
-    params: dict[str, Any] | None = None,
-    handoff: str | None = None,
-) -> dict[str, Any]:
+def _trained() -> list[str]:
+    return [s.name for s in STAGE_LIST if s.trains]
+
+
+def _evaluate(cfg: Config, record: StageRecord) -> Done:
     """Perplexity and SQL accuracy of every stage's model, the bill and the report."""
-    cfg = _load("evaluate", params_file, overrides, params, handoff)
-    receipt = _receipt()
-    out = REPORTS / "evaluate"
-    inputs = {s: MODELS / s / "model.safetensors" for s in TRAIN_STAGES}
-    if (done := _skipped(cfg, "evaluate", out, inputs, handoff)) is not None:
-        return done
-    record = StageRecord(cfg, "evaluate", out)
+    receipt, out, trained = _receipt(), REPORTS / "evaluate", _trained()
     data_dir = download_dataset(cfg, receipt)
     metrics: dict[str, Any] = {
         "dataset_version": receipt["version"],
         "token_archive_ratio": receipt["token_archive_ratio"],
     }
     # Every stage's model on the same held-out sets: the table shows what each stage bought.
-    for stage in TRAIN_STAGES:
+    for stage in trained:
         metrics[stage] = {
             "val": evaluate_perplexity(cfg, data_dir, MODELS / stage),
             **evaluate_sql(cfg, data_dir, MODELS / stage),
         }
     plot = plot_training(
-        {s: MODELS / s / "metrics.jsonl" for s in TRAIN_STAGES}, out / "training_loss.png"
+        {s: MODELS / s / "metrics.jsonl" for s in trained}, out / "training_loss.png"
     )
     heatmaps = [
         plot_expert_load(MODELS / s / "metrics.jsonl", out / f"expert_load_{s}.png", s)
-        for s in TRAIN_STAGES
+        for s in trained
     ]
 
-    records = [json.loads(p.read_text()) for p in _lineage_files(cfg)]
+    records = [json.loads(p.read_text()) for p in _lineage_files(cfg, "evaluate")]
     own = record.build(inputs={}, outputs={})  # this stage's time so far enters the ledger
     commit = next(r["code"]["commit"] for r in records if r["stage"] == "pretrain")
     shares = {
-        s: json.loads((REPORTS / f"{s}.json").read_text()).get("expert_share") for s in TRAIN_STAGES
+        s: json.loads((REPORTS / f"{s}.json").read_text()).get("expert_share") for s in trained
     }
     ledger = cost_ledger(cfg, [*records, own], shares)
     ledger["by_phase"] = {
@@ -368,15 +303,15 @@ def evaluate(
             [json.loads(x) for x in (MODELS / s / "metrics.jsonl").read_text().splitlines() if x]
             if (MODELS / s / "metrics.jsonl").is_file()
             else [],
-            getattr(cfg, "train" if s == "pretrain" else s).warmup_steps,
+            getattr(cfg, STAGES_BY_NAME[s].section).warmup_steps,
         )
-        for s in TRAIN_STAGES
+        for s in trained
     }
-    # Kept: the published archive and the three models; moved: one archive download per
-    # training stage and for evaluation (storage and transfer are part of the bill).
-    model_bytes = sum((MODELS / s / "model.safetensors").stat().st_size for s in TRAIN_STAGES)
+    # Kept: the published archive and the models; moved: one archive download per training
+    # stage and for evaluation (storage and transfer are part of the bill).
+    model_bytes = sum((MODELS / s / "model.safetensors").stat().st_size for s in trained)
     archive = int(receipt.get("archive_bytes", 0))
-    ledger["storage"] = storage_costs(cfg, archive + model_bytes, archive * (len(TRAIN_STAGES) + 1))
+    ledger["storage"] = storage_costs(cfg, archive + model_bytes, archive * (len(trained) + 1))
     cost_png = plot_cost(ledger, out / "cost.png")
     publish_cost_table(ledger)
     write_json(REPORTS / "cost.json", ledger)
@@ -384,31 +319,26 @@ def evaluate(
     write_json(REPORTS / "metrics.json", metrics)
     write_json(REPORTS / "summary.json", headline(metrics, ledger))
     run_report(out / "report.md", receipt, commit, metrics, ledger, cost_png, plot, heatmaps)
-    publish_artifacts(
-        "evaluate",
+    return Done(
+        metrics,
         {
-            "cost_total": ledger["total"],
-            **{f"{s}_ppl": round(metrics[s]["val"]["perplexity"], 3) for s in TRAIN_STAGES},
-        },
-    )
-    record.write(
-        inputs=inputs,
-        outputs={
             "metrics": REPORTS / "metrics.json",
             "cost": REPORTS / "cost.json",
             "summary": REPORTS / "summary.json",
         },
+        summary={
+            "cost_total": ledger["total"],
+            **{f"{s}_ppl": round(metrics[s]["val"]["perplexity"], 3) for s in trained},
+        },
         metrics={k: v for k, v in metrics.items() if not isinstance(v, dict)},
     )
-    _hand_off(cfg, "evaluate", handoff)
-    return metrics
 
 
 def headline(metrics: dict[str, Any], ledger: dict[str, Any]) -> dict[str, Any]:
     """The few figures one compares across runs: what `dvc metrics show` and `dvc exp show`
     print (one row, a dozen columns). The detail stays in reports/metrics.json and cost.json."""
     out: dict[str, Any] = {}
-    for s in TRAIN_STAGES:
+    for s in _trained():
         out[s] = {
             "ppl": round(metrics[s]["val"]["perplexity"], 3),
             "exec_acc": round(metrics[s]["sql"]["execution_accuracy"], 4),
@@ -427,18 +357,179 @@ def headline(metrics: dict[str, Any], ledger: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# ------------------------------------------------------------------------- the stages
+
+STAGE_LIST: list[Stage] = [
+    Stage(
+        "prepare",
+        "data",
+        "Tokenize the corpus into memmap token files and generate the SQL pair sets (CPU).",
+        out=lambda cfg: Path(cfg.data.out_dir),
+        inputs=_corpus,
+        handoff=_prepared_handoff,
+        body=_prepare,
+        done="data/prepared/",
+    ),
+    Stage(
+        "publish",
+        "storage",
+        "Archive the prepared data with zstd and upload it with a sha256 manifest (CPU).",
+        out=lambda cfg: PUBLISHED,
+        inputs=_prepared,
+        handoff=lambda cfg: _files(PUBLISHED),
+        body=_publish,
+        done="data/published/receipt.json",
+        reads=lambda cfg: [(Path(cfg.data.out_dir) / "meta.json", "prepare")],
+        still_there=_in_store,
+    ),
+    Stage(
+        "pretrain",
+        "train",
+        "Download and verify the published data, then pretrain the MoE model (GPU).",
+        out=lambda cfg: MODELS / "pretrain",
+        inputs=_published,
+        handoff=_model_handoff("pretrain"),
+        body=_pretrain,
+        done="models/pretrain/ (metrics: reports/pretrain.json)",
+        reads=lambda cfg: [(PUBLISHED / "receipt.json", "publish")],
+        trains=True,
+    ),
+    Stage(
+        "finetune_sql",
+        "finetune_sql",
+        "Stage one of finetuning: the generic SQL pairs, from the pretrained model (GPU).",
+        out=lambda cfg: MODELS / "finetune_sql",
+        inputs=_finetune_inputs("finetune_sql", "pretrain"),
+        handoff=_model_handoff("finetune_sql"),
+        body=_finetune("finetune_sql", "generic.jsonl", "pretrain"),
+        done="models/finetune_sql/ (metrics: reports/finetune_sql.json)",
+        reads=lambda cfg: [
+            (PUBLISHED / "receipt.json", "publish"),
+            (MODELS / "pretrain/model.safetensors", "pretrain"),
+        ],
+        trains=True,
+    ),
+    Stage(
+        "finetune_domain",
+        "finetune_domain",
+        "Stage two of finetuning: the target-domain pairs, from the SQL model (GPU).",
+        out=lambda cfg: MODELS / "finetune_domain",
+        inputs=_finetune_inputs("finetune_domain", "finetune_sql"),
+        handoff=_model_handoff("finetune_domain"),
+        body=_finetune("finetune_domain", "domain_train.jsonl", "finetune_sql"),
+        done="models/finetune_domain/ (metrics: reports/finetune_domain.json)",
+        reads=lambda cfg: [
+            (PUBLISHED / "receipt.json", "publish"),
+            (MODELS / "finetune_sql/model.safetensors", "finetune_sql"),
+        ],
+        trains=True,
+    ),
+    Stage(
+        "evaluate",
+        "evaluate",
+        "Perplexity and SQL accuracy of every stage's model, the bill and the report.",
+        out=lambda cfg: REPORTS / "evaluate",
+        inputs=lambda cfg: {s: MODELS / s / "model.safetensors" for s in _trained()},
+        handoff=lambda cfg: [
+            REPORTS / "metrics.json",
+            REPORTS / "cost.json",
+            REPORTS / "summary.json",
+            *_files(REPORTS / "evaluate"),
+        ],
+        body=_evaluate,
+        done="reports/metrics.json, reports/cost.json, reports/evaluate/report.md",
+        reads=lambda cfg: [
+            (PUBLISHED / "receipt.json", "publish"),
+            *((MODELS / s / "model.safetensors", s) for s in _trained()),
+        ],
+    ),
+]
+STAGES_BY_NAME = {s.name: s for s in STAGE_LIST}
+
+
+# ------------------------------------------------------------------------- the wrapper
+
+
+def _load(
+    stage: str,
+    params_file: str | None,
+    overrides: list[str] | None,
+    params: dict[str, Any] | None,
+    handoff: str | None,
+) -> Config:
+    """The stage's configuration; with a hand-off run key (dispatch: deployments), first fetch
+    and verify what the earlier stages handed off through the object store."""
+    cfg = load_config(params_file, overrides or [], params)
+    earlier = [s.name for s in STAGE_LIST[: STAGE_LIST.index(STAGES_BY_NAME[stage])]]
+    if handoff and earlier:
+        pull_inputs(cfg, stage, handoff, earlier)
+    return cfg
+
+
+def _hand_off(cfg: Config, stage: Stage, handoff: str | None) -> None:
+    if handoff:
+        push_outputs(cfg, stage.name, handoff, stage.handoff(cfg))
+
+
+def _skipped(
+    cfg: Config, stage: Stage, inputs: dict[str, Path], handoff: str | None
+) -> dict[str, Any] | None:
+    """The stage's last summary if its params, code and inputs are unchanged since it ran and
+    its outputs are intact (tasks/lineage.py:up_to_date): the stage is skipped and says so.
+    MOE_FORCE=1 runs it anyway (`moe-pipeline stage|run --force`)."""
+    if os.environ.get("MOE_FORCE", "") not in ("", "0"):
+        return None
+    rec = up_to_date(cfg, stage.name, stage.out(cfg), inputs, stage.handoff(cfg))
+    if rec is None or not stage.still_there(cfg):
+        return None
+    log.info(
+        "stage %s skipped: its params, code and inputs (%s) are unchanged since its run that "
+        "ended %s (flow run %s); its outputs in %s are kept (MOE_FORCE=1 runs it anyway)",
+        stage.name,
+        ", ".join(inputs) or "none",
+        rec.get("ended"),
+        rec.get("flow_run_id"),
+        stage.out(cfg),
+    )
+    publish_artifacts(stage.name, {"skipped": True, "unchanged_since": rec.get("ended")})
+    _hand_off(cfg, stage, handoff)
+    return {**rec.get("metrics", {}), "skipped": True}
+
+
+def run_stage(
+    stage: Stage,
+    params_file: str | None = None,
+    overrides: list[str] | None = None,
+    params: dict[str, Any] | None = None,
+    handoff: str | None = None,
+) -> dict[str, Any]:
+    """Load, skip if unchanged, run the body, record lineage and cost, publish, hand off."""
+    cfg = _load(stage.name, params_file, overrides, params, handoff)
+    inputs = stage.inputs(cfg)
+    if (done := _skipped(cfg, stage, inputs, handoff)) is not None:
+        return done
+    record = StageRecord(cfg, stage.name, stage.out(cfg))
+    made = stage.body(cfg, record)
+    record.write(
+        inputs=inputs,
+        outputs=made.outputs,
+        metrics=made.result if made.metrics is None else made.metrics,
+        wandb_run_id=made.wandb_run_id,
+        compute_s=made.compute_s,
+    )
+    publish_artifacts(stage.name, made.result if made.summary is None else made.summary)
+    _hand_off(cfg, stage, handoff)
+    return made.result
+
+
 def _budget_left(cfg: Config, stage: str) -> float:
-    """What is left of cost.budget for `stage`: the budget minus what the upstream stages'
-    lineage records say they cost (0 = no budget)."""
+    """What is left of cost.budget for `stage`: the budget minus what the stages before it
+    cost by their lineage records (0 = no budget)."""
     if cfg.cost.budget <= 0:
         return 0.0
     spent = 0.0
-    upstream = TRAIN_STAGES[: TRAIN_STAGES.index(stage)]
-    for p in [Path(cfg.data.out_dir) / "lineage.json", PUBLISHED / "lineage.json"] + [
-        MODELS / s / "lineage.json" for s in upstream
-    ]:
-        if p.is_file():
-            spent += float(json.loads(p.read_text()).get("cost", 0.0))
+    for p in _lineage_files(cfg, stage, missing_ok=True):
+        spent += float(json.loads(p.read_text()).get("cost", 0.0))
     left = cfg.cost.budget - spent
     if left <= 0:
         log.warning(
@@ -447,13 +538,13 @@ def _budget_left(cfg: Config, stage: str) -> float:
     return max(left, 1e-9)
 
 
-def _lineage_files(cfg: Config) -> list[Path]:
-    paths = [
-        Path(cfg.data.out_dir) / "lineage.json",
-        PUBLISHED / "lineage.json",
-        *(MODELS / s / "lineage.json" for s in TRAIN_STAGES),
-    ]
+def _lineage_files(cfg: Config, before: str, missing_ok: bool = False) -> list[Path]:
+    """The lineage records of every stage before `before` (what the bill sums)."""
+    upstream = STAGE_LIST[: STAGE_LIST.index(STAGES_BY_NAME[before])]
+    paths = [s.out(cfg) / "lineage.json" for s in upstream]
     missing = [str(p) for p in paths if not p.is_file()]
+    if missing_ok:
+        return [p for p in paths if p.is_file()]
     if missing:
         raise InputError(
             f"lineage records missing: {', '.join(missing)}; run the earlier stages first"
@@ -461,11 +552,33 @@ def _lineage_files(cfg: Config) -> list[Path]:
     return paths
 
 
-STAGE_FLOWS = {
-    "prepare": prepare,
-    "publish": publish,
-    "pretrain": pretrain,
-    "finetune_sql": finetune_sql,
-    "finetune_domain": finetune_domain,
-    "evaluate": evaluate,
-}
+# ------------------------------------------------------------------------- the flows
+
+
+def _stage_flow(stage: Stage) -> Any:
+    """The Prefect flow of a stage. Every stage flow takes the same parameters: a params file
+    and `--set` overrides (the CLI and dvc.yaml), or `params`, a resolved configuration, and
+    `handoff`, the run key under which stages on different machines pass their outputs
+    through the object store (flows/pipeline.py)."""
+
+    def run(
+        params_file: str | None = None,
+        overrides: list[str] | None = None,
+        params: dict[str, Any] | None = None,
+        handoff: str | None = None,
+    ) -> dict[str, Any]:
+        return run_stage(stage, params_file, overrides, params, handoff)
+
+    run.__name__ = run.__qualname__ = stage.name
+    run.__doc__ = stage.doc
+    return flow(name=stage.name, description=stage.doc, log_prints=True)(run)
+
+
+if [s.name for s in STAGE_LIST] != list(STAGES):
+    raise RuntimeError(
+        f"flows/stages.py STAGE_LIST {[s.name for s in STAGE_LIST]} and moe.config.STAGES "
+        f"{list(STAGES)} must name the same stages in the same order"
+    )
+STAGE_FLOWS = {s.name: _stage_flow(s) for s in STAGE_LIST}
+# Module-level names, as prefect.yaml's entrypoints (flows/stages.py:<stage>) look them up.
+globals().update(STAGE_FLOWS)

@@ -28,40 +28,6 @@ from tasks.storage import RETRIES, _check_key, open_store, pull_files, push_file
 
 log = logging.getLogger(__name__)
 
-MODELS = Path("models")
-REPORTS = Path("reports")
-PUBLISHED = Path("data/published")
-
-
-def stage_outputs(cfg: Config, stage: str) -> list[Path]:
-    """The files of `stage` that later stages (or the user, for evaluate) read, relative to
-    the stage's working folder. Training checkpoints stay on the pool's disk (and, with
-    `checkpoint.offload`, in the object store's checkpoint area)."""
-    prepared = Path(cfg.data.out_dir)
-    if stage == "prepare":
-        if cfg.pools.stages["publish"] == cfg.pools.stages["prepare"]:
-            # publish runs on the same pool's disk: only the records travel
-            names = ["lineage.json", "params.yaml", "meta.json"]
-            return [prepared / n for n in names if (prepared / n).is_file()]
-        return _files(prepared)  # publish runs elsewhere: it needs the whole prepared folder
-    if stage == "publish":
-        return _files(PUBLISHED)
-    if stage == "evaluate":
-        return [
-            REPORTS / "metrics.json",
-            REPORTS / "cost.json",
-            REPORTS / "summary.json",
-            *_files(REPORTS / "evaluate"),
-        ]
-    return [
-        *(p for p in _files(MODELS / stage) if "checkpoints" not in p.relative_to(MODELS).parts),
-        REPORTS / f"{stage}.json",
-    ]
-
-
-def _files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
-
 
 def _prefix(run: str, stage: str) -> str:
     _check_key(run)
@@ -71,12 +37,13 @@ def _prefix(run: str, stage: str) -> str:
 
 
 @task(name="hand-off-outputs", cache_policy=NONE, **RETRIES)
-def push_outputs(cfg: Config, stage: str, run: str) -> dict[str, Any]:
-    """Upload `stage`'s outputs under runs/<run>/<stage>/, the manifest last."""
+def push_outputs(cfg: Config, stage: str, run: str, outputs: list[Path]) -> dict[str, Any]:
+    """Upload `stage`'s outputs (its declaration's hand-off files, flows/stages.py, relative
+    to the working folder) under runs/<run>/<stage>/, the manifest last."""
     store, prefix = open_store(cfg.storage), _prefix(run, stage)
     files: dict[str, Path] = {}
     t0 = time.perf_counter()
-    for path in stage_outputs(cfg, stage):
+    for path in outputs:
         if not path.is_file():
             raise InputError(f"{path} is missing after the {stage} stage; nothing was handed off")
         files[path.as_posix()] = path

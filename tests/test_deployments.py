@@ -40,6 +40,30 @@ def test_every_stage_has_a_deployment_on_its_pool() -> None:
     assert all(s["active"] is False for s in deployments["pipeline"]["schedules"])
 
 
+def test_dvc_yaml_and_prefect_yaml_agree_with_the_stage_declarations() -> None:
+    """One declaration per stage (flows/stages.py STAGE_LIST): dvc.yaml has a stage that runs
+    it, whose params include its section and whose outputs hold its folder (where its
+    lineage record lands) and its hand-off files; prefect.yaml a deployment of its flow.
+    A stage declared and not wired (or wired and not declared) fails here, by name."""
+    from flows.stages import STAGE_LIST
+
+    cfg = load_config(ROOT / "params.yaml")
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    deployments = {
+        d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
+    }
+    assert [s.name for s in STAGE_LIST] == list(dvc) == list(STAGES)
+    for stage in STAGE_LIST:
+        d = dvc[stage.name]
+        assert d["cmd"] == f"moe-pipeline stage {stage.name}", stage.name
+        params = [p.split(".")[0] for p in d["params"]]
+        assert stage.section in params, (stage.name, stage.section, params)
+        outs = [next(iter(o)) if isinstance(o, dict) else o for o in d["outs"]]
+        folder = stage.out(cfg).as_posix()
+        assert any(folder == o or folder.startswith(o + "/") for o in outs), (stage.name, outs)
+        assert deployments[stage.name]["entrypoint"] == f"flows/stages.py:{stage.name}"
+
+
 def _placeholders(node: object) -> set[str]:
     if isinstance(node, str):
         return set(re.findall(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}", node))

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from flows.stages import STAGES_BY_NAME
 from moe.config import load_config
 from moe.errors import InputError
-from tasks.handoff import pull_inputs, push_outputs, stage_outputs
+from tasks.handoff import pull_inputs, push_outputs
 from tasks.lineage import StageRecord, up_to_date
 from tests.conftest import ROOT
 
@@ -23,6 +24,11 @@ def cwd(tmp_path: Path) -> Iterator[Path]:
     os.chdir(tmp_path)
     yield tmp_path
     os.chdir(old)
+
+
+def stage_outputs(cfg, stage: str) -> list[Path]:
+    """What the stage's declaration hands off (flows/stages.py)."""
+    return STAGES_BY_NAME[stage].handoff(cfg)
 
 
 def _fake_pretrain(folder: Path) -> None:
@@ -44,7 +50,7 @@ def test_outputs_travel_verified_and_only_once(cwd: Path) -> None:
     files = {p.as_posix() for p in stage_outputs(cfg, "pretrain")}
     assert "models/pretrain/model.safetensors" in files and "reports/pretrain.json" in files
     assert not any("checkpoints" in f for f in files)  # checkpoints stay on the pool's disk
-    push_outputs.fn(cfg, "pretrain", "run1")
+    push_outputs.fn(cfg, "pretrain", "run1", stage_outputs(cfg, "pretrain"))
     os.chdir(b)
     assert pull_inputs.fn(cfg, "x", "run1", upto=["pretrain"]) == len(files)
     assert (b / "models/pretrain/model.safetensors").read_bytes() == b"weights" * 100
@@ -72,7 +78,7 @@ def test_a_manifest_cannot_write_outside_the_working_folder(cwd: Path) -> None:
     with pytest.raises(InputError, match="not a relative path inside the store"):
         pull_inputs.fn(cfg, "x", "r", upto=["pretrain"])
     with pytest.raises(InputError, match="may not contain"):
-        push_outputs.fn(cfg, "pretrain", "a/b")
+        push_outputs.fn(cfg, "pretrain", "a/b", [])
 
 
 def test_up_to_date_follows_params_inputs_and_outputs(cwd: Path) -> None:
