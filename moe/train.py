@@ -155,6 +155,25 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> No
     random.setstate((v, tuple(internal), g))
 
 
+@dataclass
+class _Run:
+    """What one call of Trainer.fit tracks between its steps."""
+
+    resumed: int | None  # the step it resumed from
+    restore_s: float  # what reading that checkpoint took
+    next_save: int
+    t0: float  # training time and step when this run started (auto interval: step time)
+    step0: int
+    params: list[torch.nn.Parameter]  # the trainable ones (growth replaces them)
+    window_t0: float  # the current logging window: since when, its loss and tokens
+    window_loss: float = 0.0
+    window_tokens: int = 0
+    steps: int = 0  # steps taken in this run
+    last_loss: float = float("nan")
+    val_loss: float | None = None
+    aux: Any = None  # the last forward's routing statistics
+
+
 class Trainer:
     def __init__(
         self,
@@ -403,11 +422,7 @@ class Trainer:
         util = float(self.load.eval_window()["utilisation"])
         cost_per_step = self.elapsed_s / max(self.step, 1) / 3600 * self.price_per_hour
         steps_left = self.cfg.max_steps - self.step
-        reason = self.stopper.update(self.step, val_loss, util, lr, cost_per_step, steps_left)
-        if reason:
-            log.warning("early stop at step %d: %s", self.step, reason)
-            self._emit({"step": self.step, "early_stop": reason})
-        return reason
+        return self.stopper.update(self.step, val_loss, util, lr, cost_per_step, steps_left)
 
     def _schedule_step(self) -> int:
         """The step the lr schedule reads. With a time budget, the schedule follows whichever
@@ -452,7 +467,38 @@ class Trainer:
         self.interval = choice
 
     def fit(self) -> TrainResult:
-        cfg = self.cfg
+        """Train from the newest valid checkpoint (or from scratch) until max_steps or a stop
+        reason: each step is a forward/backward over its micro-batches, an optimizer step,
+        then logging, the stop decision and, when due, a checkpoint."""
+        run = self._begin()
+        stop_reason = "max_steps"
+        while self.step < self.cfg.max_steps:
+            t_step = self.clock()
+            lr = self._set_lr()
+            loss, counts = self._forward_backward(run)
+            grad_norm = self._optimizer_step(run, counts)
+            self._account_time(t_step)
+            run.steps += 1
+            run.last_loss = loss
+            run.window_loss += loss
+            if self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps:
+                self._log_window(run, lr, grad_norm)
+            reason = self._stop_decision(run, lr)
+            self._checkpoint_if_due(run, reason)
+            if reason is None and self.stop_after is not None and run.steps >= self.stop_after:
+                reason = "stop_after"
+            if reason is not None:
+                stop_reason = reason
+                break
+        return self._end(run, stop_reason)
+
+    # ------------------------------------------------------------------ fit, step by step
+
+    def _begin(self) -> _Run:
+        """Resume (timing the restore), start a fresh metrics log otherwise, record the
+        attempt in the journal (and what the interruption before it cost), and plan the
+        first save: a multiple of checkpoint_every, or (auto) an early save that measures
+        the stall, then every interval chosen from it."""
         t_restore = self.clock()
         resumed = self._try_resume()
         restore_s = self.clock() - t_restore if resumed is not None else 0.0
@@ -476,189 +522,213 @@ class Trainer:
                     lost["restore_s"],
                 )
                 self._emit({"step": self.step, "interruption": lost})
-        # The next save: a multiple of checkpoint_every, or (auto) an early first save that
-        # measures the stall, then every interval chosen from it.
+        every = self.cfg.checkpoint_every
         auto = self.auto_mtbi_s is not None
-        every = cfg.checkpoint_every
-        next_save = self.step + min(every, 10) if auto else (self.step // every + 1) * every
-        run_t0, run_step0 = self.elapsed_s, self.step
         self.model.train()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        window_loss, window_tokens, window_t0 = 0.0, 0, self.clock()
-        last_loss = float("nan")
-        val_loss: float | None = None
-        stop_reason = "max_steps"
-        steps_this_run = 0
-        while self.step < cfg.max_steps:
-            t_step = self.clock()
-            lr = lr_at(
-                self._schedule_step(),
-                cfg.max_steps,
-                cfg.lr,
-                cfg.warmup_steps,
-                self.min_lr,
-                self.schedule,
-            )
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr * g["lr_mult"]
-            self.model.set_routing_step(
-                self.step if self.expert_warmup else AFTER_WARMUP, self.step / cfg.max_steps
-            )
-            loss_sum = 0.0
-            step_counts: list[torch.Tensor] = []
-            for micro in range(cfg.grad_accum):
-                x, y, w = self._rows(self.batches.batch_at(self.step, micro))
-                x, y = x.to(self.device), y.to(self.device)
-                with self._autocast():
-                    _, loss, aux = self.model(x, y, None if w is None else w.to(self.device))
-                    total = loss + aux.balance_loss
-                (total / cfg.grad_accum).backward()
-                counts = aux.tokens_per_expert
-                if self.world > 1:
-                    # One small all-reduce: loss, tokens, and every layer's expert counts.
-                    packed = torch.cat(
-                        [
-                            loss.detach().float().reshape(1),
-                            (y != -100).sum().float().reshape(1),
-                            *[c.float() for c in counts],
-                        ]
-                    )
-                    dist.all_reduce(packed)
-                    loss_val, n_tok = float(packed[0]) / self.world, int(packed[1])
-                    counts = list(packed[2:].view(len(counts), -1)) if counts else []
-                else:
-                    loss_val, n_tok = float(loss.detach()), int((y != -100).sum())
-                loss_sum += loss_val
-                self.load.add(counts, aux.dropped_fraction)
-                step_counts = (
-                    [a + b for a, b in zip(step_counts, counts, strict=True)]
-                    if step_counts
-                    else list(counts)
-                )
-                self.tokens += n_tok
-                window_tokens += int(x.numel()) * self.world
-            if self.growth:
-                self.growth.observe(step_counts)  # before the step: the gradients are here
-            clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        return _Run(
+            resumed=resumed,
+            restore_s=restore_s,
+            next_save=self.step + min(every, 10) if auto else (self.step // every + 1) * every,
+            t0=self.elapsed_s,
+            step0=self.step,
+            params=[p for p in self.model.parameters() if p.requires_grad],
+            window_t0=self.clock(),
+        )
+
+    def _set_lr(self) -> float:
+        """This step's learning rate (and the routing schedule's position)."""
+        cfg = self.cfg
+        lr = lr_at(
+            self._schedule_step(),
+            cfg.max_steps,
+            cfg.lr,
+            cfg.warmup_steps,
+            self.min_lr,
+            self.schedule,
+        )
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr * g["lr_mult"]
+        self.model.set_routing_step(
+            self.step if self.expert_warmup else AFTER_WARMUP, self.step / cfg.max_steps
+        )
+        return lr
+
+    def _forward_backward(self, run: _Run) -> tuple[float, list[torch.Tensor]]:
+        """Forward and backward over the step's micro-batches; returns the mean loss (over
+        ranks) and the step's tokens per expert per layer (summed over ranks)."""
+        cfg = self.cfg
+        loss_sum = 0.0
+        step_counts: list[torch.Tensor] = []
+        for micro in range(cfg.grad_accum):
+            x, y, w = self._rows(self.batches.batch_at(self.step, micro))
+            x, y = x.to(self.device), y.to(self.device)
+            with self._autocast():
+                _, loss, aux = self.model(x, y, None if w is None else w.to(self.device))
+                total = loss + aux.balance_loss
+            (total / cfg.grad_accum).backward()
+            counts = aux.tokens_per_expert
             if self.world > 1:
-                D.sync_gradients(self.model, self.world)
-                grad_norm = D.clip_grad_norm(self.model, clip, self.world)
+                # One small all-reduce: loss, tokens, and every layer's expert counts.
+                packed = torch.cat(
+                    [
+                        loss.detach().float().reshape(1),
+                        (y != -100).sum().float().reshape(1),
+                        *[c.float() for c in counts],
+                    ]
+                )
+                dist.all_reduce(packed)
+                loss_val, n_tok = float(packed[0]) / self.world, int(packed[1])
+                counts = list(packed[2:].view(len(counts), -1)) if counts else []
             else:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
-            if not math.isfinite(grad_norm):
-                raise FloatingPointError(
-                    f"non-finite gradient norm at step {self.step}: lower the learning rate or raise grad_clip"
-                )
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.step += 1
-            D.sync_routing_load(self.model, self.world)
-            self.model.update_routing(self.step)
-            if self.growth:
-                for event in self.growth.act(self.step, self.optimizer):
-                    self.load.resize(event["layer"], torch.tensor(event.pop("index")))
-                    self._emit({"step": self.step, "expert_event": event})
-                    self.expert_events.append(event)
-                    log.warning(
-                        "expert %s in layer %d at step %d: %s",
-                        event["kind"],
-                        event["layer"],
-                        self.step,
-                        event["trigger"],
-                    )
-                    params = [p for p in self.model.parameters() if p.requires_grad]
-                self.growth.ramp(self.step)
-            steps_this_run += 1
-            last_loss = loss_sum / cfg.grad_accum
-            window_loss += last_loss
-            self.elapsed_s += self.clock() - t_step
-            if self.world > 1:
-                # Ranks agree on the time used (lr under a time budget, cost-aware stop).
-                t = torch.tensor([self.elapsed_s], dtype=torch.float64, device=self.device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                self.elapsed_s = float(t)
+                loss_val, n_tok = float(loss.detach()), int((y != -100).sum())
+            loss_sum += loss_val
+            self.load.add(counts, aux.dropped_fraction)
+            step_counts = (
+                [a + b for a, b in zip(step_counts, counts, strict=True)]
+                if step_counts
+                else list(counts)
+            )
+            self.tokens += n_tok
+            run.window_tokens += int(x.numel()) * self.world
+        run.aux = aux
+        return loss_sum / cfg.grad_accum, step_counts
 
-            if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
-                dt = self.clock() - window_t0
-                stats = self.load.window()
-                row = {
-                    "step": self.step,
-                    "loss": window_loss / max(1, (self.step - 1) % cfg.log_every + 1),
-                    "lr": lr,
-                    "grad_norm": grad_norm,
-                    "tokens_per_s": window_tokens / max(dt, 1e-9),
-                    "expert_cv": stats["cv"],
-                    "expert_max_vio": stats["max_vio"],
-                    "expert_utilisation": stats["utilisation"],
-                    "expert_dead": stats["dead"],
-                    "aux_loss": float(aux.aux_loss.detach()),
-                    "z_loss": float(aux.z_loss.detach()),
-                    "dropped_fraction": stats["dropped_fraction"],
-                    "cost": self.elapsed_s / 3600 * self.price_per_hour,
-                    "expert_share": stats["share"],
-                }
-                self._emit(row)
-                log.info(
-                    "step %d/%d loss %.4f lr %.2e grad_norm %.3f %.0f tok/s expert CV %.3f",
+    def _optimizer_step(self, run: _Run, counts: list[torch.Tensor]) -> float:
+        """Clip, step, update routing; grow or prune experts where due. Returns the
+        gradient norm before clipping."""
+        if self.growth:
+            self.growth.observe(counts)  # before the step: the gradients are here
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        if self.world > 1:
+            D.sync_gradients(self.model, self.world)
+            grad_norm = D.clip_grad_norm(self.model, clip, self.world)
+        else:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(run.params, clip))
+        if not math.isfinite(grad_norm):
+            raise FloatingPointError(
+                f"non-finite gradient norm at step {self.step}: lower the learning rate or raise grad_clip"
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        D.sync_routing_load(self.model, self.world)
+        self.model.update_routing(self.step)
+        if self.growth:
+            for event in self.growth.act(self.step, self.optimizer):
+                self.load.resize(event["layer"], torch.tensor(event.pop("index")))
+                self._emit({"step": self.step, "expert_event": event})
+                self.expert_events.append(event)
+                log.warning(
+                    "expert %s in layer %d at step %d: %s",
+                    event["kind"],
+                    event["layer"],
                     self.step,
-                    cfg.max_steps,
-                    row["loss"],
-                    lr,
-                    grad_norm,
-                    row["tokens_per_s"],
-                    stats["cv"],
+                    event["trigger"],
                 )
-                window_loss, window_tokens, window_t0 = 0.0, 0, self.clock()
+                run.params = [p for p in self.model.parameters() if p.requires_grad]
+            self.growth.ramp(self.step)
+        return grad_norm
 
-            early_reason = None
-            if self.eval_every and (self.step % self.eval_every == 0 or self.step == cfg.max_steps):
-                val_loss = self._validate()
-                if val_loss is not None:
-                    early_reason = self._early_stop(val_loss, lr)
-            spent = self.elapsed_s / 3600 * self.price_per_hour
-            if self.budget_left > 0 and not early_reason:
-                if spent >= self.budget_left:
-                    early_reason = (
-                        f"budget: this stage spent {spent:.4f} of the {self.budget_left:.4f} left "
-                        "of cost.budget"
-                    )
-                    log.warning("stopping at step %d: %s", self.step, early_reason)
-                    self._emit({"step": self.step, "early_stop": early_reason})
-                elif spent >= self.budget_alert * self.budget_left and not self._budget_warned:
-                    self._budget_warned = True
-                    msg = f"{spent / self.budget_left:.0%} of the budget left for this stage spent"
-                    log.warning("step %d: %s", self.step, msg)
-                    self._emit({"step": self.step, "budget_alert": msg})
-            budget = getattr(cfg, "time_budget_s", 0.0)
-            if budget > 0 and self.elapsed_s >= budget and not early_reason:
-                early_reason = f"time budget of {budget:.0f} s used"
-                log.warning("stopping at step %d: %s", self.step, early_reason)
-                self._emit({"step": self.step, "early_stop": early_reason})
-            if early_reason or self.step >= next_save or self.step == cfg.max_steps:
-                t_save = self.clock()
-                self._save(val_loss)
-                # What the save cost the training thread (the copy; encoding and writing
-                # happen on the store's worker thread in background mode).
-                stall = self.clock() - t_save
-                self._emit({"step": self.step, "checkpoint_stall_s": stall})
-                if auto:
-                    step_s = (self.elapsed_s - run_t0) / max(1, self.step - run_step0)
-                    self._choose_interval(stall, step_s, restore_s)
-                    assert self.interval is not None
-                    next_save = self.step + self.interval.steps
-                else:
-                    next_save = (self.step // every + 1) * every
-                if self.journal is not None and self.rank == 0:
-                    self.journal.progress(self.step, force=True)
-            elif self.journal is not None and self.rank == 0:
+    def _account_time(self, t_step: float) -> None:
+        self.elapsed_s += self.clock() - t_step
+        if self.world > 1:
+            # Ranks agree on the time used (lr under a time budget, cost-aware stop).
+            t = torch.tensor([self.elapsed_s], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            self.elapsed_s = float(t)
+
+    def _log_window(self, run: _Run, lr: float, grad_norm: float) -> None:
+        """One metrics row for the steps since the last one (and a log line)."""
+        cfg = self.cfg
+        dt = self.clock() - run.window_t0
+        stats = self.load.window()
+        aux = run.aux
+        row = {
+            "step": self.step,
+            "loss": run.window_loss / max(1, (self.step - 1) % cfg.log_every + 1),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": run.window_tokens / max(dt, 1e-9),
+            "expert_cv": stats["cv"],
+            "expert_max_vio": stats["max_vio"],
+            "expert_utilisation": stats["utilisation"],
+            "expert_dead": stats["dead"],
+            "aux_loss": float(aux.aux_loss.detach()),
+            "z_loss": float(aux.z_loss.detach()),
+            "dropped_fraction": stats["dropped_fraction"],
+            "cost": self.elapsed_s / 3600 * self.price_per_hour,
+            "expert_share": stats["share"],
+        }
+        self._emit(row)
+        log.info(
+            "step %d/%d loss %.4f lr %.2e grad_norm %.3f %.0f tok/s expert CV %.3f",
+            self.step,
+            cfg.max_steps,
+            row["loss"],
+            lr,
+            grad_norm,
+            row["tokens_per_s"],
+            stats["cv"],
+        )
+        run.window_loss, run.window_tokens, run.window_t0 = 0.0, 0, self.clock()
+
+    def _stop_decision(self, run: _Run, lr: float) -> str | None:
+        """Why training stops after this step, or None: early stopping on a validation
+        (validates when due), the stage's share of the cost budget, the time budget. A stop
+        is logged and recorded once, here; a budget nearly spent is an alert."""
+        cfg = self.cfg
+        reason = None
+        if self.eval_every and (self.step % self.eval_every == 0 or self.step == cfg.max_steps):
+            run.val_loss = self._validate()
+            if run.val_loss is not None:
+                reason = self._early_stop(run.val_loss, lr) or None
+        spent = self.elapsed_s / 3600 * self.price_per_hour
+        if reason is None and self.budget_left > 0:
+            if spent >= self.budget_left:
+                reason = (
+                    f"budget: this stage spent {spent:.4f} of the {self.budget_left:.4f} left "
+                    "of cost.budget"
+                )
+            elif spent >= self.budget_alert * self.budget_left and not self._budget_warned:
+                self._budget_warned = True
+                msg = f"{spent / self.budget_left:.0%} of the budget left for this stage spent"
+                log.warning("step %d: %s", self.step, msg)
+                self._emit({"step": self.step, "budget_alert": msg})
+        time_budget = getattr(self.cfg, "time_budget_s", 0.0)
+        if reason is None and time_budget > 0 and self.elapsed_s >= time_budget:
+            reason = f"time budget of {time_budget:.0f} s used"
+        if reason is not None:
+            log.warning("stopping at step %d: %s", self.step, reason)
+            self._emit({"step": self.step, "early_stop": reason})
+        return reason
+
+    def _checkpoint_if_due(self, run: _Run, stopping: str | None) -> None:
+        """Save when due (and on a stop or the last step), then plan the next save; the
+        journal follows the progress."""
+        due = stopping or self.step >= run.next_save or self.step == self.cfg.max_steps
+        if not due:
+            if self.journal is not None and self.rank == 0:
                 self.journal.progress(self.step)
-            if early_reason:
-                stop_reason = early_reason
-                break
-            if self.stop_after is not None and steps_this_run >= self.stop_after:
-                stop_reason = "stop_after"
-                break
+            return
+        t_save = self.clock()
+        self._save(run.val_loss)
+        # What the save cost the training thread (the copy; encoding and writing happen on
+        # the store's worker thread in background mode).
+        stall = self.clock() - t_save
+        self._emit({"step": self.step, "checkpoint_stall_s": stall})
+        if self.auto_mtbi_s is not None:
+            step_s = (self.elapsed_s - run.t0) / max(1, self.step - run.step0)
+            self._choose_interval(stall, step_s, run.restore_s)
+            assert self.interval is not None
+            run.next_save = self.step + self.interval.steps
+        else:
+            every = self.cfg.checkpoint_every
+            run.next_save = (self.step // every + 1) * every
+        if self.journal is not None and self.rank == 0:
+            self.journal.progress(self.step, force=True)
 
+    def _end(self, run: _Run, stop_reason: str) -> TrainResult:
+        """Wait for the checkpoint writes, close the attempt in the journal, and report."""
         self.store.flush()  # background checkpoint writes are on disk before we report
         path = self.store.latest_valid()
         resilience: dict[str, Any] = {}
@@ -671,9 +741,9 @@ class Trainer:
         total = summarize(self.load.total)
         return TrainResult(
             steps=self.step,
-            resumed_from=resumed,
-            train_loss=last_loss,
-            val_loss=val_loss if val_loss is not None else self.evaluate(),
+            resumed_from=run.resumed,
+            train_loss=run.last_loss,
+            val_loss=run.val_loss if run.val_loss is not None else self.evaluate(),
             tokens=self.tokens,
             wall_s=self.elapsed_s,
             stop_reason=stop_reason,
