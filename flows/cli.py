@@ -507,7 +507,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
             print(f"error: no valid checkpoint under {root}", file=sys.stderr)
             return EXIT_CONFIG
     else:
-        path = root / f"step_{step:08d}"
+        path = store.step_dir(step)
         why = store.verify(path) if path.is_dir() else "there is no such checkpoint"
         if why is not None:
             steps = ", ".join(str(r.step) for r in store.info() if r.problem is None)

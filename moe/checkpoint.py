@@ -49,6 +49,20 @@ from moe.codec import LOSSY, decode, encode
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+TENSOR_FILES = ("L0.bin", "L1.bin", "L2.bin")  # the tiers' files in a checkpoint folder
+STATE = "state.json"
+
+
+def step_dir_name(step: int) -> str:
+    """The folder name of step `step`'s checkpoint (the only place the layout says it)."""
+    return f"step_{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a checkpoint folder's name stands for, or None for any other name."""
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
+
+
 FORMAT_VERSION = 2
 
 
@@ -245,9 +259,24 @@ class CheckpointStore:
         if not self.root.is_dir():
             return []
         return sorted(
-            (p for p in self.root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
+            (p for p in self.root.glob("step_*") if p.is_dir() and step_of(p.name) is not None),
             reverse=True,
         )
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / step_dir_name(step)
+
+    def bases(self, path: Path) -> list[int]:
+        """The steps of the checkpoints `path`'s delta-coded tiers are read against."""
+        manifest = self._manifest(path) or {}
+        return [int(b) for b in manifest.get("bases", [])]
+
+    def offloadable(self, path: Path, hot: bool) -> list[str]:
+        """The files of a checkpoint folder that may live in an object store instead: the
+        cold tier of a checkpoint kept hot (the newest, or a base the next save diffs
+        against), every tensor file and the state of any other. Manifests stay local."""
+        names = ["L2.bin"] if hot else [*TENSOR_FILES, STATE]
+        return [n for n in names if (path / n).is_file()]
 
     def _manifest(self, path: Path) -> dict[str, Any] | None:
         try:
@@ -283,7 +312,7 @@ class CheckpointStore:
             "rng": {k: v.detach().to("cpu", copy=True) for k, v in rng.items()},
         }
         job = (step, snapshot, json.loads(json.dumps(state)), param_names or {}, expert_load or {})
-        final = self.root / f"step_{step:08d}"
+        final = self.step_dir(step)
         if self.background:
             self._ensure_worker()
             self._queue.put(job)  # blocks while the previous save is still being written
@@ -369,8 +398,8 @@ class CheckpointStore:
         t0 = time.perf_counter()
         with self._lock:
             self.root.mkdir(parents=True, exist_ok=True)
-            final = self.root / f"step_{step:08d}"
-            tmp = self.root / f".tmp-step_{step:08d}-{os.getpid()}"
+            final = self.step_dir(step)
+            tmp = self.root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
             for stale in self.root.glob(".tmp-step_*"):
                 # Left by a process that died mid-write (the store has one writer).
                 log.info("removing an unfinished checkpoint write: %s", stale)
@@ -448,7 +477,7 @@ class CheckpointStore:
             finally:
                 for f in handles.values():
                     f.close()
-            _fsync_write(tmp / "state.json", json.dumps(state, indent=1, sort_keys=True).encode())
+            _fsync_write(tmp / STATE, json.dumps(state, indent=1, sort_keys=True).encode())
             manifest = {
                 "format": FORMAT_VERSION,
                 "step": step,
@@ -520,7 +549,7 @@ class CheckpointStore:
             or list(meta["shape"]) != list(t.shape)
         ):
             return full_codec, None, None  # no lossless full copy to diff against
-        base_dir = self.root / f"step_{base_step:08d}"
+        base_dir = self.step_dir(base_step)
         if not (base_dir / meta["file"]).is_file():
             return full_codec, None, None  # the base was offloaded: write in full
         base_t = self._read_entry(base_dir, meta, None)
@@ -544,7 +573,7 @@ class CheckpointStore:
         for p in list(keep):
             m = self._manifest(p)
             for b in (m or {}).get("bases", []):
-                keep.add(self.root / f"step_{int(b):08d}")
+                keep.add(self.step_dir(int(b)))
         for old in dirs:
             if old not in keep:
                 shutil.rmtree(old, ignore_errors=True)
@@ -583,7 +612,7 @@ class CheckpointStore:
                 return f"tensor {t['key']} names a file the manifest does not list: {t['file']!r}"
         if _depth == 0:
             for b in manifest.get("bases", []):
-                base = self.root / f"step_{int(b):08d}"
+                base = self.step_dir(int(b))
                 why = self.verify(base, _depth=1) if base.is_dir() else "it is missing"
                 if why is not None:
                     return f"its base checkpoint {base.name} is not usable: {why}"
@@ -611,7 +640,7 @@ class CheckpointStore:
             raise ValueError(f"{path / meta['file']} is shorter than its manifest says")
         base_t = None
         if meta["base"] is not None:
-            base_dir = self.root / f"step_{int(meta['base']):08d}"
+            base_dir = self.step_dir(int(meta["base"]))
             if base_index is None:
                 bm = json.loads((base_dir / MANIFEST).read_text())
                 base_index = {m["key"]: m for m in bm["tensors"]}
@@ -625,7 +654,7 @@ class CheckpointStore:
         if manifest is None:
             return
         for b in manifest.get("bases", []):
-            self.ensure_local(self.root / f"step_{int(b):08d}")
+            self.ensure_local(self.step_dir(int(b)))
         locations: dict[str, str] = manifest.get("locations", {})
         missing = {n: loc for n, loc in locations.items() if not (path / n).is_file()}
         if not missing:
@@ -666,10 +695,10 @@ class CheckpointStore:
             raise ValueError(f"checkpoint {path} failed verification: {why}")
         self.flush()
         manifest = json.loads((path / MANIFEST).read_text())
-        state = json.loads((path / "state.json").read_text())
+        state = json.loads((path / STATE).read_text())
         base_indexes: dict[int, dict[str, Any]] = {}
         for b in manifest.get("bases", []):
-            bm = json.loads((self.root / f"step_{int(b):08d}" / MANIFEST).read_text())
+            bm = json.loads((self.step_dir(int(b)) / MANIFEST).read_text())
             base_indexes[int(b)] = {m["key"]: m for m in bm["tensors"]}
         parts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
         out: dict[str, dict[str, torch.Tensor]] = {g: {} for g in GROUPS}

@@ -16,7 +16,6 @@ retention later deletes stay in the store: expire them with a bucket lifecycle r
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -31,8 +30,6 @@ from moe.config import Config
 from tasks.storage import RETRIES, ObjectStore, open_store
 
 log = logging.getLogger(__name__)
-
-TENSOR_FILES = ("L0.bin", "L1.bin", "L2.bin")
 
 
 def checkpoint_store(cfg: Config, root: Path, run_key: str | None = None) -> CheckpointStore:
@@ -70,19 +67,15 @@ def offload(
     # next resume reads them, and the next save diffs against them.
     hot = {newest} if newest else set()
     if newest is not None:  # its manifest names its bases (no second hashing pass)
-        bases = json.loads((newest / "manifest.json").read_text()).get("bases", [])
-        hot |= {store.root / f"step_{int(b):08d}" for b in bases}
+        hot |= {store.step_dir(b) for b in store.bases(newest)}
     moved: list[str] = []
     kept_bytes = 0
     for path in store.checkpoint_dirs():
         if store.verify(path) is not None:
             continue  # never offload a damaged or half-written checkpoint
-        names = ["L2.bin"] if path in hot else [*TENSOR_FILES, "state.json"]
         record: dict[str, str] = {}
-        for name in names:
+        for name in store.offloadable(path, hot=path in hot):
             f = path / name
-            if not f.is_file():
-                continue
             key = f"checkpoints/{run_key}/{path.name}/{name}"
             objects.put(f, key, storage_class=storage_class)
             if not objects.exists(key):

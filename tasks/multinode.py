@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from moe.checkpoint import step_of
 from moe.config import Config, PoolSpec, load_config
 from moe.errors import InputError
 from moe.train import TrainResult
@@ -365,8 +366,8 @@ def newest_mirrored_step(store: ObjectStore, run_key: str) -> int | None:
     if not store.exists(f"{mirror_prefix(run_key)}/manifest.json"):
         return None
     files = json.loads(store.read_text(f"{mirror_prefix(run_key)}/manifest.json"))["files"]
-    steps = [int(k.split("/")[0][5:]) for k in files if k.startswith("step_")]
-    return max(steps, default=None)
+    steps = [step_of(k.split("/")[0]) for k in files]
+    return max((s for s in steps if s is not None), default=None)
 
 
 # ------------------------------------------------------------------------- one node
