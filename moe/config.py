@@ -192,7 +192,9 @@ class GrowthConfig:
     ramp_steps: int = 100  # a new expert's router offset ramps from -20 to 0 over these
     # orthogonal: new weights orthogonal to the layer's experts, at their mean norm;
     # split: the hottest expert's weights plus an orthogonal component of 10% of their norm.
-    init: Literal["orthogonal", "split"] = "orthogonal"
+    # split is the default: with aux_free balancing it ends more balanced and no worse in
+    # loss than orthogonal (bench/RESULTS.md, expert growth, three seeds).
+    init: Literal["orthogonal", "split"] = "split"
     prune: bool = True
     u_min: float = 0.05  # prune an expert under 5% of its fair share of the load...
     prune_window: int = 1000  # ...for this many consecutive steps (merged into its nearest)
