@@ -348,14 +348,14 @@ class EarlyStopConfig:
 
 
 @dataclass
-class TrainConfig:
-    """Pretraining: warm-up + cosine decay."""
+class OptimConfig:
+    """What every training stage shares: steps and batches, the optimiser, where and how it
+    runs, how often it logs and saves, and on how many processes and machines."""
 
     max_steps: int = 300
     batch_size: int = 16
     grad_accum: int = 1
     lr: float = 2e-3
-    min_lr: float = 2e-4
     warmup_steps: int = 30
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -365,8 +365,6 @@ class TrainConfig:
     device: str = "auto"
     seed: int = 1337
     log_every: int = 10
-    eval_every: int = 100
-    eval_batches: int = 8
     checkpoint_every: int = 100
     # > 0: stop after this many seconds of training; the lr decay follows the time used when
     # that is ahead of the steps, so the run still ends annealed. 0 = max_steps only.
@@ -380,41 +378,66 @@ class TrainConfig:
     # pods (tasks/multinode.py, the `multinode` section); data, the start model and the
     # checkpoints reach every node through the object store.
     nodes: int = 1
-    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
     def check(self, p: _Problems) -> None:
-        _check_optim(self, p)
-        with p.section("early_stop"):
-            self.early_stop.check(p)
-        p.require(self.min_lr >= 0, "min_lr", self.min_lr, "must be >= 0")
-        p.require(self.min_lr <= self.lr, "min_lr", self.min_lr, f"must be <= lr ({self.lr})")
-        p.require(self.eval_batches >= 1, "eval_batches", self.eval_batches, "must be >= 1")
-        p.require(self.eval_every >= 1, "eval_every", self.eval_every, "must be >= 1")
+        p.require(self.max_steps >= 1, "max_steps", self.max_steps, "must be >= 1")
+        p.require(
+            self.nproc >= 0, "nproc", self.nproc, "must be >= 0 (0 = one per GPU of the pool)"
+        )
+        p.require(self.nodes >= 1, "nodes", self.nodes, "must be >= 1")
+        p.require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
+        p.require(self.grad_accum >= 1, "grad_accum", self.grad_accum, "must be >= 1")
+        p.require(self.lr > 0, "lr", self.lr, "must be > 0")
+        p.require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
+        p.require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        p.require(0 <= self.beta1 < 1, "beta1", self.beta1, "must be in [0, 1)")
+        p.require(0 <= self.beta2 < 1, "beta2", self.beta2, "must be in [0, 1)")
+        p.require(
+            self.grad_clip >= 0, "grad_clip", self.grad_clip, "must be >= 0 (0 = no clipping)"
+        )
+        p.require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
+        p.require(
+            self.checkpoint_every >= 1, "checkpoint_every", self.checkpoint_every, "must be >= 1"
+        )
+        p.require(
+            _valid_device(self.device),
+            "device",
+            self.device,
+            "must be auto, cpu, cuda or cuda:N",
+        )
         p.require(
             self.time_budget_s >= 0, "time_budget_s", self.time_budget_s, "must be >= 0 (0 = off)"
         )
 
 
 @dataclass
-class FinetuneConfig:
+class TrainConfig(OptimConfig):
+    """Pretraining: warm-up + cosine decay to min_lr, validation, early stopping."""
+
+    min_lr: float = 2e-4
+    eval_every: int = 100
+    eval_batches: int = 8
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+
+    def check(self, p: _Problems) -> None:
+        super().check(p)
+        with p.section("early_stop"):
+            self.early_stop.check(p)
+        p.require(self.min_lr >= 0, "min_lr", self.min_lr, "must be >= 0")
+        p.require(self.min_lr <= self.lr, "min_lr", self.min_lr, f"must be <= lr ({self.lr})")
+        p.require(self.eval_batches >= 1, "eval_batches", self.eval_batches, "must be >= 1")
+        p.require(self.eval_every >= 1, "eval_every", self.eval_every, "must be >= 1")
+
+
+@dataclass
+class FinetuneConfig(OptimConfig):
     """Supervised finetuning on prompt -> SQL pairs: linear decay, loss on response tokens."""
 
     max_steps: int = 900
-    batch_size: int = 16
-    grad_accum: int = 1
     lr: float = 2e-3  # finetune_sql; 3 seeds each: 2e-3 beat 3e-3 (bench/RESULTS.md)
     warmup_steps: int = 10
     weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    device: str = "auto"
-    seed: int = 1337
-    log_every: int = 10
     checkpoint_every: int = 50
-    nproc: int = 0  # processes on this machine (torchrun), as train.nproc (0 = the pool's GPUs)
-    nodes: int = 1  # machines this stage spans, as train.nodes
     max_len: int = 128  # prompt + response tokens; longer pairs are truncated from the left
     # Rows of pretraining text added to each batch, as a fraction of batch_size (replay:
     # keeps the model from forgetting what pretraining taught it).
@@ -430,34 +453,12 @@ class FinetuneConfig:
     )
 
     def check(self, p: _Problems) -> None:
-        _check_optim(self, p)
+        super().check(p)
         p.require(self.max_len >= 8, "max_len", self.max_len, "must be >= 8")
         p.require(self.focus_weight > 0, "focus_weight", self.focus_weight, "must be > 0")
         p.require(
             0 <= self.replay_ratio <= 4, "replay_ratio", self.replay_ratio, "must be in [0, 4]"
         )
-
-
-def _check_optim(c: TrainConfig | FinetuneConfig, p: _Problems) -> None:
-    p.require(c.max_steps >= 1, "max_steps", c.max_steps, "must be >= 1")
-    p.require(c.nproc >= 0, "nproc", c.nproc, "must be >= 0 (0 = one per GPU of the pool)")
-    p.require(c.nodes >= 1, "nodes", c.nodes, "must be >= 1")
-    p.require(c.batch_size >= 1, "batch_size", c.batch_size, "must be >= 1")
-    p.require(c.grad_accum >= 1, "grad_accum", c.grad_accum, "must be >= 1")
-    p.require(c.lr > 0, "lr", c.lr, "must be > 0")
-    p.require(c.warmup_steps >= 0, "warmup_steps", c.warmup_steps, "must be >= 0")
-    p.require(c.weight_decay >= 0, "weight_decay", c.weight_decay, "must be >= 0")
-    p.require(0 <= c.beta1 < 1, "beta1", c.beta1, "must be in [0, 1)")
-    p.require(0 <= c.beta2 < 1, "beta2", c.beta2, "must be in [0, 1)")
-    p.require(c.grad_clip >= 0, "grad_clip", c.grad_clip, "must be >= 0 (0 = no clipping)")
-    p.require(c.log_every >= 1, "log_every", c.log_every, "must be >= 1")
-    p.require(c.checkpoint_every >= 1, "checkpoint_every", c.checkpoint_every, "must be >= 1")
-    p.require(
-        _valid_device(c.device),
-        "device",
-        c.device,
-        "must be auto, cpu, cuda or cuda:N",
-    )
 
 
 @dataclass

@@ -31,7 +31,7 @@ from moe.checkpoint import (
     model_tensors,
     unflatten_optimizer,
 )
-from moe.config import FinetuneConfig, TrainConfig
+from moe.config import OptimConfig
 from moe.early_stop import EarlyStopper
 from moe.growth import GrowthManager, experts_per_layer, resize_model
 from moe.model import MoETransformer
@@ -67,7 +67,7 @@ def autocast_dtype(device: torch.device, dtype: str) -> torch.dtype | None:
 
 
 def build_optimizer(
-    model: MoETransformer, cfg: TrainConfig | FinetuneConfig, router_lr_mult: float
+    model: MoETransformer, cfg: OptimConfig, router_lr_mult: float
 ) -> torch.optim.AdamW:
     """AdamW groups: decayed matrices, undecayed norms/biases, and the routers at a higher lr."""
     decay, no_decay, router = [], [], []
@@ -178,7 +178,7 @@ class Trainer:
     def __init__(
         self,
         model: MoETransformer,
-        cfg: TrainConfig | FinetuneConfig,
+        cfg: OptimConfig,
         batches: BatchSource,
         store: CheckpointStore,
         *,
@@ -429,7 +429,7 @@ class Trainer:
         is further along, the steps or the training time used, so a run cut by its budget
         still ends its decay."""
         cfg = self.cfg
-        budget = getattr(cfg, "time_budget_s", 0.0)
+        budget = cfg.time_budget_s
         if budget <= 0 or self.step < cfg.warmup_steps:
             return self.step
         frac = min(1.0, self.elapsed_s / budget)
@@ -694,7 +694,7 @@ class Trainer:
                 msg = f"{spent / self.budget_left:.0%} of the budget left for this stage spent"
                 log.warning("step %d: %s", self.step, msg)
                 self._emit({"step": self.step, "budget_alert": msg})
-        time_budget = getattr(self.cfg, "time_budget_s", 0.0)
+        time_budget = self.cfg.time_budget_s
         if reason is None and time_budget > 0 and self.elapsed_s >= time_budget:
             reason = f"time budget of {time_budget:.0f} s used"
         if reason is not None:
