@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -190,6 +190,17 @@ def expert_layer(param_name: str) -> str | None:
     """The MoE layer prefix of an expert parameter (e.g. 'blocks.0.ffn'), else None."""
     m = _EXPERT_PARAM.match(param_name)
     return m.group("layer") if m else None
+
+
+class _Entry(NamedTuple):
+    """One tensor of a checkpoint to write: a whole shared tensor (expert None, tier L0) or
+    one expert's slice of an expert weight or its optimizer moment (tier L1 or L2)."""
+
+    group: str
+    name: str
+    expert: int | None
+    tier: str
+    tensor: torch.Tensor
 
 
 class CheckpointStore:
@@ -395,88 +406,17 @@ class CheckpointStore:
         param_names: dict[str, str],
         expert_load: dict[str, list[float]],
     ) -> None:
+        """Write one checkpoint: into a temporary folder, the tensors tier by tier, the state,
+        the manifest last; then rename it into place, point `latest` at it and apply the
+        retention policy. The after-save hook (offload, mirror) runs once it has landed."""
         t0 = time.perf_counter()
         with self._lock:
-            self.root.mkdir(parents=True, exist_ok=True)
-            final = self.step_dir(step)
-            tmp = self.root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
-            for stale in self.root.glob(".tmp-step_*"):
-                # Left by a process that died mid-write (the store has one writer).
-                log.info("removing an unfinished checkpoint write: %s", stale)
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir()
+            tmp = self._fresh_tmp(step)
             last_full = self._last_full()
-            every = {"L0": self.hot_every, "L1": self.hot_every, "L2": self.cold_every}
-            full = {
-                tier
-                for tier in ("L0", "L1", "L2")
-                if tier not in last_full or step - last_full[tier][0] >= every[tier]
-            }
-            # Hot / cold experts from their load relative to the layer's mean.
-            expert_tiers: dict[str, dict[str, list[int]]] = {}
-            cold: dict[str, set[int]] = {}
-            for layer, load in expert_load.items():
-                mean = sum(load) / max(1, len(load))
-                c = {e for e, v in enumerate(load) if mean > 0 and v < self.cold_threshold * mean}
-                cold[layer] = c
-                expert_tiers[layer] = {
-                    "hot": [e for e in range(len(load)) if e not in c],
-                    "cold": sorted(c),
-                }
-            # Entries: (group, name, expert index or None, tier, tensor).
-            entries: list[tuple[str, str, int | None, str, torch.Tensor]] = []
-            for group in GROUPS:
-                for name, t in snapshot[group].items():
-                    layer = self._tiers(group, name, t, param_names)
-                    if layer is None:
-                        entries.append((group, name, None, "L0", t))
-                        continue
-                    for e in range(t.shape[0]):
-                        tier = "L2" if e in cold.get(layer, set()) else "L1"
-                        entries.append((group, name, e, tier, t[e]))
-            base_index: dict[int, dict[str, Any]] = {}  # base step -> {key: manifest entry}
-            tensors_meta: list[dict[str, Any]] = []
-            handles = {tier: open(tmp / f"{tier}.bin", "wb") for tier in ("L0", "L1", "L2")}
-            try:
-                for group, name, e, tier, t in entries:
-                    key = f"{group}/{name}" + ("" if e is None else f"[{e}]")
-                    codec, base_t, base_step = self._choose(
-                        key, tier, t, full, last_full, base_index
-                    )
-                    level = self.cold_level if tier == "L2" else self.hot_level
-                    enc = encode(t, codec, base=base_t, level=level)
-                    if base_t is not None:
-                        # A delta only where it pays: after a large update (high lr) the
-                        # XOR is as random as the tensor.
-                        full_enc = encode(t, self._full_codec(tier), level=level)
-                        if len(full_enc.data) <= len(enc.data):
-                            enc, base_step = full_enc, None
-                    f = handles[tier]
-                    offset = f.tell()
-                    f.write(enc.data)
-                    tensors_meta.append(
-                        {
-                            "key": key,
-                            "group": group,
-                            "name": name,
-                            "expert": e,
-                            "tier": tier,
-                            "file": f"{tier}.bin",
-                            "offset": offset,
-                            "length": len(enc.data),
-                            "codec": enc.codec,
-                            "dtype": enc.dtype,
-                            "shape": list(enc.shape),
-                            "base": base_step,
-                            "lossy": enc.lossy,
-                        }
-                    )
-                for f in handles.values():
-                    f.flush()
-                    os.fsync(f.fileno())
-            finally:
-                for f in handles.values():
-                    f.close()
+            full = self._full_tiers(step, last_full)
+            expert_tiers = self._expert_tiers(expert_load)
+            entries = self._entries(snapshot, param_names, expert_tiers)
+            tensors_meta = self._write_tensors(tmp, entries, full, last_full)
             _fsync_write(tmp / STATE, json.dumps(state, indent=1, sort_keys=True).encode())
             manifest = {
                 "format": FORMAT_VERSION,
@@ -497,13 +437,7 @@ class CheckpointStore:
                 },
             }
             _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last
-            _fsync_dir(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_write(self.root / ".latest.tmp", final.name.encode())
-            os.replace(self.root / ".latest.tmp", self.root / "latest")
-            _fsync_dir(self.root)
+            final = self._commit(tmp, step)
             self._retain()
         dt = time.perf_counter() - t0
         self.write_s.append(dt)
@@ -519,6 +453,122 @@ class CheckpointStore:
             dt,
             ",".join(sorted(full)) or "none",
         )
+
+    def _fresh_tmp(self, step: int) -> Path:
+        """An empty temporary folder for step's checkpoint (stale ones are removed)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(".tmp-step_*"):
+            # Left by a process that died mid-write (the store has one writer).
+            log.info("removing an unfinished checkpoint write: %s", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = self.root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
+        tmp.mkdir()
+        return tmp
+
+    def _full_tiers(self, step: int, last_full: dict[str, tuple[int, dict[str, Any]]]) -> set[str]:
+        """The tiers written in full this time (the others as deltas where that pays): a tier
+        never written in full, or whose last full write is its interval ago."""
+        every = {"L0": self.hot_every, "L1": self.hot_every, "L2": self.cold_every}
+        return {
+            tier
+            for tier in ("L0", "L1", "L2")
+            if tier not in last_full or step - last_full[tier][0] >= every[tier]
+        }
+
+    def _expert_tiers(self, expert_load: dict[str, list[float]]) -> dict[str, dict[str, list[int]]]:
+        """Hot and cold experts per layer: cold below cold_threshold of the layer's mean load."""
+        tiers: dict[str, dict[str, list[int]]] = {}
+        for layer, load in expert_load.items():
+            mean = sum(load) / max(1, len(load))
+            cold = {e for e, v in enumerate(load) if mean > 0 and v < self.cold_threshold * mean}
+            tiers[layer] = {
+                "hot": [e for e in range(len(load)) if e not in cold],
+                "cold": sorted(cold),
+            }
+        return tiers
+
+    def _entries(
+        self,
+        snapshot: dict[str, dict[str, torch.Tensor]],
+        param_names: dict[str, str],
+        expert_tiers: dict[str, dict[str, list[int]]],
+    ) -> list[_Entry]:
+        """Every tensor to write and its tier: shared tensors in L0, each expert's slice of an
+        expert weight (and its optimizer moments) in L1 if hot, L2 if cold."""
+        entries: list[_Entry] = []
+        for group in GROUPS:
+            for name, t in snapshot[group].items():
+                layer = self._tiers(group, name, t, param_names)
+                if layer is None:
+                    entries.append(_Entry(group, name, None, "L0", t))
+                    continue
+                cold = set(expert_tiers.get(layer, {}).get("cold", []))
+                for e in range(t.shape[0]):
+                    entries.append(_Entry(group, name, e, "L2" if e in cold else "L1", t[e]))
+        return entries
+
+    def _write_tensors(
+        self,
+        tmp: Path,
+        entries: list[_Entry],
+        full: set[str],
+        last_full: dict[str, tuple[int, dict[str, Any]]],
+    ) -> list[dict[str, Any]]:
+        """Encode every entry into its tier's file; returns their manifest records."""
+        base_index: dict[int, dict[str, Any]] = {}  # base step -> {key: manifest entry}
+        tensors_meta: list[dict[str, Any]] = []
+        handles = {tier: open(tmp / f"{tier}.bin", "wb") for tier in ("L0", "L1", "L2")}
+        try:
+            for group, name, e, tier, t in entries:
+                key = f"{group}/{name}" + ("" if e is None else f"[{e}]")
+                codec, base_t, base_step = self._choose(key, tier, t, full, last_full, base_index)
+                level = self.cold_level if tier == "L2" else self.hot_level
+                enc = encode(t, codec, base=base_t, level=level)
+                if base_t is not None:
+                    # A delta only where it pays: after a large update (high lr) the XOR is
+                    # as random as the tensor.
+                    full_enc = encode(t, self._full_codec(tier), level=level)
+                    if len(full_enc.data) <= len(enc.data):
+                        enc, base_step = full_enc, None
+                f = handles[tier]
+                offset = f.tell()
+                f.write(enc.data)
+                tensors_meta.append(
+                    {
+                        "key": key,
+                        "group": group,
+                        "name": name,
+                        "expert": e,
+                        "tier": tier,
+                        "file": f"{tier}.bin",
+                        "offset": offset,
+                        "length": len(enc.data),
+                        "codec": enc.codec,
+                        "dtype": enc.dtype,
+                        "shape": list(enc.shape),
+                        "base": base_step,
+                        "lossy": enc.lossy,
+                    }
+                )
+            for f in handles.values():
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            for f in handles.values():
+                f.close()
+        return tensors_meta
+
+    def _commit(self, tmp: Path, step: int) -> Path:
+        """Rename the finished folder into place, then point `latest` at it (both durable)."""
+        _fsync_dir(tmp)
+        final = self.step_dir(step)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_write(self.root / ".latest.tmp", final.name.encode())
+        os.replace(self.root / ".latest.tmp", self.root / "latest")
+        _fsync_dir(self.root)
+        return final
 
     def _full_codec(self, tier: str) -> str:
         return self.cold_codec if tier == "L2" else self.hot_codec
