@@ -156,6 +156,20 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> No
 
 
 @dataclass
+class Budget:
+    """What a run costs and may cost: the hourly price of the machines it runs on, and what
+    is left of the pipeline's budget for this stage (0 = no budget): an alert at `alert` of
+    it, a stop with a checkpoint when it is spent."""
+
+    price_per_hour: float = 0.0
+    left: float = 0.0
+    alert: float = 0.8
+
+    def cost(self, seconds: float) -> float:
+        return seconds / 3600 * self.price_per_hour
+
+
+@dataclass
 class _Run:
     """What one call of Trainer.fit tracks between its steps."""
 
@@ -190,9 +204,7 @@ class Trainer:
         val_batches: BatchSource | None = None,
         eval_every: int = 0,
         eval_batches: int = 0,
-        price_per_hour: float = 0.0,
-        budget_left: float = 0.0,
-        budget_alert: float = 0.8,
+        budget: Budget | None = None,
         log_fn: Callable[[dict[str, Any]], None] | None = None,
         metrics_path: Path | None = None,
         stop_after: int | None = None,
@@ -216,10 +228,7 @@ class Trainer:
         self.fingerprint, self.schedule, self.min_lr = fingerprint, schedule, min_lr
         self.expert_warmup = expert_warmup  # False for finetuning: no uniform routing again
         self.val_batches, self.eval_every, self.eval_batches = val_batches, eval_every, eval_batches
-        self.price_per_hour = price_per_hour
-        # What is left of the pipeline's budget for this stage (0 = no budget): warn at
-        # budget_alert of it, stop with a checkpoint when it is spent.
-        self.budget_left, self.budget_alert = budget_left, budget_alert
+        self.budget = budget or Budget()
         self._budget_warned = False
         self.log_fn = log_fn or (lambda row: None)
         self.metrics_path = metrics_path
@@ -420,7 +429,7 @@ class Trainer:
         if self.stopper is None:
             return None
         util = float(self.load.eval_window()["utilisation"])
-        cost_per_step = self.elapsed_s / max(self.step, 1) / 3600 * self.price_per_hour
+        cost_per_step = self.budget.cost(self.elapsed_s) / max(self.step, 1)
         steps_left = self.cfg.max_steps - self.step
         return self.stopper.update(self.step, val_loss, util, lr, cost_per_step, steps_left)
 
@@ -656,7 +665,7 @@ class Trainer:
             "aux_loss": float(aux.aux_loss.detach()),
             "z_loss": float(aux.z_loss.detach()),
             "dropped_fraction": stats["dropped_fraction"],
-            "cost": self.elapsed_s / 3600 * self.price_per_hour,
+            "cost": self.budget.cost(self.elapsed_s),
             "expert_share": stats["share"],
         }
         self._emit(row)
@@ -682,16 +691,15 @@ class Trainer:
             run.val_loss = self._validate()
             if run.val_loss is not None:
                 reason = self._early_stop(run.val_loss, lr) or None
-        spent = self.elapsed_s / 3600 * self.price_per_hour
-        if reason is None and self.budget_left > 0:
-            if spent >= self.budget_left:
+        spent, left = self.budget.cost(self.elapsed_s), self.budget.left
+        if reason is None and left > 0:
+            if spent >= left:
                 reason = (
-                    f"budget: this stage spent {spent:.4f} of the {self.budget_left:.4f} left "
-                    "of cost.budget"
+                    f"budget: this stage spent {spent:.4f} of the {left:.4f} left of cost.budget"
                 )
-            elif spent >= self.budget_alert * self.budget_left and not self._budget_warned:
+            elif spent >= self.budget.alert * left and not self._budget_warned:
                 self._budget_warned = True
-                msg = f"{spent / self.budget_left:.0%} of the budget left for this stage spent"
+                msg = f"{spent / left:.0%} of the budget left for this stage spent"
                 log.warning("step %d: %s", self.step, msg)
                 self._emit({"step": self.step, "budget_alert": msg})
         time_budget = self.cfg.time_budget_s

@@ -31,7 +31,7 @@ from moe.model import MoETransformer
 from moe.resilience import AttemptJournal
 from moe.sql import load_pairs, prompt_text, response_text
 from moe.tokenizer import EOT, PAD, load_tokenizer
-from moe.train import Trainer, TrainResult
+from moe.train import Budget, Trainer, TrainResult
 from tasks import retry_unless_input_error
 from tasks.checkpoints import checkpoint_store, offload_checkpoints
 from tasks.progress import training_log
@@ -305,9 +305,7 @@ def pretrain_model(
         val_batches=BatchSampler(val_store, t.batch_size, cfg.model.seq_len, t.seed + 1),
         eval_every=t.eval_every,
         eval_batches=t.eval_batches,
-        price_per_hour=_price(cfg, "pretrain"),
-        budget_left=budget_left,
-        budget_alert=cfg.cost.alert_fraction,
+        budget=Budget(_price(cfg, "pretrain"), budget_left, cfg.cost.alert_fraction),
         log_fn=log_fn,
         metrics_path=out_dir / "metrics.jsonl",
         **_resilience(cfg, "pretrain", out_dir / "checkpoints", fingerprint),
@@ -385,9 +383,7 @@ def finetune_model(
         min_lr=0.0,
         expert_warmup=False,
         router_lr_mult=model.mcfg.router_lr_mult,
-        price_per_hour=_price(cfg, stage),
-        budget_left=budget_left,
-        budget_alert=cfg.cost.alert_fraction,
+        budget=Budget(_price(cfg, stage), budget_left, cfg.cost.alert_fraction),
         log_fn=log_fn,
         metrics_path=out_dir / "metrics.jsonl",
         **_resilience(cfg, stage, out_dir / "checkpoints", fingerprint),

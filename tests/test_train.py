@@ -13,7 +13,7 @@ from moe.checkpoint import CheckpointStore, model_tensors, weights_digest
 from moe.config import ModelConfig, MoEConfig, TrainConfig
 from moe.data import BatchSampler, TokenStore, token_dtype, write_token_store
 from moe.model import MoETransformer
-from moe.train import Trainer, lr_at
+from moe.train import Budget, Trainer, lr_at
 
 VOCAB = 64
 
@@ -280,7 +280,7 @@ def test_budget_warns_then_stops_with_a_checkpoint(tmp_path: Path) -> None:
     # for this stage the alert (at 30%: $0.15) comes at step 3 and the stop at step 8.
     ticks = iter(range(10**6))
     t.clock = lambda: next(ticks) / 16
-    t.price_per_hour, t.budget_left, t.budget_alert = 3600.0, 0.5, 0.3
+    t.budget = Budget(price_per_hour=3600.0, left=0.5, alert=0.3)
     result = t.fit()
     assert result.stop_reason.startswith("budget") and result.steps == 8
     rows = [json.loads(r) for r in (tmp_path / "b.jsonl").read_text().splitlines()]
