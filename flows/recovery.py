@@ -33,9 +33,11 @@ from uuid import UUID
 
 from prefect import flow
 
+import tasks
 from moe.config import STAGES, RecoveryConfig, load_config
 
 log = logging.getLogger("flows.recovery")  # by name: a deployment loads this file as a script
+tasks.offline_defaults()  # as a script it is loaded without the flows package
 
 DETECT = "moe-pipeline: crash runs whose heartbeats stopped"
 RECOVER = "moe-pipeline: run crashed stages again"

@@ -33,6 +33,7 @@ from typing import Any
 
 from prefect import flow
 
+import tasks
 from moe.config import STAGES, Config, load_config
 from moe.errors import InputError
 from tasks import quiet_input_errors
@@ -55,6 +56,8 @@ from tasks.training import finetune_model, pretrain_model
 
 log = logging.getLogger("flows.stages")  # by name: a deployment loads this file as a script
 quiet_input_errors()  # bad input that reaches a flow: one line in its log, no traceback
+# A deployment loads this file as a script, without the flows package: its defaults here too.
+tasks.offline_defaults()
 
 PUBLISHED = Path("data/published")
 MODELS = Path("models")

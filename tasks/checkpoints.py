@@ -52,8 +52,17 @@ def checkpoint_store(cfg: Config, root: Path, run_key: str | None = None) -> Che
         mirror, digests = open_store(cfg.storage), {}
         hooks.append(lambda: sync_checkpoints(mirror, store.root, run_key, digests))
     if hooks:
-        store.on_saved = lambda _path: [hook() for hook in hooks]
+        store.on_saved = lambda _path: _run_hooks(hooks)
     return store
+
+
+def _run_hooks(hooks: list[Callable[[], Any]]) -> None:
+    """Each after-save hook on its own: an offload that fails does not skip the mirror."""
+    for hook in hooks:
+        try:
+            hook()
+        except Exception as e:  # noqa: BLE001 - the next save's pass picks the files up
+            log.warning("after-save step failed (the next save retries it): %s", e)
 
 
 def offload(

@@ -72,7 +72,8 @@ def cost_ledger(
     # The saving of this placement against running every stage on the dearest pool.
     pools = cfg.pools.definitions
     top = max(pools, key=lambda n: pools[n].rate)
-    all_top = sum(r["wall_s"] for r in records) / 3600 * pools[top].rate
+    # every machine a record paid for (a multi-node stage rents `machines` of them)
+    all_top = sum(r["wall_s"] * r.get("machines", 1) for r in records) / 3600 * pools[top].rate
     ledger["all_on_pool"] = {"pool": top, "cost": round(all_top, 6)}
     ledger["saving"] = round(all_top - total, 6)
     ledger["saving_fraction"] = round(1 - total / all_top, 4) if all_top > 0 else 0.0

@@ -116,6 +116,8 @@ def manifests(cfg: Config, spec: NodeJob, image: str) -> list[dict[str, Any]]:
     they are created. Each pod asks for one machine of the stage's pool (its GPUs, CPUs,
     memory, /dev/shm, node selector) and runs `python -m tasks.multinode node`."""
     m = cfg.multinode
+    tag = image.rsplit(":", 1)[1] if ":" in image.rsplit("/", 1)[-1] else "latest"
+    tagged = tag not in ("gpu", "cpu", "latest")  # a commit's tag, never moved
     pool_name, pool = cfg.pool_of(_section(spec.stage))
     if pool is None:
         raise InputError(f"{spec.stage}: pools.stages names no pool in pools.definitions")
@@ -153,7 +155,8 @@ def manifests(cfg: Config, spec: NodeJob, image: str) -> list[dict[str, Any]]:
     env = [
         {"name": "MOE_NODE_JOB", "value": f"{MOUNT}/job.json"},
         {"name": "PREFECT_LOGGING_EXTRA_LOGGERS", "value": "moe,tasks,flows"},
-        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        # the Hub only where it is the object store
+        {"name": "HF_HUB_OFFLINE", "value": "0" if cfg.storage.backend == "hf" else "1"},
         {"name": "WANDB_SILENT", "value": "true"},
         # NCCL finds its interface and reports why it fails; torchrun's agents talk over the
         # pod network (the rendezvous), the ranks over NCCL (InfiniBand / RoCE if present).
@@ -172,7 +175,9 @@ def manifests(cfg: Config, spec: NodeJob, image: str) -> list[dict[str, Any]]:
             {
                 "name": "node",
                 "image": image,
-                "imagePullPolicy": "IfNotPresent",  # the tag is the commit: immutable
+                "imagePullPolicy": "IfNotPresent"
+                if tagged
+                else "Always",  # a commit tag is immutable
                 "command": ["python", "-m", "tasks.multinode", "node"],
                 "workingDir": "/work",
                 "env": env,
@@ -227,8 +232,9 @@ class JobState:
     active: int = 0
     succeeded: int = 0
     failed: int = 0
-    complete: bool = False  # the Job's Complete condition: every index succeeded
+    complete: bool = False  # (kept in this order: positional use below)  # the Job's Complete condition: every index succeeded
     reason: str = ""  # set when the Job failed: why (BackoffLimitExceeded, DeadlineExceeded)
+    ready: int = 0  # pods running (the container has no readiness probe: ready = running)
 
 
 class Cluster(Protocol):
@@ -282,7 +288,9 @@ class KubernetesCluster:
             failed = true.get("Failed")
             reason = f"{failed.reason}: {failed.message}" if failed else ""
             complete = "Complete" in true
-            return JobState(s.active or 0, s.succeeded or 0, s.failed or 0, complete, reason)
+            return JobState(
+                s.active or 0, s.succeeded or 0, s.failed or 0, complete, reason, s.ready or 0
+            )
 
         return self._run(go)
 
@@ -295,11 +303,10 @@ class KubernetesCluster:
             jobs = await client.BatchV1Api(api).list_namespaced_job(
                 namespace, label_selector=selector
             )
-            return [  # a Job that failed or completed may still count terminating pods
+            return [  # not yet finished: also one whose pods are not created yet
                 j.metadata.name
                 for j in jobs.items
-                if (j.status.active or 0) > 0
-                and not any(
+                if not any(
                     c.type in ("Failed", "Complete") and c.status == "True"
                     for c in j.status.conditions or []
                 )
@@ -409,7 +416,9 @@ def node_main(job_file: Path) -> int:
         "--rdzv_backend=c10d",
         f"--rdzv_endpoint={spec.rdzv_endpoint}",
         f"--rdzv_id={spec.job}",
-        f"--rdzv_conf=join_timeout={spec.join_timeout_s}",
+        # pod 0 hosts the rendezvous store (its name is the endpoint)
+        f"--rdzv_conf=join_timeout={spec.join_timeout_s}"
+        + (f",is_host={int(index == '0')}" if index != "?" else ""),
         "--max_restarts=0",  # a node that fails fails the Job; the retry is Prefect's
         "-m",
         "tasks.dist_entry",
@@ -493,8 +502,12 @@ def run_on_cluster(
         )
         if init_dir is not None:
             push_files(store, f"{spec.prefix}/init", {n: init_dir / n for n in MODEL_FILES})
-        for manifest in manifests(cfg, spec, image):
-            cluster.create(manifest)
+        try:
+            for manifest in manifests(cfg, spec, image):
+                cluster.create(manifest)
+        except Exception:  # RBAC, quota: leave nothing half-made behind
+            _clean_up(cluster, m.namespace, job, ("Job", "Service", "ConfigMap"))
+            raise
         log.info(
             "%s: launched Job %s in %s: %d nodes x %d processes, image %s",
             stage,
@@ -506,14 +519,24 @@ def run_on_cluster(
         )
     finished = False
     try:
-        state = _follow(cluster, store, m.namespace, job, run_key, m.poll_s, stage)
+        nodes = spec.nodes if spec is not None else None
+        state = _follow(cluster, store, m, job, run_key, stage, nodes)
         finished = True
     finally:
-        if not finished:  # cancelled or crashed here: stop the nodes, they bill by the hour
-            log.warning("%s: deleting Job %s (its flow run is ending)", stage, job)
-            cluster.delete("Job", m.namespace, job)
-        cluster.delete("Service", m.namespace, job)
-        cluster.delete("ConfigMap", m.namespace, job)
+        if finished or _cancelled():
+            if not finished:  # the user cancelled the stage: stop the nodes, they bill
+                log.warning("%s: the flow run was cancelled: deleting Job %s", stage, job)
+            kinds = ("Service", "ConfigMap") if finished else ("Job", "Service", "ConfigMap")
+            _clean_up(cluster, m.namespace, job, kinds)
+        else:  # this machine is going away (evicted, preempted): the Job trains on
+            log.warning(
+                "%s: this flow run is ending; Job %s trains on, and the stage's next flow run "
+                "follows it (or: kubectl -n %s delete job,service,configmap %s)",
+                stage,
+                job,
+                m.namespace,
+                job,
+            )
     if not state.complete:
         raise RuntimeError(
             f"{stage}: Job {job} failed ({state.reason or f'{state.failed} pod(s) failed'}); "
@@ -534,18 +557,31 @@ def run_on_cluster(
 def _follow(
     cluster: Cluster,
     store: ObjectStore,
-    namespace: str,
+    m: Any,
     job: str,
     run_key: str,
-    poll_s: float,
     stage: str,
+    nodes: int | None,
 ) -> JobState:
-    """Poll the Job until it succeeds or fails; log its pods and newest checkpoint on change."""
+    """Poll the Job until it succeeds or fails; log its pods and newest checkpoint on change.
+    A read that fails (the API server or the store briefly away) is retried, 5 in a row at
+    most. A Job whose `nodes` pods are not all running within join_timeout_s (no machine
+    free, an image that cannot be pulled) is failed rather than waited on forever."""
     seen: tuple[int, int, int, int | None] | None = None
     t0 = time.time()
+    all_up, errors = nodes is None, 0
     while True:
-        state = cluster.job_state(namespace, job)
-        step = newest_mirrored_step(store, run_key)
+        try:
+            state = cluster.job_state(m.namespace, job)
+            step = newest_mirrored_step(store, run_key)
+            errors = 0
+        except Exception as e:  # noqa: BLE001 - retried; the fifth in a row is raised
+            errors += 1
+            if errors >= 5:
+                raise
+            log.warning("%s: reading Job %s failed (%s); retrying", stage, job, e)
+            time.sleep(m.poll_s)
+            continue
         now = (state.active, state.succeeded, state.failed, step)
         if now != seen:
             log.info(
@@ -560,7 +596,44 @@ def _follow(
             seen = now
         if state.complete or state.reason:
             return state
-        time.sleep(poll_s)
+        all_up = all_up or state.ready + state.succeeded >= (nodes or 0)
+        if not all_up and time.time() - t0 > m.join_timeout_s:
+            cluster.delete("Job", m.namespace, job)
+            return JobState(
+                state.active,
+                state.succeeded,
+                state.failed,
+                False,
+                f"only {state.ready} of {nodes} pods running after {m.join_timeout_s} s "
+                f"(multinode.join_timeout_s): no free machines of the pool, or an image the "
+                f"nodes cannot pull (kubectl -n {m.namespace} describe pods -l "
+                f"moe-pipeline/job={job})",
+            )
+        time.sleep(m.poll_s)
+
+
+def _clean_up(cluster: Cluster, namespace: str, job: str, kinds: tuple[str, ...]) -> None:
+    for kind in kinds:
+        try:
+            cluster.delete(kind, namespace, job)
+        except Exception as e:  # noqa: BLE001 - what failed first is what the user needs
+            log.warning("could not delete %s %s: %s (delete it with kubectl)", kind, job, e)
+
+
+def _cancelled() -> bool:
+    """Whether this flow run is being cancelled (outside a flow run, or unknown: no)."""
+    try:
+        from prefect.client.orchestration import get_client
+        from prefect.runtime import flow_run
+
+        run_id = flow_run.get_id()
+        if not run_id:
+            return False
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(run_id).state
+        return state is not None and state.type.value in ("CANCELLING", "CANCELLED")
+    except Exception:  # noqa: BLE001 - the API is away: assume not, the Job trains on
+        return False
 
 
 def main(argv: list[str]) -> int:

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 
 def safe_artifact(what: str, create: Callable[[], Any]) -> None:
-    """Run `create` (which makes one Prefect artifact); a failure is logged, never raised."""
+    """Run `create`, which builds and makes one Prefect artifact; a failure (outside a flow
+    run, the API away, a record missing a field) is logged, never raised."""
     try:
         create()
     except Exception as e:  # noqa: BLE001 - an artifact must never fail a stage
@@ -70,6 +71,10 @@ def plot_cost(ledger: dict[str, Any], out: Path) -> Path:
 
 def publish_cost_table(ledger: dict[str, Any]) -> None:
     """A Prefect table artifact with the bill per stage."""
+    safe_artifact("cost table", lambda: _cost_table(ledger))
+
+
+def _cost_table(ledger: dict[str, Any]) -> None:
     from prefect.artifacts import create_table_artifact
 
     interruptions = ledger.get("interruptions", {})
@@ -97,19 +102,19 @@ def publish_cost_table(ledger: dict[str, Any]) -> None:
         f"Cost per stage ({ledger['currency']}); saving against all on "
         f"{ledger.get('all_on_pool', {}).get('pool', '?')}: {ledger.get('saving')}"
     )
-    safe_artifact(
-        "cost table",
-        lambda: create_table_artifact(key="cost-by-stage", table=table, description=description),
-    )
+    create_table_artifact(key="cost-by-stage", table=table, description=description)
 
 
 def lineage_artifact(record: dict[str, Any]) -> None:
     """The lineage record as a Prefect artifact on the stage's flow run (the UI's lineage
     view): hashes, params hash, commit, runs, pool, worker, times, cost."""
+    if record.get("flow_run_id"):
+        safe_artifact(f"{record.get('stage')} lineage", lambda: _lineage_markdown(record))
+
+
+def _lineage_markdown(record: dict[str, Any]) -> None:
     from prefect.artifacts import create_markdown_artifact
 
-    if not record.get("flow_run_id"):
-        return
     rows = [
         *(
             f"| input {k} | `{v['path']}` | `{v['sha256'][:16]}` |"
@@ -137,30 +142,28 @@ def lineage_artifact(record: dict[str, Any]) -> None:
         + "\n".join(f"| {k} | {v} |" for k, v in facts.items())
         + "\n"
     )
-    safe_artifact(
-        f"{record['stage']} lineage",
-        lambda: create_markdown_artifact(
-            key=f"{record['stage'].replace('_', '-')}-lineage",
-            markdown=scrub(md),
-            description=f"Lineage record of the {record['stage']} stage",
-        ),
+    create_markdown_artifact(
+        key=f"{record['stage'].replace('_', '-')}-lineage",
+        markdown=scrub(md),
+        description=f"Lineage record of the {record['stage']} stage",
     )
 
 
 def publish_artifacts(stage: str, summary: dict[str, Any]) -> None:
     """A Prefect markdown artifact with the stage summary (visible in the UI)."""
+    safe_artifact(f"{stage} summary", lambda: _summary_markdown(stage, summary))
+
+
+def _summary_markdown(stage: str, summary: dict[str, Any]) -> None:
     from prefect.artifacts import create_markdown_artifact
 
     rows = "\n".join(
         f"| {k} | {v} |" for k, v in summary.items() if not isinstance(v, (dict, list))
     )
-    safe_artifact(
-        f"{stage} summary",
-        lambda: create_markdown_artifact(
-            key=f"{stage.replace('_', '-')}-summary",
-            markdown=scrub(f"# {stage}\n\n| field | value |\n|---|---|\n{rows}\n"),
-            description=f"Summary of the {stage} stage",
-        ),
+    create_markdown_artifact(
+        key=f"{stage.replace('_', '-')}-summary",
+        markdown=scrub(f"# {stage}\n\n| field | value |\n|---|---|\n{rows}\n"),
+        description=f"Summary of the {stage} stage",
     )
 
 

@@ -206,10 +206,11 @@ def _fit_and_save(cfg: Config, trainer: Trainer, out_dir: Path, run_key: str) ->
 
 
 def _resumable(cfg: Config, section: str) -> Config:
-    """The config as far as resuming cares: the process count is not part of a training
-    state (checkpoints hold every expert under its global id), so changing it resumes."""
+    """The config as far as resuming cares: the process and machine counts are not part of a
+    training state (checkpoints hold every expert under its global id), so changing them
+    resumes."""
     sec = getattr(cfg, section)
-    return dataclasses.replace(cfg, **{section: dataclasses.replace(sec, nproc=0)})
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(sec, nproc=0, nodes=1)})
 
 
 def training_fingerprint(
@@ -242,7 +243,7 @@ def _price(cfg: Config, stage: str) -> float:
 
 def _need(receipt: dict[str, Any] | None) -> dict[str, Any]:
     if receipt is None:
-        raise ValueError("a multi-node stage needs the dataset receipt (its nodes fetch it)")
+        raise InputError("a multi-node stage needs the dataset receipt (its nodes fetch it)")
     return receipt
 
 

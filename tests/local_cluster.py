@@ -113,6 +113,7 @@ class LocalCluster:
             failed=failed,
             complete=all(c == 0 for c in codes),
             reason="BackoffLimitExceeded: a pod failed" if job["failed"] else "",
+            ready=sum(1 for c in codes if c is None),  # a process started is a pod running
         )
 
     def running_jobs(self, namespace: str, labels: dict[str, str]) -> list[str]:

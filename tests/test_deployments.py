@@ -174,6 +174,8 @@ def test_one_image_per_commit_and_tier(tmp_path: Path, monkeypatch: pytest.Monke
                 "tag": inputs["tag"],
             }
             assert inputs["buildargs"]["MOE_CODE_COMMIT"] == commit
+            # the image knows where it was pushed: a multi-node stage's pods pull the same
+            assert inputs["buildargs"]["MOE_IMAGE_REPO"] == "registry.example/ml/moe"
         else:  # as run_step does, less its block and variable lookups (no server here)
             module, name = fqn.rsplit(".", 1)
             fn = getattr(importlib.import_module(module), name)

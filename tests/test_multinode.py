@@ -252,3 +252,25 @@ def test_a_new_flow_run_follows_the_job_its_predecessor_launched(tmp_path: Path)
         run_on_cluster(cfg, "pretrain", {}, data, tmp_path / "out", lambda r: None, cluster=cluster)
     assert LocalCluster.created == []  # nothing launched
     assert ("Service", "moe-pretrain-orphan") in LocalCluster.deleted
+
+
+def test_a_job_whose_pods_never_start_fails_instead_of_waiting(tmp_path: Path) -> None:
+    """No free machine, or an image the nodes cannot pull: the pods stay pending. After
+    multinode.join_timeout_s the launch fails saying so, and deletes the Job."""
+    from tasks.multinode import JobState, _follow
+
+    class Pending:  # a cluster whose pods never run (a stand-in for the API server)
+        deleted: list[str] = []
+
+        def job_state(self, namespace: str, name: str) -> JobState:
+            return JobState(active=2, ready=0)
+
+        def delete(self, kind: str, namespace: str, name: str) -> None:
+            self.deleted.append(kind)
+
+    cfg = _h100_cfg()
+    cfg.multinode.join_timeout_s, cfg.multinode.poll_s = 0, 0.01
+    store = open_store(StorageConfig(backend="local", root=str(tmp_path)))
+    state = _follow(Pending(), store, cfg.multinode, "moe-x", "pretrain/x", "pretrain", 2)
+    assert not state.complete and "only 0 of 2 pods running" in state.reason
+    assert Pending.deleted == ["Job"]
