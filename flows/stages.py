@@ -362,6 +362,26 @@ def headline(metrics: dict[str, Any], ledger: dict[str, Any]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------- the stages
 
+
+def _finetune_stage(name: str, doc: str, pairs_file: str, init: str) -> Stage:
+    """A finetune stage: `pairs_file` from the model of stage `init`, settings in `name`."""
+    return Stage(
+        name,
+        name,
+        doc,
+        out=lambda cfg: MODELS / name,
+        inputs=_finetune_inputs(name, init),
+        handoff=_model_handoff(name),
+        body=_finetune(name, pairs_file, init),
+        done=f"models/{name}/ (metrics: reports/{name}.json)",
+        reads=lambda cfg: [
+            (PUBLISHED / "receipt.json", "publish"),
+            (MODELS / init / "model.safetensors", init),
+        ],
+        trains=True,
+    )
+
+
 STAGE_LIST: list[Stage] = [
     Stage(
         "prepare",
@@ -397,35 +417,17 @@ STAGE_LIST: list[Stage] = [
         reads=lambda cfg: [(PUBLISHED / "receipt.json", "publish")],
         trains=True,
     ),
-    Stage(
-        "finetune_sql",
+    _finetune_stage(
         "finetune_sql",
         "Stage one of finetuning: the generic SQL pairs, from the pretrained model (GPU).",
-        out=lambda cfg: MODELS / "finetune_sql",
-        inputs=_finetune_inputs("finetune_sql", "pretrain"),
-        handoff=_model_handoff("finetune_sql"),
-        body=_finetune("finetune_sql", "generic.jsonl", "pretrain"),
-        done="models/finetune_sql/ (metrics: reports/finetune_sql.json)",
-        reads=lambda cfg: [
-            (PUBLISHED / "receipt.json", "publish"),
-            (MODELS / "pretrain/model.safetensors", "pretrain"),
-        ],
-        trains=True,
+        "generic.jsonl",
+        "pretrain",
     ),
-    Stage(
-        "finetune_domain",
+    _finetune_stage(
         "finetune_domain",
         "Stage two of finetuning: the target-domain pairs, from the SQL model (GPU).",
-        out=lambda cfg: MODELS / "finetune_domain",
-        inputs=_finetune_inputs("finetune_domain", "finetune_sql"),
-        handoff=_model_handoff("finetune_domain"),
-        body=_finetune("finetune_domain", "domain_train.jsonl", "finetune_sql"),
-        done="models/finetune_domain/ (metrics: reports/finetune_domain.json)",
-        reads=lambda cfg: [
-            (PUBLISHED / "receipt.json", "publish"),
-            (MODELS / "finetune_sql/model.safetensors", "finetune_sql"),
-        ],
-        trains=True,
+        "domain_train.jsonl",
+        "finetune_sql",
     ),
     Stage(
         "evaluate",

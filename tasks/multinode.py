@@ -466,7 +466,7 @@ def run_on_cluster(
     """Launch `stage` as an Indexed Job of `nodes` pods, follow it to the end, and bring its
     result, model, metrics and checkpoints into out_dir. A failed Job raises (the task's
     retry launches a new one, which resumes from the mirrored checkpoints)."""
-    from tasks.training import training_fingerprint
+    from tasks.training import replay_metrics, training_fingerprint
 
     section = _section(stage)
     sec, m = getattr(cfg, section), cfg.multinode
@@ -546,11 +546,7 @@ def run_on_cluster(
     pull_files(store, f"multinode/{job}/out", out_dir, f"Job {job} ended without its outputs")
     restore_checkpoints(store, out_dir / "checkpoints", run_key)
     result = TrainResult(**json.loads((out_dir / ".dist" / "result.json").read_text()))
-    metrics = out_dir / "metrics.jsonl"
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            if line:
-                log_fn(json.loads(line))
+    replay_metrics(out_dir, log_fn)
     return result
 
 

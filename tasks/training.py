@@ -150,12 +150,17 @@ def launch(
             f"{proc.returncode}; its log is above. A retry resumes from the newest checkpoint."
         )
     result = TrainResult(**json.loads(result_file.read_text()))
+    replay_metrics(out_dir, log_fn)
+    return result
+
+
+def replay_metrics(out_dir: Path, log_fn: Callable[[dict[str, Any]], None]) -> None:
+    """Send the metrics rows a run in other processes wrote (metrics.jsonl) to log_fn (W&B)."""
     metrics = out_dir / "metrics.jsonl"
     if metrics.is_file():
         for line in metrics.read_text().splitlines():
             if line:
                 log_fn(json.loads(line))
-    return result
 
 
 def _processes(cfg: Config, stage: str) -> int:
