@@ -30,10 +30,10 @@ import zstandard
 
 from moe.checkpoint import CheckpointStore, model_tensors
 from moe.codec import encode
-from moe.config import load_config
 from moe.data import BatchSampler, TokenStore
 from moe.model import MoETransformer
 from moe.train import Trainer
+from tasks.config import load_config
 
 
 def _raw_bytes(tensors: dict[str, torch.Tensor]) -> int:

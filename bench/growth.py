@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 
 from moe.checkpoint import CheckpointStore
-from moe.config import load_config
 from moe.data import BatchSampler, TokenStore
 from moe.model import MoETransformer
 from moe.train import Trainer
+from tasks.config import load_config
 
 
 def run(

@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 
 from moe.checkpoint import CheckpointStore
-from moe.config import Config, load_config
 from moe.data import BatchSampler, TokenStore
 from moe.model import MoETransformer
 from moe.train import Trainer
+from tasks.config import Config, load_config
 
 BALANCING: dict[str, list] = {
     "moe_balanced": ["aux_free", "z_loss"],

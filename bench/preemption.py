@@ -44,10 +44,10 @@ from typing import Any
 import torch
 
 from moe.checkpoint import CheckpointStore
-from moe.config import Config, load_config
 from moe.model import MoETransformer
 from moe.resilience import choose_interval, daly_interval_s
 from moe.train import Trainer
+from tasks.config import Config, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

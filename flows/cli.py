@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import flows  # noqa: F401 - offline defaults before Prefect is imported
-from moe.config import STAGES, Config, load_config
 from moe.errors import InputError
+from tasks.config import STAGES, Config, load_config
 
 EXIT_CONFIG = 2  # bad configuration or input: nothing was run or written
 

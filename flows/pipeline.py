@@ -18,8 +18,8 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows.stages import STAGE_FLOWS
-from moe.config import STAGES, Config, load_config
 from moe.errors import InputError
+from tasks.config import STAGES, Config, load_config
 
 log = logging.getLogger("flows.pipeline")  # by name: a deployment loads this file as a script
 

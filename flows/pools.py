@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from moe.config import Config
+from tasks.config import Config
 from tasks.multinode import pool_image as image
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "infra" / "pools"

@@ -34,7 +34,7 @@ from uuid import UUID
 from prefect import flow
 
 import tasks
-from moe.config import STAGES, RecoveryConfig, load_config
+from tasks.config import STAGES, RecoveryConfig, load_config
 
 log = logging.getLogger("flows.recovery")  # by name: a deployment loads this file as a script
 tasks.offline_defaults()  # as a script it is loaded without the flows package

@@ -36,7 +36,7 @@ import psutil
 
 from flows.recovery import install as install_automations
 from flows.recovery import remove as remove_automations
-from moe.config import load_config
+from tasks.config import load_config
 
 STATE_DIR = ".stack"
 WATCHDOG = "watchdog"

@@ -9,9 +9,9 @@ validate the params (and, under `dispatch: deployments`, fetch the earlier stage
 hand-offs), skip the stage if nothing it depends on changed, run the body, write the lineage
 record with its cost, publish the summary artifact, hand the outputs off.
 
-Adding a stage: one `Stage(...)` in STAGE_LIST and its body; then its name in
-`moe.config.STAGES` with a default pool (the params check reads them), a `dvc.yaml` stage
-and a `prefect.yaml` deployment. This module refuses to load while STAGES disagrees, and
+Adding a stage: one `Stage(...)` in STAGE_LIST and its body; then its name and default pool
+in `tasks.config.DEFAULT_STAGE_POOLS` (the params check reads it), a `dvc.yaml` stage and a
+`prefect.yaml` deployment. This module refuses to load while that table disagrees, and
 tests/test_deployments.py checks dvc.yaml and prefect.yaml against STAGE_LIST.
 
 Stages hand data to each other through the object store (publish uploads, training stages
@@ -34,9 +34,9 @@ from typing import Any
 from prefect import flow
 
 import tasks
-from moe.config import STAGES, Config, load_config
 from moe.errors import InputError
 from tasks import quiet_input_errors
+from tasks.config import STAGES, Config, load_config
 from tasks.cost import cost_ledger, phase_costs, storage_costs
 from tasks.data import build_sql_sets, build_tokenizer, commit_folder, tokenize_corpus
 from tasks.evaluation import evaluate_perplexity, evaluate_sql
@@ -581,8 +581,8 @@ def _stage_flow(stage: Stage) -> Any:
 
 if [s.name for s in STAGE_LIST] != list(STAGES):
     raise RuntimeError(
-        f"flows/stages.py STAGE_LIST {[s.name for s in STAGE_LIST]} and moe.config.STAGES "
-        f"{list(STAGES)} must name the same stages in the same order"
+        f"flows/stages.py STAGE_LIST {[s.name for s in STAGE_LIST]} and "
+        f"tasks.config.DEFAULT_STAGE_POOLS {list(STAGES)} must name the same stages in the same order"
     )
 STAGE_FLOWS = {s.name: _stage_flow(s) for s in STAGE_LIST}
 # Module-level names, as prefect.yaml's entrypoints (flows/stages.py:<stage>) look them up.

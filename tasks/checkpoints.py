@@ -26,7 +26,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from moe.checkpoint import CheckpointStore
-from moe.config import Config
+from tasks.config import Config
 from tasks.storage import RETRIES, ObjectStore, open_store
 
 log = logging.getLogger(__name__)

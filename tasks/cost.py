@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from moe.config import Config
+from tasks.config import Config
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ from prefect import task
 from prefect.cache_policies import NONE
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from moe.config import Config
 from moe.data import CorpusStats, iter_documents, write_token_store
 from moe.sql import generate_sql_sets
 from moe.tokenizer import EOT, batch_encoder, load_tokenizer, tokenizer_hash, train_tokenizer
 from tasks import retry_unless_input_error
+from tasks.config import Config
 
 log = logging.getLogger(__name__)
 

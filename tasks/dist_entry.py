@@ -17,7 +17,7 @@ import tasks
 
 tasks.offline_defaults()  # before Prefect and W&B read their settings
 from moe import distributed as D  # noqa: E402
-from moe.config import load_config  # noqa: E402
+from tasks.config import load_config  # noqa: E402
 from tasks.training import finetune_model, pretrain_model  # noqa: E402
 
 

@@ -9,13 +9,13 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NONE
 
-from moe.config import Config
 from moe.data import BatchSampler, TokenStore
 from moe.evaluate import perplexity, sql_accuracy
 from moe.sql import load_pairs
 from moe.tokenizer import EOT, load_tokenizer
 from moe.train import resolve_device
 from tasks import retry_unless_input_error
+from tasks.config import Config
 from tasks.progress import progress
 from tasks.training import load_model
 

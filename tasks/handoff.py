@@ -22,8 +22,8 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NONE
 
-from moe.config import STAGES, Config
 from moe.errors import InputError
+from tasks.config import STAGES, Config
 from tasks.storage import RETRIES, _check_key, open_store, pull_files, push_files
 
 log = logging.getLogger(__name__)

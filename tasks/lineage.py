@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from moe.checkpoint import sha256_file
-from moe.config import Config
+from tasks.config import Config
 
 log = logging.getLogger(__name__)
 

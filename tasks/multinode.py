@@ -48,9 +48,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from moe.checkpoint import step_of
-from moe.config import Config, PoolSpec, load_config
 from moe.errors import InputError
 from moe.train import TrainResult
+from tasks.config import Config, PoolSpec, load_config
 from tasks.storage import ObjectStore, open_store, pull_files, push_files
 
 log = logging.getLogger("tasks.multinode")  # also when run as __main__ (a pod)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moe.config import STAGES
+from tasks.config import STAGES
 from tasks.lineage import scrub
 
 log = logging.getLogger(__name__)

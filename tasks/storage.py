@@ -27,9 +27,9 @@ from prefect.cache_policies import NONE
 from prefect.tasks import exponential_backoff
 
 from moe.checkpoint import sha256_file
-from moe.config import Config, StorageConfig
 from moe.errors import InputError
 from tasks import retry_unless_input_error
+from tasks.config import Config, StorageConfig
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from moe.config import Config
 from moe.stats import flat_metrics
+from tasks.config import Config
 
 log = logging.getLogger(__name__)
 

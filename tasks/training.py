@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from moe import distributed as D
 from moe.checkpoint import load_model_tensors, model_tensors, sha256_file
-from moe.config import Config, FinetuneConfig, GrowthConfig, ModelConfig, MoEConfig, PoolSpec
+from moe.config import FinetuneConfig, GrowthConfig, ModelConfig, MoEConfig
 from moe.data import BatchSampler, MixedBatches, SFTBatches, SFTExample, TokenStore
 from moe.errors import InputError
 from moe.growth import resize_model
@@ -34,6 +34,7 @@ from moe.tokenizer import EOT, PAD, load_tokenizer
 from moe.train import Budget, Trainer, TrainResult
 from tasks import retry_unless_input_error
 from tasks.checkpoints import checkpoint_store, offload_checkpoints
+from tasks.config import Config, PoolSpec
 from tasks.progress import training_log
 
 log = logging.getLogger(__name__)

@@ -179,7 +179,7 @@ def test_a_finetune_stage_resumes_bit_exact(
     """finetune_sql killed after its step-3 checkpoint (an exception from the step-4 log row,
     what a dying worker looks like to the task) and run again resumes from step 3 and ends
     with the weights of an uninterrupted run."""
-    from moe.config import load_config
+    from tasks.config import load_config
     from tasks.training import finetune_model
 
     root, _ = built

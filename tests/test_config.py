@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moe.config import Config, ConfigError, default_yaml, load_config
+from moe.config import ConfigError
+from tasks.config import Config, default_yaml, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

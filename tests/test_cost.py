@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from moe.config import Config
+from tasks.config import Config
 from tasks.cost import cost_ledger, phase_costs, storage_costs
 from tasks.presentation import plot_cost
 

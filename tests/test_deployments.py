@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moe.config import STAGES, load_config
+from tasks.config import STAGES, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,8 @@ from safetensors.torch import load as load_file_bytes
 from safetensors.torch import load_file
 
 from moe.checkpoint import CheckpointStore, flatten_optimizer, model_tensors
-from moe.config import Config, ModelConfig, MoEConfig, TrainConfig
+from moe.config import ModelConfig, MoEConfig, TrainConfig
+from tasks.config import Config
 from tests import dist_worker as W
 from tests.conftest import ROOT
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from flows.stages import STAGES_BY_NAME
-from moe.config import load_config
 from moe.errors import InputError
+from tasks.config import load_config
 from tasks.handoff import pull_inputs, push_outputs
 from tasks.lineage import StageRecord, up_to_date
 from tests.conftest import ROOT

@@ -82,8 +82,9 @@ def test_stage_without_its_inputs_exits_2_and_writes_nothing(
 
 # ----------------------------------------------------------------- corpus inputs (data issue)
 
-from moe.config import ConfigError, load_config  # noqa: E402
+from moe.config import ConfigError  # noqa: E402
 from moe.data import CorpusStats, iter_documents  # noqa: E402
+from tasks.config import load_config  # noqa: E402
 
 
 def test_empty_corpus_and_undecodable_corpus(tmp_path: Path) -> None:
@@ -256,7 +257,7 @@ def _float_knobs() -> list[str]:
     import dataclasses
     import typing
 
-    from moe.config import Config
+    from tasks.config import Config
 
     found = []
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from moe.config import ConfigError, PoolSpec, StorageConfig, load_config
+from moe.config import ConfigError
+from tasks.config import PoolSpec, StorageConfig, load_config
 from tasks.multinode import (
     MOUNT,
     NodeJob,

@@ -14,7 +14,7 @@ from uuid import uuid4
 import pytest
 
 from flows.pools import job_template
-from moe.config import Config
+from tasks.config import Config
 
 
 def _flow_run() -> Any:
@@ -170,7 +170,8 @@ def test_a_stage_trains_on_the_gpus_its_pool_gives() -> None:
     """nproc 0 (the default): one process per GPU of the stage's pool; more processes than
     the pool's GPUs is a configuration error naming both; on a machine without a GPU the
     launcher runs one process (a laptop running the pipeline locally)."""
-    from moe.config import ConfigError, load_config
+    from moe.config import ConfigError
+    from tasks.config import load_config
     from tasks.training import _processes
 
     eight = ["pools.definitions.gpu-h100.gpus=8"]

@@ -9,7 +9,7 @@ from uuid import uuid4
 import pytest
 
 from flows.recovery import STAGE_TAG, automations, decide
-from moe.config import RecoveryConfig
+from tasks.config import RecoveryConfig
 
 
 def test_a_run_that_made_progress_is_recovered_at_once_a_crash_loop_is_not() -> None:
@@ -61,7 +61,8 @@ def test_the_automations_prefect_evaluates() -> None:
     ],
 )
 def test_settings_that_would_crash_live_runs_are_refused(key: str, value: int, why: str) -> None:
-    from moe.config import ConfigError, load_config
+    from moe.config import ConfigError
+    from tasks.config import load_config
 
     with pytest.raises(ConfigError, match=why):
         load_config(None, [f"recovery.{key}={value}"])

@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent(
     from pathlib import Path
     import numpy as np
     from moe.checkpoint import CheckpointStore, weights_digest
-    from moe.config import load_config
+    from tasks.config import load_config
     from moe.data import token_dtype, write_token_store
     from tasks.training import pretrain_model
 
@@ -83,7 +83,7 @@ def test_the_training_fingerprint_covers_params_data_and_start_model(tmp_path: P
     """What decides whether a checkpoint is resumed (tasks.training.training_fingerprint, the
     function both training tasks use): each input that changes the training changes it; the
     process count and other stages' sections do not."""
-    from moe.config import load_config
+    from tasks.config import load_config
     from tasks.training import training_fingerprint
 
     data, init = tmp_path / "data", tmp_path / "init"

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from flows import stack
-from moe.config import STAGES, load_config
+from tasks.config import STAGES, load_config
 from tests.conftest import ROOT, browse, merge, tiny_params, ui_settings
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]

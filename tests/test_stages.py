@@ -49,14 +49,13 @@ def _add_toy_stage(root: Path) -> None:
     text = text.replace("\nSTAGE_LIST: list[Stage] = [", TOY_BODY, 1)
     text = text.replace("]\nSTAGES_BY_NAME =", TOY_DECLARATION, 1)
     stages.write_text(text)
-    config = root / "moe/config.py"
-    text = config.read_text().replace(
-        '"finetune_domain", "evaluate")', '"finetune_domain", "evaluate", "toy")', 1
+    config = root / "tasks/config.py"
+    text = config.read_text()
+    config.write_text(
+        text.replace(
+            '    "evaluate": "gpu-4090",\n', '    "evaluate": "gpu-4090",\n    "toy": "cpu",\n', 1
+        )
     )
-    text = text.replace(
-        '        "evaluate": "cpu",\n', '        "evaluate": "cpu",\n        "toy": "cpu",\n', 1
-    )
-    config.write_text(text)
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["pools"]["stages"]["toy"] = "cpu"
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

@@ -14,8 +14,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from moe.config import Config, StorageConfig
 from moe.errors import InputError
+from tasks.config import Config, StorageConfig
 from tasks.storage import HfObjectStore, LocalObjectStore, download_dataset, publish_dataset
 from tests.conftest import ROOT, free_port, read_line
 
@@ -225,7 +225,7 @@ def test_hf_backend_round_trip_at_the_call_boundary(
 OUTAGE_SCRIPT = """
 import json, sys, time
 from pathlib import Path
-from moe.config import Config, StorageConfig
+from tasks.config import Config, StorageConfig
 from tasks.storage import publish_dataset, download_dataset
 work, endpoint = Path(sys.argv[1]), sys.argv[2]
 cfg = Config(storage=StorageConfig(backend="s3", bucket="outage", endpoint_url=endpoint, cache_dir=str(work / "cache")))

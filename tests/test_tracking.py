@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from moe.config import Config, WandbConfig
+from tasks.config import Config, WandbConfig
 from tasks.tracking import wandb_run
 from tests.wandb_log import history, run_file
 

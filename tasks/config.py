@@ -1,0 +1,656 @@
+"""The pipeline's configuration: `params.yaml` (or flow parameters) + `--set` -> `Config`.
+
+`Config` holds every section. The library's (data, tokenizer, model, moe, pretrain,
+finetune_sql, finetune_domain, evaluate, checkpoint) are declared in moe/config.py beside the
+code they configure; the orchestration's are declared here: where data and checkpoints are
+stored, the machine pools and which stage runs on which, cost rates and the budget,
+recovery of lost machines, multi-node launches and W&B. So is the stage list.
+
+One source of every knob: the dataclass defaults are the embedded default and `params.yaml`
+repeats them so that DVC tracks each key. Unknown keys, wrong types and invalid values are
+collected and reported together (ConfigError), each with its key path, the offending value,
+what is allowed and the file line; a key given twice and YAML aliases are refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from moe.config import (
+    FROM_SET,
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    EvaluateConfig,
+    FinetuneConfig,
+    ModelConfig,
+    MoEConfig,
+    Problems,
+    TokenizerConfig,
+    TrainConfig,
+    build,
+)
+
+# The stages in pipeline order, each with the pool it runs on by default: preparing and
+# publishing data on a cheap CPU box, pretraining on the fastest GPU (the most FLOPs), the
+# finetunes on cheaper GPUs as the work shrinks (docs/DESIGN.md, "Stages and pools").
+# flows/stages.py declares each stage's work and refuses to load while it disagrees.
+DEFAULT_STAGE_POOLS: dict[str, str] = {
+    "prepare": "cpu",
+    "publish": "cpu",
+    "pretrain": "gpu-h100",
+    "finetune_sql": "gpu-a100",
+    "finetune_domain": "gpu-4090",
+    "evaluate": "gpu-4090",
+}
+STAGES: tuple[str, ...] = tuple(DEFAULT_STAGE_POOLS)
+
+
+@dataclass
+class StorageConfig:
+    backend: Literal["local", "s3", "hf"] = "local"
+    root: str = "store"  # local backend: the object store folder
+    bucket: str = ""  # s3 backend
+    prefix: str = "moe-pipeline"
+    endpoint_url: str = ""  # s3 backend: e.g. a MinIO or moto server; empty = AWS
+    region: str = "us-east-1"
+    hf_repo: str = ""  # hf backend: a dataset repo id, e.g. "me/moe-data" (token from HF_TOKEN)
+    hf_revision: str = ""  # hf backend: branch to publish to (empty = main)
+    dataset_name: str = "stdlib-code"
+    zstd_level: int = 10
+    zstd_threads: int = -1  # -1 = all cores
+    cache_dir: str = ".cache/datasets"  # where training stages download published data
+    # s3 backend: files above this size move in parts of this size, several at once (S3's
+    # smallest part is 5 MiB; a failed part is sent again, not the whole file)
+    multipart_mib: int = 64
+
+    def check(self, p: Problems) -> None:
+        p.require(1 <= self.zstd_level <= 22, "zstd_level", self.zstd_level, "must be in [1, 22]")
+        p.require(
+            5 <= self.multipart_mib <= 5120,
+            "multipart_mib",
+            self.multipart_mib,
+            "must be in [5, 5120] (S3's smallest and largest part, MiB)",
+        )
+        p.require(self.zstd_threads >= -1, "zstd_threads", self.zstd_threads, "must be >= -1")
+        if self.backend == "s3":
+            p.require(
+                len(self.bucket) >= 3,
+                "bucket",
+                self.bucket,
+                "the s3 backend needs a bucket name (3+ characters)",
+            )
+        if self.backend == "hf":
+            p.require(
+                self.hf_repo.count("/") == 1 and all(self.hf_repo.split("/")),
+                "hf_repo",
+                self.hf_repo,
+                "the hf backend needs a dataset repo id like owner/name",
+            )
+        p.require(
+            bool(self.dataset_name) and "/" not in self.dataset_name,
+            "dataset_name",
+            self.dataset_name,
+            "must be a non-empty name without '/'",
+        )
+
+
+@dataclass
+class PoolSpec:
+    price_per_hour: float = 0.0  # USD per hour of one on-demand machine of this pool
+    gpu: str = ""  # e.g. "H100"; empty = CPU only
+    type: Literal["process", "docker", "kubernetes"] = "process"
+    # Spot / preemptible machines: cheaper, and they vanish. `pricing` says which the pool
+    # rents (the bill uses that price); the mean time between interruptions drives
+    # checkpoint.every: auto (0 = none expected, as on-demand machines are priced here).
+    pricing: Literal["on_demand", "spot"] = "on_demand"
+    spot_price_per_hour: float = 0.0
+    mean_hours_between_interruptions: float = 0.0
+    # One machine of the pool, as its job template requests it (flows/pools.py renders the
+    # Docker and Kubernetes templates with these): GPUs, CPUs, memory, shared memory for
+    # torch's data and NCCL, the GPU product label Kubernetes selects nodes by, the image.
+    gpus: int = 0
+    cpu: float = 4.0
+    memory_gib: int = 16
+    shm_gib: int = 2
+    gpu_product: str = ""  # e.g. NVIDIA-H100-80GB-HBM3 (label nvidia.com/gpu.product)
+    image: str = ""  # "" = moe-pipeline:gpu for a GPU pool, moe-pipeline:cpu otherwise
+
+    @property
+    def rate(self) -> float:
+        """What one hour of this pool costs as rented (spot or on-demand)."""
+        return self.spot_price_per_hour if self.pricing == "spot" else self.price_per_hour
+
+    @property
+    def mtbi_s(self) -> float:
+        return self.mean_hours_between_interruptions * 3600
+
+    def check(self, p: Problems) -> None:
+        p.require(self.price_per_hour >= 0, "price_per_hour", self.price_per_hour, "must be >= 0")
+        p.require(
+            self.spot_price_per_hour >= 0,
+            "spot_price_per_hour",
+            self.spot_price_per_hour,
+            "must be >= 0",
+        )
+        p.require(
+            self.pricing != "spot" or self.spot_price_per_hour > 0,
+            "spot_price_per_hour",
+            self.spot_price_per_hour,
+            "must be set (> 0) when pricing is spot",
+        )
+        p.require(self.gpus >= 0, "gpus", self.gpus, "must be >= 0")
+        p.require(
+            (self.gpus > 0) == bool(self.gpu),
+            "gpus",
+            self.gpus,
+            f"must be > 0 exactly when gpu is set (gpu: {self.gpu!r})",
+        )
+        p.require(self.cpu > 0, "cpu", self.cpu, "must be > 0")
+        p.require(self.memory_gib >= 1, "memory_gib", self.memory_gib, "must be >= 1")
+        p.require(
+            0 < self.shm_gib < self.memory_gib,
+            "shm_gib",
+            self.shm_gib,
+            f"must be > 0 and below memory_gib ({self.memory_gib}): /dev/shm counts against it",
+        )
+        p.require(
+            self.mean_hours_between_interruptions >= 0,
+            "mean_hours_between_interruptions",
+            self.mean_hours_between_interruptions,
+            "must be >= 0 (0 = no interruptions expected)",
+        )
+
+
+def _default_pools() -> dict[str, PoolSpec]:
+    # Prices: Modal-style serverless rates (A100 $1.10/h, H100 $3.20/h); a cheap CPU box and a
+    # community RTX 4090 at typical rental prices. Spot prices: roughly 40% below on-demand,
+    # a typical discount (they move with the market: set yours). Every pool rents on-demand
+    # by default and declares no interruptions; a spot pool sets pricing: spot and its
+    # mean_hours_between_interruptions (what your provider's interruption history says).
+    # Machines: one GPU each (train.nproc 1), the CPUs and memory a one-GPU slice of such a
+    # node typically has.
+    def gpu(price: float, name: str, spot: float, product: str, cpu: float, mem: int) -> PoolSpec:
+        return PoolSpec(
+            price_per_hour=price,
+            gpu=name,
+            spot_price_per_hour=spot,
+            gpus=1,
+            cpu=float(cpu),
+            memory_gib=mem,
+            shm_gib=8,
+            gpu_product=product,
+        )
+
+    return {
+        "cpu": PoolSpec(price_per_hour=0.10, spot_price_per_hour=0.04),
+        "gpu-4090": gpu(0.45, "RTX 4090", 0.27, "NVIDIA-GeForce-RTX-4090", 8, 32),
+        "gpu-a100": gpu(1.10, "A100", 0.66, "NVIDIA-A100-SXM4-80GB", 12, 96),
+        "gpu-h100": gpu(3.20, "H100", 1.92, "NVIDIA-H100-80GB-HBM3", 16, 128),
+    }
+
+
+@dataclass
+class PoolsConfig:
+    definitions: dict[str, PoolSpec] = field(default_factory=_default_pools)
+    stages: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_STAGE_POOLS))
+
+    def check(self, p: Problems) -> None:
+        for name, spec in self.definitions.items():
+            with p.section(f"definitions.{name}"):
+                spec.check(p)
+        for stage, pool in self.stages.items():
+            p.require(
+                stage in STAGES,
+                f"stages.{stage}",
+                stage,
+                f"is not a stage; stages are {', '.join(STAGES)}",
+            )
+            p.require(
+                pool in self.definitions,
+                f"stages.{stage}",
+                pool,
+                f"is not a pool defined under pools.definitions ({', '.join(sorted(self.definitions))})",
+            )
+        missing = [s for s in STAGES if s not in self.stages]
+        p.require(
+            not missing,
+            "stages",
+            sorted(self.stages),
+            f"must name a pool for every stage; missing: {', '.join(missing)}",
+        )
+
+
+@dataclass
+class CostConfig:
+    currency: str = "USD"
+    budget: float = 5.0  # for the whole pipeline; 0 = no budget
+    alert_fraction: float = 0.8  # warn when spend passes this fraction of the budget
+    storage_per_gb_month: float = 0.023
+    egress_per_gb: float = 0.09
+
+    def check(self, p: Problems) -> None:
+        p.require(self.budget >= 0, "budget", self.budget, "must be >= 0 (0 = no budget)")
+        p.require(
+            0 < self.alert_fraction <= 1, "alert_fraction", self.alert_fraction, "must be in (0, 1]"
+        )
+        p.require(
+            self.storage_per_gb_month >= 0,
+            "storage_per_gb_month",
+            self.storage_per_gb_month,
+            "must be >= 0",
+        )
+        p.require(self.egress_per_gb >= 0, "egress_per_gb", self.egress_per_gb, "must be >= 0")
+
+
+@dataclass
+class MultinodeConfig:
+    """How a stage with `nodes` > 1 runs on a Kubernetes cluster (tasks/multinode.py): an
+    Indexed Job of `nodes` pods of the stage's pool, a headless Service that gives pod 0 a
+    name, and torchrun's c10d rendezvous at that name."""
+
+    namespace: str = "moe-pipeline"
+    service_account: str = ""  # "" = the namespace's default
+    # A Kubernetes Secret whose keys become every pod's environment: the object store's
+    # credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, HF_TOKEN, WANDB_API_KEY).
+    credentials_secret: str = "moe-credentials"
+    image_pull_secrets: list[str] = field(default_factory=list)
+    rdzv_port: int = 29400
+    # How long the pods wait for each other at the rendezvous (nodes are scheduled and pull
+    # the image at different times), and the Job's whole deadline (0 = none).
+    join_timeout_s: int = 900
+    deadline_s: int = 0
+    poll_s: float = 10.0  # how often the flow run reads the Job's status
+
+    def check(self, p: Problems) -> None:
+        p.require(
+            bool(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", self.namespace)),
+            "namespace",
+            self.namespace,
+            "must be a Kubernetes name (lower-case letters, digits, '-')",
+        )
+        p.require(
+            1024 <= self.rdzv_port <= 65535, "rdzv_port", self.rdzv_port, "must be in 1024..65535"
+        )
+        p.require(self.join_timeout_s >= 30, "join_timeout_s", self.join_timeout_s, "must be >= 30")
+        p.require(self.deadline_s >= 0, "deadline_s", self.deadline_s, "must be >= 0 (0 = none)")
+        p.require(self.poll_s > 0, "poll_s", self.poll_s, "must be > 0")
+
+
+@dataclass
+class RecoveryConfig:
+    """Automatic recovery of a stage whose machine vanished (flows/recovery.py): Prefect
+    automations that `stack up` creates (and infra/README.md shows for any server)."""
+
+    enabled: bool = True
+    # Flow runs send a heartbeat this often (Prefect's PREFECT_RUNNER_HEARTBEAT_FREQUENCY;
+    # it accepts 30 s or more).
+    heartbeat_s: int = 30
+    # A run whose heartbeats stop is marked Crashed after this long. 90 s = three missed
+    # heartbeats: one late heartbeat (a loaded API server, a long GC pause) never crashes a
+    # live run, and the detection costs at most 1.5 minutes of an idle replacement.
+    crashed_after_s: int = 90
+    # Give up (a human looks) after this many recoveries of one stage in one pipeline run,
+    # or this many recoveries in a row that got no further than the attempt before (a crash
+    # loop, not preemption: bad data, an out-of-memory model).
+    max_attempts: int = 20
+    max_stalled: int = 3
+    # Wait before a recovery run starts: backoff_s, doubled for every stalled attempt in a
+    # row (a pool short of machines is not hammered), at most backoff_max_s.
+    backoff_s: float = 10.0
+    backoff_max_s: float = 600.0
+
+    def check(self, p: Problems) -> None:
+        p.require(
+            self.heartbeat_s >= 30,
+            "heartbeat_s",
+            self.heartbeat_s,
+            "must be >= 30 (Prefect's minimum)",
+        )
+        p.require(
+            self.crashed_after_s >= 2 * self.heartbeat_s,
+            "crashed_after_s",
+            self.crashed_after_s,
+            f"must be at least twice heartbeat_s ({self.heartbeat_s}): with less, one late "
+            "heartbeat would crash a live run",
+        )
+        p.require(self.max_attempts >= 1, "max_attempts", self.max_attempts, "must be >= 1")
+        p.require(self.max_stalled >= 1, "max_stalled", self.max_stalled, "must be >= 1")
+        p.require(self.backoff_s >= 0, "backoff_s", self.backoff_s, "must be >= 0")
+        p.require(
+            self.backoff_max_s >= self.backoff_s,
+            "backoff_max_s",
+            self.backoff_max_s,
+            "must be >= backoff_s",
+        )
+
+
+@dataclass
+class WandbConfig:
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "moe-pipeline"
+    entity: str = ""
+    dir: str = "wandb"
+
+    def check(self, p: Problems) -> None:
+        p.require(bool(self.project), "project", self.project, "must not be empty")
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    finetune_sql: FinetuneConfig = field(default_factory=FinetuneConfig)
+    finetune_domain: FinetuneConfig = field(
+        default_factory=lambda: FinetuneConfig(
+            max_steps=600, lr=2e-3, warmup_steps=5, checkpoint_every=50, replay_ratio=0.5
+        )
+    )
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    pools: PoolsConfig = field(default_factory=PoolsConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    multinode: MultinodeConfig = field(default_factory=MultinodeConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def pool_of(self, section: str) -> tuple[str, PoolSpec | None]:
+        """The pool (name, spec) a training section's stage runs on (None if undefined)."""
+        name = self.pools.stages.get("pretrain" if section == "train" else section, "")
+        return name, self.pools.definitions.get(name)
+
+    def processes(self, section: str) -> int:
+        """The process count of a training section (train, finetune_sql, finetune_domain):
+        its nproc, or with nproc 0 one per GPU of its stage's pool (at least one)."""
+        n = getattr(self, section).nproc
+        if n:
+            return n
+        pool = self.pool_of(section)[1]
+        return max(1, pool.gpus if pool else 0)
+
+    def machines(self, stage: str) -> int:
+        """Machines a stage rents at once: a training stage's nodes, else one."""
+        section = "train" if stage == "pretrain" else stage
+        return getattr(getattr(self, section, None), "nodes", 1)
+
+    def world(self, section: str) -> int:
+        """Training processes of a section over all its machines: nodes x processes."""
+        return getattr(self, section).nodes * self.processes(section)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self, *sections: str) -> str:
+        """sha256 of the named sections (all when none), stable across key order."""
+        d = self.to_dict()
+        picked = {k: d[k] for k in (sections or d)}
+        return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()
+
+    def dump(self, path: Path) -> None:
+        """Save the resolved configuration (beside every output)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, stricter where a params file can go wrong silently or hang:
+    a key given twice in one mapping is an error naming both lines (PyYAML keeps the last),
+    and anchors/aliases are refused at the first alias (a few lines of nested aliases expand
+    exponentially: the "billion laughs")."""
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"alias *{event.anchor} is not allowed in a params file: write the value out "
+                "in full (anchors and aliases are refused, they can expand without bound)",
+                event.start_mark,
+            )
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} is given twice in one mapping (lines {seen[key]} and {line}): "
+                    "keep one",
+                    key_node.start_mark,
+                )
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path, source: str) -> tuple[Any, str]:
+    """The parsed file and its text; every way a file can be unreadable is a ConfigError."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError([f"cannot read the file: {e.strerror or e}"], source) from e
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            [
+                f"not UTF-8 text: byte 0x{data[e.start]:02x} at line {line} (byte offset "
+                f"{e.start}); save the file as UTF-8"
+            ],
+            source,
+        ) from e
+    try:
+        return yaml.load(text, Loader=_StrictLoader), text  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        where = str(e).replace('"<unicode string>"', str(path))
+        raise ConfigError([f"not valid YAML: {where}"], source) from e
+
+
+def _yaml_lines(text: str) -> dict[str, int]:
+    """Map each dotted key path of a YAML mapping to its 1-based line number."""
+    lines: dict[str, int] = {}
+
+    def walk(node: yaml.Node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                path = f"{prefix}.{k.value}" if prefix else str(k.value)
+                lines[path] = k.start_mark.line + 1
+                walk(v, path)
+
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return lines
+    if root is not None:
+        walk(root, "")
+    return lines
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`train.lr=3e-4` -> (["train", "lr"], 3e-4). The value is parsed as YAML."""
+    if "=" not in item:
+        raise ConfigError(
+            [f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=3e-4"], "--set"
+        )
+    key, _, text = item.partition("=")
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError([f"--set {item!r}: the key must be a dotted path like train.lr"], "--set")
+    try:
+        value = yaml.load(text, Loader=_StrictLoader) if text.strip() else ""  # noqa: S506
+    except yaml.YAMLError as e:
+        raise ConfigError([f"--set {item!r}: the value is not valid YAML ({e})"], "--set") from e
+    return key.split("."), value
+
+
+def _apply_override(raw: dict[str, Any], path: list[str], value: Any) -> None:
+    node = raw
+    for part in path[:-1]:
+        nxt = node.get(part)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[part] = nxt
+        node = nxt
+    node[path[-1]] = value
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def from_dict(
+    raw: dict[str, Any], lines: dict[str, int] | None = None, source: str = "params"
+) -> Config:
+    """Build and validate a Config from a nested mapping (missing keys take their defaults)."""
+    p = Problems(lines, source)
+    # Layer what the user wrote over the defaults, so that `--set pools.stages.pretrain=cpu`
+    # changes one entry of a mapping instead of replacing the whole mapping.
+    cfg = build(Config, _deep_merge(Config().to_dict(), raw), p)
+    for f in dataclasses.fields(Config):
+        section = getattr(cfg, f.name)
+        with p.section(f.name):
+            section.check(p)
+    for stage in ("finetune_sql", "finetune_domain"):
+        ft = getattr(cfg, stage)
+        p.require(
+            ft.replay_ratio == 0 or ft.replay_split == "train" or cfg.data.replay_fraction > 0,
+            f"{stage}.replay_ratio",
+            ft.replay_ratio,
+            "needs a replay split: set data.replay_fraction > 0, replay_split to train, or "
+            "replay_ratio to 0",
+        )
+        p.require(
+            ft.max_len <= cfg.model.seq_len,
+            f"{stage}.max_len",
+            ft.max_len,
+            f"must be <= model.seq_len ({cfg.model.seq_len})",
+        )
+    if cfg.moe.growth.enabled:
+        p.require(
+            cfg.world("train") == 1,
+            "moe.growth.enabled",
+            True,
+            "expert growth runs in one process: set train.nproc and train.nodes to 1 or growth off",
+        )
+    for section in ("train", "finetune_sql", "finetune_domain"):
+        sec = getattr(cfg, section)
+        n = cfg.processes(section)
+        what = f"{n} (one per GPU of its pool)" if sec.nproc == 0 else f"{n}"
+        if sec.nodes > 1:
+            what = f"{sec.nodes * n} ({sec.nodes} nodes x {n})"
+        pool_name, pool = cfg.pool_of(section)
+        p.require(
+            cfg.moe.num_experts % (sec.nodes * n) == 0,
+            f"{section}.nproc",
+            what,
+            f"must divide moe.num_experts ({cfg.moe.num_experts}): each process holds an equal "
+            "share of the experts",
+        )
+        p.require(
+            sec.batch_size % (sec.nodes * n) == 0,
+            f"{section}.batch_size",
+            sec.batch_size,
+            f"must be a multiple of the process count ({what}): each process takes an equal share",
+        )
+        p.require(
+            sec.nodes == 1 or cfg.storage.backend != "local",
+            f"{section}.nodes",
+            sec.nodes,
+            f"needs an object store every node reaches (storage.backend s3 or hf, not "
+            f"{cfg.storage.backend!r}): data, the start model and checkpoints travel through it",
+        )
+        # One process per GPU: more processes than the pool's machine has GPUs would share
+        # them (or fail to start); a CPU run (device: cpu) may use any count.
+        p.require(
+            pool is None or sec.device == "cpu" or pool.gpus == 0 or n <= pool.gpus,
+            f"{section}.nproc",
+            sec.nproc,
+            f"is more than the {pool.gpus if pool else 0} GPU(s) its pool {pool_name} gives "
+            f"(pools.definitions.{pool_name}.gpus): raise that, or lower nproc (processes "
+            f"on the CPU: set {section}.device to cpu)",
+        )
+    if p.items:
+        raise ConfigError(p.items, source)
+    return cfg
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    params: dict[str, Any] | None = None,
+) -> Config:
+    """Load `path` (default: ./params.yaml if it exists, else the embedded default) + overrides.
+
+    `params` (a resolved configuration as a mapping, e.g. a flow parameter sent by the
+    pipeline to a stage on another machine) takes the place of the file.
+    Raises ConfigError naming every bad key; touches nothing on disk.
+    """
+    raw: dict[str, Any] = {}
+    lines: dict[str, int] = {}
+    source = "embedded default"
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ConfigError(
+                [f"params must be a mapping of sections, got {type(params).__name__}"],
+                "flow parameters",
+            )
+        raw, source, path = copy.deepcopy(params), "flow parameters", None
+    elif path is None and Path("params.yaml").is_file():
+        path = "params.yaml"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(
+                [
+                    f"file not found: {path} (give an existing params file, or none for the embedded default)"
+                ],
+                source,
+            )
+        loaded, text = _read_yaml(path, source)
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(
+                [f"the top level must be a mapping of sections, got {type(loaded).__name__}"],
+                source,
+            )
+        raw, lines = loaded, _yaml_lines(text)
+    for item in overrides:
+        keys, value = parse_override(item)
+        _apply_override(raw, keys, value)
+        lines[".".join(keys)] = FROM_SET
+    return from_dict(raw, lines, source)
+
+
+def default_yaml() -> str:
+    """The embedded default as YAML (what `params.yaml` ships with)."""
+    return yaml.safe_dump(Config().to_dict(), sort_keys=False)
