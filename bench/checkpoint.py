@@ -78,15 +78,15 @@ def main() -> None:
     interval = a.interval or (5 if a.quick else 20)
     n_ckpt = 10
     train_store = TokenStore(a.data, "train")
-    torch.manual_seed(cfg.train.seed)
+    torch.manual_seed(cfg.pretrain.seed)
     model = MoETransformer(cfg.model, cfg.moe, train_store.vocab_size)
     t = dataclasses.replace(
-        cfg.train,
+        cfg.pretrain,
         max_steps=n_ckpt * interval,
         checkpoint_every=interval,
         eval_every=10**9,
         log_every=interval,
-        early_stop=dataclasses.replace(cfg.train.early_stop, patience=0),
+        early_stop=dataclasses.replace(cfg.pretrain.early_stop, patience=0),
     )
     with tempfile.TemporaryDirectory() as d:
         store = CheckpointStore(

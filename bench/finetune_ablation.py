@@ -5,7 +5,7 @@ several seeds each, mean and spread.
                                                 [--work DIR] [--set KEY=VALUE ...]
 
 For each seed, a scratch project under --work runs prepare, publish and pretrain with
-`train.seed` (and the finetune seeds) set to it, through `moe-pipeline run`, exactly as the
+`pretrain.seed` (and the finetune seeds) set to it, through `moe-pipeline run`, exactly as the
 demo does. Then each arm finetunes from that pretrained model (or from a random one) with the
 same code the finetune stages run (tasks/training.py) and is scored on the held-out sets:
 
@@ -50,7 +50,10 @@ def pretrain(seed: int, work: Path, overrides: list[str]) -> Path:
     project = work / f"seed-{seed}"
     project.mkdir(parents=True, exist_ok=True)
     (project / "params.yaml").write_text((ROOT / "params.yaml").read_text())
-    sets = [*overrides, *(f"{s}.seed={seed}" for s in ("train", "finetune_sql", "finetune_domain"))]
+    sets = [
+        *overrides,
+        *(f"{s}.seed={seed}" for s in ("pretrain", "finetune_sql", "finetune_domain")),
+    ]
     cmd = [sys.executable, "-m", "flows.cli", "run", "--stages", "prepare", "publish", "pretrain"]
     for s in sets:
         cmd += ["--set", s]
@@ -66,7 +69,7 @@ def run_arm(arm: str, seed: int, project: Path, overrides: list[str]) -> dict[st
 
     base = load_config(None, overrides)
     steps = base.finetune_sql.max_steps + base.finetune_domain.max_steps
-    extra = [f"{s}.seed={seed}" for s in ("train", "finetune_sql", "finetune_domain")]
+    extra = [f"{s}.seed={seed}" for s in ("pretrain", "finetune_sql", "finetune_domain")]
     if arm == "no_focus":
         extra += ["finetune_sql.focus_weight=1.0", "finetune_domain.focus_weight=1.0"]
     if arm == "no_replay":

@@ -58,13 +58,13 @@ def run(
         cfg.moe, num_experts=4, top_k=1, balancing=balancing, router_lr_mult=5.0, growth=growth
     )
     t = dataclasses.replace(
-        cfg.train,
+        cfg.pretrain,
         seed=seed,
         max_steps=steps,
         eval_every=steps,
         checkpoint_every=steps,
         log_every=10,
-        early_stop=dataclasses.replace(cfg.train.early_stop, patience=0),
+        early_stop=dataclasses.replace(cfg.pretrain.early_stop, patience=0),
     )
     vocab = TokenStore(data, "train").vocab_size
     torch.manual_seed(t.seed)

@@ -13,7 +13,7 @@ Two comparisons per seed, runs interleaved (MoE, dense, MoE, dense) so the machi
 hits both:
 - equal tokens: every run trains `--steps` steps of the same batches (cosine to the end);
 - equal time: every run trains for `--budget-s` seconds of training time
-  (`train.time_budget_s`: the run stops when it is used and the cosine decay follows the time
+  (`pretrain.time_budget_s`: the run stops when it is used and the cosine decay follows the time
   used, so each ends annealed); the faster model does more steps.
 
 Reports each run's validation loss (32 batches), steps and wall time, and for the MoE runs
@@ -50,7 +50,7 @@ BALANCING: dict[str, list] = {
 
 
 def _model(cfg: Config, kind: str, vocab: int) -> MoETransformer:
-    torch.manual_seed(cfg.train.seed)
+    torch.manual_seed(cfg.pretrain.seed)
     m, e = cfg.model, cfg.moe
     if kind == "dense":
         m = dataclasses.replace(m, moe_every=m.n_layer + 1, dense_hidden=e.top_k * e.expert_hidden)
@@ -63,13 +63,13 @@ def _trainer(
     cfg: Config, model: MoETransformer, data: Path, work: Path, steps: int, budget: float
 ) -> Trainer:
     t = dataclasses.replace(
-        cfg.train,
+        cfg.pretrain,
         max_steps=steps,
         time_budget_s=budget,
         eval_every=steps,
         checkpoint_every=steps,
         log_every=10,
-        early_stop=dataclasses.replace(cfg.train.early_stop, patience=0),
+        early_stop=dataclasses.replace(cfg.pretrain.early_stop, patience=0),
     )
     return Trainer(
         model,
@@ -139,7 +139,7 @@ def main() -> None:
     out: dict[str, object] = {"steps": steps, "budget_s": budget, "seeds": a.seeds, "runs": {}}
     runs: dict = out["runs"]  # type: ignore[assignment]
     for seed in a.seeds:
-        cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, seed=seed))
+        cfg = dataclasses.replace(base, pretrain=dataclasses.replace(base.pretrain, seed=seed))
         for mode, (n, b) in (("equal_tokens", (steps, 0.0)), ("equal_time", (1_000_000, budget))):
             for kind in kinds:
                 r = one_run(cfg, kind, a.data, n, b)

@@ -8,7 +8,7 @@ interrupted at exponential inter-arrival times with mean `--mtbi-hours`, `--runs
 policy (the same interruption times for every policy, run by run):
 
 - `none`: no checkpoint until the end; an interruption restarts from step 0;
-- `fixed`: every `train.checkpoint_every` steps of params.yaml (the stage's own setting);
+- `fixed`: every `pretrain.checkpoint_every` steps of params.yaml (the stage's own setting);
 - `auto`: `checkpoint.every: auto`, Young/Daly from the measured stall and the MTBI
   (moe/resilience.py, the function the trainer calls).
 
@@ -67,7 +67,7 @@ class RandomBatches:
 def _trainer(cfg: Config, folder: Path, max_steps: int, log_fn: Any) -> Trainer:
     """The default model and trainer on random batches, saving every 5 steps to `folder`."""
     torch.manual_seed(0)
-    t, ck = cfg.train, cfg.checkpoint
+    t, ck = cfg.pretrain, cfg.checkpoint
     model = MoETransformer(cfg.model, cfg.moe, cfg.tokenizer.vocab_size)
     tc = dataclasses.replace(t, max_steps=max_steps, checkpoint_every=5, device="cpu")
     store = CheckpointStore(
@@ -168,7 +168,7 @@ def main() -> None:
     save_s, restore_s = m["save_stall_s"] * args.state_scale, m["restore_s"] * args.state_scale
     step_s = m["step_s"]
     work_s, mtbi_s = args.work_hours * 3600, args.mtbi_hours * 3600
-    fixed_steps = args.fixed_every or cfg.train.checkpoint_every
+    fixed_steps = args.fixed_every or cfg.pretrain.checkpoint_every
     auto = choose_interval(
         save_s, step_s, mtbi_s, fixed_steps, max_steps=10**12, restore_s=restore_s
     )

@@ -31,7 +31,7 @@ def _add_params(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         action="append",
         default=[],
-        help="override one key, e.g. --set train.lr=3e-4 (repeatable)",
+        help="override one key, e.g. --set pretrain.lr=3e-4 (repeatable)",
     )
 
 

@@ -407,7 +407,7 @@ STAGE_LIST: list[Stage] = [
     ),
     Stage(
         "pretrain",
-        "train",
+        "pretrain",
         "Download and verify the published data, then pretrain the MoE model (GPU).",
         out=lambda cfg: MODELS / "pretrain",
         inputs=_published,

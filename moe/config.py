@@ -56,8 +56,19 @@ class Problems:
         return _Section(self, name)
 
     def add(self, key: str, value: Any, why: str) -> None:
-        path = ".".join([*self.prefix, key]) if key else ".".join(self.prefix)
-        where = ""
+        """`key = value: why (file, line N)`."""
+        path = self._path(key)
+        self.items.append(f"{path} = {value!r}: {why}{self._where(path)}")
+
+    def note(self, key: str, why: str) -> None:
+        """`key: why (file, line N)`: a problem with a whole key rather than its value."""
+        path = self._path(key)
+        self.items.append(f"{path}: {why}{self._where(path)}")
+
+    def _path(self, key: str) -> str:
+        return ".".join([*self.prefix, key]) if key else ".".join(self.prefix)
+
+    def _where(self, path: str) -> str:
         line = self.lines.get(path)
         if line is None:  # fall back to the nearest enclosing key with a known line
             parts = path.split(".")
@@ -65,10 +76,10 @@ class Problems:
                 parts.pop()
                 line = self.lines.get(".".join(parts))
         if line == FROM_SET:
-            where = " (from --set)"
-        elif line is not None and self.filename:
-            where = f" ({self.filename}, line {line})"
-        self.items.append(f"{path} = {value!r}: {why}{where}")
+            return " (from --set)"
+        if line is not None and self.filename:
+            return f" ({self.filename}, line {line})"
+        return ""
 
     def require(self, ok: bool, key: str, value: Any, why: str) -> None:
         if not ok:
@@ -457,7 +468,7 @@ class OptimConfig:
 
 
 @dataclass
-class TrainConfig(OptimConfig):
+class PretrainConfig(OptimConfig):
     """Pretraining: warm-up + cosine decay to min_lr, validation, early stopping."""
 
     min_lr: float = 2e-4

@@ -33,7 +33,7 @@ from moe.model import MoETransformer
 
 def init(timeout_s: float = 60.0, device: str = "auto") -> tuple[int, int]:
     """Join the process group torchrun describes (env://); (rank, world size). NCCL when the
-    training device (`train.device`: auto, cpu, cuda) is a GPU, else gloo, so a CPU run on a
+    training device (`pretrain.device`: auto, cpu, cuda) is a GPU, else gloo, so a CPU run on a
     machine that has GPUs stays on gloo. A peer that never arrives or dies fails within
     timeout_s."""
     if not dist.is_initialized():

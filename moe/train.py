@@ -48,7 +48,7 @@ class BatchSource(Protocol):
     def batch_at(self, step: int, micro: int = 0) -> Batch: ...
 
 
-def resolve_device(name: str, setting: str = "train.device") -> torch.device:
+def resolve_device(name: str, setting: str = "pretrain.device") -> torch.device:
     """auto: the GPU when there is one, else the CPU; `setting` names the knob in errors."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -34,9 +35,10 @@ from moe.config import (
     FinetuneConfig,
     ModelConfig,
     MoEConfig,
+    OptimConfig,
+    PretrainConfig,
     Problems,
     TokenizerConfig,
-    TrainConfig,
     build,
 )
 
@@ -53,6 +55,10 @@ DEFAULT_STAGE_POOLS: dict[str, str] = {
     "evaluate": "gpu-4090",
 }
 STAGES: tuple[str, ...] = tuple(DEFAULT_STAGE_POOLS)
+
+# Sections renamed since a release: a params file that still uses the old name is told what
+# to rename (the check goes on under the new name, so every other problem is reported too).
+RENAMED_SECTIONS = {"train": "pretrain"}
 
 
 @dataclass
@@ -177,7 +183,7 @@ def _default_pools() -> dict[str, PoolSpec]:
     # a typical discount (they move with the market: set yours). Every pool rents on-demand
     # by default and declares no interruptions; a spot pool sets pricing: spot and its
     # mean_hours_between_interruptions (what your provider's interruption history says).
-    # Machines: one GPU each (train.nproc 1), the CPUs and memory a one-GPU slice of such a
+    # Machines: one GPU each (pretrain.nproc 1), the CPUs and memory a one-GPU slice of such a
     # node typically has.
     def gpu(price: float, name: str, spot: float, product: str, cpu: float, mem: int) -> PoolSpec:
         return PoolSpec(
@@ -351,7 +357,7 @@ class Config:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     finetune_sql: FinetuneConfig = field(default_factory=FinetuneConfig)
     finetune_domain: FinetuneConfig = field(
         default_factory=lambda: FinetuneConfig(
@@ -367,28 +373,33 @@ class Config:
     multinode: MultinodeConfig = field(default_factory=MultinodeConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
-    def pool_of(self, section: str) -> tuple[str, PoolSpec | None]:
-        """The pool (name, spec) a training section's stage runs on (None if undefined)."""
-        name = self.pools.stages.get("pretrain" if section == "train" else section, "")
+    @staticmethod
+    def training_stages() -> tuple[str, ...]:
+        """The stages that train: those whose section is an OptimConfig, in pipeline order."""
+        hints = typing.get_type_hints(Config)
+        return tuple(s for s in STAGES if s in hints and issubclass(hints[s], OptimConfig))
+
+    def pool_of(self, stage: str) -> tuple[str, PoolSpec | None]:
+        """The pool (name, spec) a stage runs on (None if undefined)."""
+        name = self.pools.stages.get(stage, "")
         return name, self.pools.definitions.get(name)
 
-    def processes(self, section: str) -> int:
-        """The process count of a training section (train, finetune_sql, finetune_domain):
-        its nproc, or with nproc 0 one per GPU of its stage's pool (at least one)."""
-        n = getattr(self, section).nproc
+    def processes(self, stage: str) -> int:
+        """The process count of a training stage on one machine: its nproc, or with nproc 0
+        one per GPU of its pool (at least one)."""
+        n = getattr(self, stage).nproc
         if n:
             return n
-        pool = self.pool_of(section)[1]
+        pool = self.pool_of(stage)[1]
         return max(1, pool.gpus if pool else 0)
 
     def machines(self, stage: str) -> int:
         """Machines a stage rents at once: a training stage's nodes, else one."""
-        section = "train" if stage == "pretrain" else stage
-        return getattr(getattr(self, section, None), "nodes", 1)
+        return getattr(self, stage).nodes if stage in self.training_stages() else 1
 
-    def world(self, section: str) -> int:
-        """Training processes of a section over all its machines: nodes x processes."""
-        return getattr(self, section).nodes * self.processes(section)
+    def world(self, stage: str) -> int:
+        """Training processes of a stage over all its machines: nodes x processes."""
+        return getattr(self, stage).nodes * self.processes(stage)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -489,15 +500,17 @@ def _yaml_lines(text: str) -> dict[str, int]:
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
-    """`train.lr=3e-4` -> (["train", "lr"], 3e-4). The value is parsed as YAML."""
+    """`pretrain.lr=3e-4` -> (["pretrain", "lr"], 3e-4). The value is parsed as YAML."""
     if "=" not in item:
         raise ConfigError(
-            [f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=3e-4"], "--set"
+            [f"--set {item!r}: expected KEY=VALUE, e.g. --set pretrain.lr=3e-4"], "--set"
         )
     key, _, text = item.partition("=")
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
-        raise ConfigError([f"--set {item!r}: the key must be a dotted path like train.lr"], "--set")
+        raise ConfigError(
+            [f"--set {item!r}: the key must be a dotted path like pretrain.lr"], "--set"
+        )
     try:
         value = yaml.load(text, Loader=_StrictLoader) if text.strip() else ""  # noqa: S506
     except yaml.YAMLError as e:
@@ -531,6 +544,22 @@ def from_dict(
 ) -> Config:
     """Build and validate a Config from a nested mapping (missing keys take their defaults)."""
     p = Problems(lines, source)
+    raw = dict(raw)
+    for old, new in RENAMED_SECTIONS.items():
+        if old in raw:
+            # The key to name: the section's own line in a file, else the first --set under it.
+            under = [k for k in (lines or {}) if k.startswith(f"{old}.")]
+            p.note(
+                old if old in (lines or {}) or not under else under[0],
+                f"this section is now named {new}, after its stage: rename `{old}:` to "
+                f"`{new}:` (and --set {old}.KEY to --set {new}.KEY)",
+            )
+            if new not in raw:
+                raw[new] = raw.pop(old)  # check the values too, under their new name
+                for k in [k for k in p.lines if k == old or k.startswith(f"{old}.")]:
+                    p.lines.setdefault(new + k[len(old) :], p.lines[k])
+            else:
+                raw.pop(old)
     # Layer what the user wrote over the defaults, so that `--set pools.stages.pretrain=cpu`
     # changes one entry of a mapping instead of replacing the whole mapping.
     cfg = build(Config, _deep_merge(Config().to_dict(), raw), p)
@@ -538,8 +567,9 @@ def from_dict(
         section = getattr(cfg, f.name)
         with p.section(f.name):
             section.check(p)
-    for stage in ("finetune_sql", "finetune_domain"):
-        ft = getattr(cfg, stage)
+    for stage in cfg.training_stages():
+        if not isinstance(ft := getattr(cfg, stage), FinetuneConfig):
+            continue
         p.require(
             ft.replay_ratio == 0 or ft.replay_split == "train" or cfg.data.replay_fraction > 0,
             f"{stage}.replay_ratio",
@@ -555,12 +585,12 @@ def from_dict(
         )
     if cfg.moe.growth.enabled:
         p.require(
-            cfg.world("train") == 1,
+            cfg.world("pretrain") == 1,
             "moe.growth.enabled",
             True,
-            "expert growth runs in one process: set train.nproc and train.nodes to 1 or growth off",
+            "expert growth runs in one process: set pretrain.nproc and pretrain.nodes to 1 or growth off",
         )
-    for section in ("train", "finetune_sql", "finetune_domain"):
+    for section in cfg.training_stages():
         sec = getattr(cfg, section)
         n = cfg.processes(section)
         what = f"{n} (one per GPU of its pool)" if sec.nproc == 0 else f"{n}"

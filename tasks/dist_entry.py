@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
     pairs_file = argv[5] if len(argv) > 5 else ""
     budget_left = float(argv[6]) if len(argv) > 6 else 0.0
     cfg = load_config(params)
-    device = cfg.train.device if stage == "pretrain" else getattr(cfg, stage).device
+    device = cfg.pretrain.device if stage == "pretrain" else getattr(cfg, stage).device
     rank, _ = D.init(timeout_s=300, device=device)
     try:
         if stage == "pretrain":

@@ -31,7 +31,10 @@ log = logging.getLogger(__name__)
 def evaluate_perplexity(cfg: Config, data_dir: Path, model_dir: Path) -> dict[str, float]:
     model = load_model(model_dir).to(resolve_device(cfg.evaluate.device, "evaluate.device"))
     sampler = BatchSampler(
-        TokenStore(data_dir, "val"), cfg.train.batch_size, model.cfg.seq_len, cfg.train.seed + 1
+        TokenStore(data_dir, "val"),
+        cfg.pretrain.batch_size,
+        model.cfg.seq_len,
+        cfg.pretrain.seed + 1,
     )
     out = perplexity(model, sampler, cfg.evaluate.val_batches)
     log.info("%s: validation loss %.4f, perplexity %.2f", model_dir, out["loss"], out["perplexity"])

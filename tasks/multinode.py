@@ -107,10 +107,6 @@ def mirror_prefix(run_key: str) -> str:
     return f"checkpoints/{run_key}/mirror"
 
 
-def _section(stage: str) -> str:
-    return "train" if stage == "pretrain" else stage
-
-
 def manifests(cfg: Config, spec: NodeJob, image: str) -> list[dict[str, Any]]:
     """The ConfigMap, the headless Service and the Indexed Job of one launch, in the order
     they are created. Each pod asks for one machine of the stage's pool (its GPUs, CPUs,
@@ -118,7 +114,7 @@ def manifests(cfg: Config, spec: NodeJob, image: str) -> list[dict[str, Any]]:
     m = cfg.multinode
     tag = image.rsplit(":", 1)[1] if ":" in image.rsplit("/", 1)[-1] else "latest"
     tagged = tag not in ("gpu", "cpu", "latest")  # a commit's tag, never moved
-    pool_name, pool = cfg.pool_of(_section(spec.stage))
+    pool_name, pool = cfg.pool_of(spec.stage)
     if pool is None:
         raise InputError(f"{spec.stage}: pools.stages names no pool in pools.definitions")
     labels = {
@@ -468,8 +464,7 @@ def run_on_cluster(
     retry launches a new one, which resumes from the mirrored checkpoints)."""
     from tasks.training import replay_metrics, training_fingerprint
 
-    section = _section(stage)
-    sec, m = getattr(cfg, section), cfg.multinode
+    sec, m = getattr(cfg, stage), cfg.multinode
     cluster = cluster or open_cluster()
     store = open_store(cfg.storage)
     fingerprint = training_fingerprint(cfg, stage, data_dir, init_dir)
@@ -483,7 +478,7 @@ def run_on_cluster(
     else:
         job = job_name(stage, fingerprint)
         commit = os.environ.get("MOE_CODE_COMMIT", "")
-        pool = cfg.pool_of(section)[1]
+        pool = cfg.pool_of(stage)[1]
         assert pool is not None  # the config check makes sure
         image = image or pool_image(pool, commit if commit not in ("", "unknown") else "")
         spec = NodeJob(
@@ -493,7 +488,7 @@ def run_on_cluster(
             params=cfg.to_dict(),
             receipt=receipt,
             nodes=sec.nodes,
-            nproc=cfg.processes(section),
+            nproc=cfg.processes(stage),
             rdzv_endpoint=f"{job}-0.{job}:{m.rdzv_port}",
             join_timeout_s=m.join_timeout_s,
             init=init_dir.name if init_dir is not None else "",

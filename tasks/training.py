@@ -170,16 +170,15 @@ def _processes(cfg: Config, stage: str) -> int:
     trains on the CPU (a laptop running the pipeline locally)."""
     from moe.train import resolve_device
 
-    section = "train" if stage == "pretrain" else stage
-    sec = getattr(cfg, section)
-    n = cfg.processes(section)
+    sec = getattr(cfg, stage)
+    n = cfg.processes(stage)
     if sec.nproc == 0 and n > 1 and resolve_device(sec.device).type != "cuda":
         log.info("%s: no GPU here, one process instead of the pool's %d", stage, n)
         return 1
     if sec.nproc == 0 and torch.cuda.is_available() and n > torch.cuda.device_count():
         raise InputError(
             f"{stage}: its pool gives {n} GPUs (pools.definitions), this machine has "
-            f"{torch.cuda.device_count()}: fix the pool's gpus, or set {section}.nproc"
+            f"{torch.cuda.device_count()}: fix the pool's gpus, or set {stage}.nproc"
         )
     return n
 
@@ -227,7 +226,7 @@ def training_fingerprint(
     prepared data (its meta.json, which holds every split's sha256) and, for a finetune stage,
     the model it starts from. The process count is left out (see _resumable)."""
     if stage == "pretrain":
-        parts = [_resumable(cfg, "train").fingerprint("model", "moe", "train")]
+        parts = [_resumable(cfg, "pretrain").fingerprint("model", "moe", "pretrain")]
     elif init_dir is None:
         raise ValueError(f"{stage}: a finetune stage's fingerprint needs the model it starts from")
     else:
@@ -280,9 +279,9 @@ def pretrain_model(
     receipt: dict[str, Any] | None = None,
 ) -> TrainResult:
     """budget_left: what is left of cost.budget for this stage (0 = no budget). With
-    train.nodes > 1 it runs as a Job across that many machines (tasks/multinode.py), which
+    pretrain.nodes > 1 it runs as a Job across that many machines (tasks/multinode.py), which
     fetch the data the receipt names."""
-    if cfg.train.nodes > 1 and not torch.distributed.is_initialized():
+    if cfg.pretrain.nodes > 1 and not torch.distributed.is_initialized():
         from tasks.multinode import run_on_cluster
 
         return run_on_cluster(
@@ -291,14 +290,14 @@ def pretrain_model(
     if _processes(cfg, "pretrain") > 1 and not torch.distributed.is_initialized():
         return launch(cfg, "pretrain", data_dir, out_dir, log_fn, budget_left=budget_left)
     train_store, val_store = TokenStore(data_dir, "train"), TokenStore(data_dir, "val")
-    torch.manual_seed(cfg.train.seed)
+    torch.manual_seed(cfg.pretrain.seed)
     model = MoETransformer(cfg.model, cfg.moe, train_store.vocab_size)
     log.info(
         "model: %.2fM parameters, %.2fM active per token",
         model.num_params() / 1e6,
         model.num_params(active_only=True) / 1e6,
     )
-    t = cfg.train
+    t = cfg.pretrain
     fingerprint = training_fingerprint(cfg, "pretrain", data_dir)
     trainer = Trainer(
         model,

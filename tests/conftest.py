@@ -130,7 +130,7 @@ def tiny_params() -> dict:
         "tokenizer": {"vocab_size": 512},
         "model": {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 64, "dense_hidden": 128},
         "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 64},
-        "train": {
+        "pretrain": {
             "max_steps": 12,
             "batch_size": 8,
             "checkpoint_every": 6,

@@ -160,7 +160,7 @@ def test_wandb_logs_the_pipeline_per_expert(built: tuple[Path, dict[str, str]]) 
     assert rec["wandb_run_id"]
     rows = history(run_file(root / "wandb", rec["wandb_run_id"]))
     steps = sorted(s for s, row in rows.items() if "loss" in row)
-    assert steps == list(range(4, 13, 4))  # train.log_every 4 of 12 steps
+    assert steps == list(range(4, 13, 4))  # pretrain.log_every 4 of 12 steps
     n_experts = tiny_params()["moe"]["num_experts"]
     share = [rows[12][f"expert_load/layer0/expert{e}/share"] for e in range(n_experts)]
     assert sum(share) == pytest.approx(1.0, abs=1e-3)

@@ -29,8 +29,8 @@ def test_shipped_params_equal_embedded_default() -> None:
 
 
 def test_override_parses_scientific_notation_and_nested_dicts() -> None:
-    cfg = load_config(ROOT / "params.yaml", ["train.lr=3e-4", "pools.stages.pretrain=cpu"])
-    assert cfg.train.lr == pytest.approx(3e-4)
+    cfg = load_config(ROOT / "params.yaml", ["pretrain.lr=3e-4", "pools.stages.pretrain=cpu"])
+    assert cfg.pretrain.lr == pytest.approx(3e-4)
     assert cfg.pools.stages["pretrain"] == "cpu"
     assert cfg.pools.stages["evaluate"] == "gpu-4090"  # one entry changed, the others kept
 
@@ -38,7 +38,7 @@ def test_override_parses_scientific_notation_and_nested_dicts() -> None:
 @pytest.mark.parametrize(
     ("data", "key", "fragment"),
     [
-        ({"train": {"lrr": 0.1}}, "train.lrr", "unknown key"),
+        ({"pretrain": {"lrr": 0.1}}, "pretrain.lrr", "unknown key"),
         ({"bogus": {}}, "bogus", "unknown key"),
         ({"moe": {"num_experts": 4, "top_k": 5}}, "moe.top_k", "must be <= moe.num_experts (4)"),
         (
@@ -48,13 +48,13 @@ def test_override_parses_scientific_notation_and_nested_dicts() -> None:
         ),
         ({"moe": {"balancing": ["aux_loss", "aux_free2"]}}, "moe.balancing[1]", "one of"),
         ({"moe": {"balancing": ["z_loss", "z_loss"]}}, "moe.balancing", "names a method twice"),
-        ({"train": {"lr": 0.0}}, "train.lr", "must be > 0"),
-        ({"train": {"lr": -1e-3, "min_lr": 0.0}}, "train.lr", "must be > 0"),
-        ({"train": {"max_steps": 0}}, "train.max_steps", "must be >= 1"),
-        ({"train": {"lr": "fast"}}, "train.lr", "expected a number"),
-        ({"train": {"max_steps": 1.5}}, "train.max_steps", "expected an integer"),
+        ({"pretrain": {"lr": 0.0}}, "pretrain.lr", "must be > 0"),
+        ({"pretrain": {"lr": -1e-3, "min_lr": 0.0}}, "pretrain.lr", "must be > 0"),
+        ({"pretrain": {"max_steps": 0}}, "pretrain.max_steps", "must be >= 1"),
+        ({"pretrain": {"lr": "fast"}}, "pretrain.lr", "expected a number"),
+        ({"pretrain": {"max_steps": 1.5}}, "pretrain.max_steps", "expected an integer"),
         ({"model": {"tie_embeddings": "yes"}}, "model.tie_embeddings", "expected true or false"),
-        ({"train": {"dtype": "fp8"}}, "train.dtype", "one of"),
+        ({"pretrain": {"dtype": "fp8"}}, "pretrain.dtype", "one of"),
         (
             {"pools": {"stages": {"pretrain": "gpu-b200"}}},
             "pools.stages.pretrain",
@@ -74,17 +74,35 @@ def test_bad_values_are_named(tmp_path: Path, data: dict, key: str, fragment: st
 
 def test_all_problems_reported_together(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
-        load_config(write(tmp_path, {"train": {"lr": 0, "max_steps": 0}, "moe": {"top_k": 99}}))
+        load_config(write(tmp_path, {"pretrain": {"lr": 0, "max_steps": 0}, "moe": {"top_k": 99}}))
     paths = {p.split(" ")[0] for p in err.value.problems}
-    assert {"train.lr", "train.max_steps", "moe.top_k"} <= paths
+    assert {"pretrain.lr", "pretrain.max_steps", "moe.top_k"} <= paths
 
 
 def test_override_errors_say_they_came_from_set() -> None:
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["train.max_steps=abc"])
-    assert "train.max_steps = 'abc': expected an integer (from --set)" in str(err.value)
+        load_config(None, ["pretrain.max_steps=abc"])
+    assert "pretrain.max_steps = 'abc': expected an integer (from --set)" in str(err.value)
     with pytest.raises(ConfigError):
         load_config(None, ["no_equals_sign"])
+
+
+def test_the_old_train_section_is_told_to_be_renamed(tmp_path: Path) -> None:
+    """A params file from before the rename (`train:`) is told what to rename, with its
+    line; its values are still checked under the new name, so nothing else goes unreported."""
+    old = tmp_path / "params.yaml"
+    old.write_text("model:\n  n_layer: 2\ntrain:\n  max_steps: 0\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(old)
+    assert err.value.problems == [
+        "train: this section is now named pretrain, after its stage: rename `train:` to "
+        f"`pretrain:` (and --set train.KEY to --set pretrain.KEY) ({old}, line 3)",
+        f"pretrain.max_steps = 0: must be >= 1 ({old}, line 4)",
+    ]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.max_steps=5"])
+    assert err.value.problems[0].startswith("train.max_steps: this section is now named pretrain")
+    assert err.value.problems[0].endswith("(from --set)")
 
 
 def test_not_a_mapping_and_missing_file(tmp_path: Path) -> None:
@@ -109,10 +127,10 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     ("data", "key"),
     [
-        ({"train": {"unknown_knob": 1}}, "train.unknown_knob"),
+        ({"pretrain": {"unknown_knob": 1}}, "pretrain.unknown_knob"),
         ({"moe": {"num_experts": 2, "top_k": 3}}, "moe.top_k"),
-        ({"train": {"lr": -0.1, "min_lr": 0.0}}, "train.lr"),
-        ({"train": {"batch_size": "many"}}, "train.batch_size"),
+        ({"pretrain": {"lr": -0.1, "min_lr": 0.0}}, "pretrain.lr"),
+        ({"pretrain": {"batch_size": "many"}}, "pretrain.batch_size"),
     ],
 )
 def test_cli_check_exits_2_naming_the_key(tmp_path: Path, data: dict, key: str) -> None:

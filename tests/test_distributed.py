@@ -14,7 +14,7 @@ from safetensors.torch import load as load_file_bytes
 from safetensors.torch import load_file
 
 from moe.checkpoint import CheckpointStore, flatten_optimizer, model_tensors
-from moe.config import ModelConfig, MoEConfig, TrainConfig
+from moe.config import ModelConfig, MoEConfig, PretrainConfig
 from tasks.config import Config
 from tests import dist_worker as W
 from tests.conftest import ROOT
@@ -119,7 +119,7 @@ def torchrun_config(device: str) -> Config:
     cfg = Config(
         model=ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, dense_hidden=32),
         moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
-        train=TrainConfig(
+        pretrain=PretrainConfig(
             max_steps=4,
             batch_size=4,
             warmup_steps=1,
@@ -136,7 +136,7 @@ def torchrun_config(device: str) -> Config:
 
 
 def test_pretrain_stage_runs_under_torchrun_and_resumes(tmp_path: Path) -> None:
-    """`train.nproc: 2`: the pretrain task launches torchrun (gloo), rank 0 writes the model
+    """`pretrain.nproc: 2`: the pretrain task launches torchrun (gloo), rank 0 writes the model
     with every expert (it loads at world size 1), the metrics reach log_fn, and a relaunch
     resumes from the checkpoint."""
     from tasks.training import load_model, pretrain_model

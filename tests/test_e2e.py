@@ -127,9 +127,7 @@ def test_dvc_repro_runs_the_pipeline(
     for stage in ("pretrain", "finetune_sql", "finetune_domain"):
         assert (root / "models" / stage / "model.safetensors").is_file()
         report = json.loads((root / "reports" / f"{stage}.json").read_text())
-        assert (
-            report["steps"] == tiny_params()["train" if stage == "pretrain" else stage]["max_steps"]
-        )
+        assert report["steps"] == tiny_params()[stage]["max_steps"]
     metrics = json.loads((root / "reports/metrics.json").read_text())
     assert (
         metrics["pretrain"]["val"]["perplexity"] < tiny_params()["tokenizer"]["vocab_size"]
@@ -183,7 +181,7 @@ def test_dvc_repro_runs_the_pipeline(
     assert (
         pretrain["pool"] == "gpu-h100"
         and pretrain["flow_run_id"]
-        and pretrain["params"]["train"]["max_steps"] == 12
+        and pretrain["params"]["pretrain"]["max_steps"] == 12
     )
     # The resolved configuration is saved beside every output.
     assert (

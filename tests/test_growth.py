@@ -174,7 +174,7 @@ def test_training_with_growth_resumes_bit_identically(tmp_path: Path) -> None:
     growth resumes from a checkpoint with more experts than the config says, bit-identically."""
     import json
 
-    from moe.config import TrainConfig
+    from moe.config import PretrainConfig
     from moe.data import BatchSampler, TokenStore
     from moe.train import Trainer
     from tests.test_train import VOCAB, _data
@@ -198,7 +198,7 @@ def test_training_with_growth_resumes_bit_identically(tmp_path: Path) -> None:
             MoEConfig(num_experts=4, top_k=2, expert_hidden=32, growth=growth),
             VOCAB,
         )
-        cfg = TrainConfig(
+        cfg = PretrainConfig(
             max_steps=12,
             batch_size=4,
             lr=3e-3,

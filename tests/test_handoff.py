@@ -101,7 +101,7 @@ def test_up_to_date_follows_params_inputs_and_outputs(cwd: Path) -> None:
     # another stage's params do not matter; this stage's do
     other = load_config(None, [f"storage.root={cwd / 'bucket'}", "finetune_sql.lr=1e-5"])
     assert up_to_date(other, "pretrain", out, inputs, outputs) is not None
-    mine = load_config(None, [f"storage.root={cwd / 'bucket'}", "train.lr=1e-2"])
+    mine = load_config(None, [f"storage.root={cwd / 'bucket'}", "pretrain.lr=1e-2"])
     assert up_to_date(mine, "pretrain", out, inputs, outputs) is None
     # a changed input, a changed output, changed code: the stage runs
     receipt.write_text('{"version": "v2"}')

@@ -276,14 +276,14 @@ def _float_knobs() -> list[str]:
 
 def test_every_float_knob_refuses_inf_and_nan(tmp_path: Path) -> None:
     knobs = _float_knobs()
-    assert len(knobs) > 30 and "train.lr" in knobs and "cost.budget" in knobs
+    assert len(knobs) > 30 and "pretrain.lr" in knobs and "cost.budget" in knobs
     for bad in ("inf", "-.inf", ".nan"):
         with pytest.raises(ConfigError) as e:
             load_config(None, [f"{k}={bad}" for k in knobs])
         for k in knobs:
             assert f"{k} = " in str(e.value) and "must be a finite number" in str(e.value), k
     r = _check(tmp_path, "train:\n  lr: .inf\n")
-    assert r.returncode == 2 and "train.lr = inf: must be a finite number" in r.stderr
+    assert r.returncode == 2 and "pretrain.lr = inf: must be a finite number" in r.stderr
     assert "(params.yaml, line 2)" in r.stderr
 
 

@@ -50,7 +50,7 @@ def _spec(cfg: Any, nodes: int = 2) -> NodeJob:
 def _h100_cfg(nodes: int = 2) -> Any:
     cfg = load_config(
         overrides=[
-            f"train.nodes={nodes}",
+            f"pretrain.nodes={nodes}",
             "pools.definitions.gpu-h100.gpus=4",
             "storage.backend=s3",
             "storage.bucket=bkt",
@@ -143,22 +143,22 @@ def test_the_manifests_are_an_indexed_job_the_api_knows() -> None:
 
 def test_a_multi_node_stage_is_checked_before_it_launches() -> None:
     with pytest.raises(ConfigError) as e:
-        load_config(overrides=["train.nodes=2"])  # the default store is a local folder
-    assert "train.nodes" in str(e.value) and "storage.backend s3 or hf" in str(e.value)
+        load_config(overrides=["pretrain.nodes=2"])  # the default store is a local folder
+    assert "pretrain.nodes" in str(e.value) and "storage.backend s3 or hf" in str(e.value)
     with pytest.raises(ConfigError) as e:  # 8 experts over 3 nodes x 1 process
         load_config(overrides=["finetune_sql.nodes=3", "storage.backend=s3", "storage.bucket=bkt"])
     assert "finetune_sql.nproc" in str(e.value) and "3 (3 nodes x 1)" in str(e.value)
     # the bill counts every machine
     cfg = _h100_cfg(nodes=2)
     assert cfg.machines("pretrain") == 2 and cfg.machines("evaluate") == 1
-    assert cfg.world("train") == 8
+    assert cfg.world("pretrain") == 8
 
 
 @pytest.mark.slow
 def test_two_nodes_train_like_one_machine_and_resume_on_new_machines(
     tmp_path: Path, moto_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """train.nodes 2 x nproc 1: two pods join at pod 0's rendezvous; each fetches the data
+    """pretrain.nodes 2 x nproc 1: two pods join at pod 0's rendezvous; each fetches the data
     from S3 on an empty disk. Pod 1's machine dies after the first checkpoint: the Job fails.
     The next launch runs on two new machines, resumes from the mirrored checkpoint, and ends
     with the same weights as one machine running 2 processes without interruption."""
@@ -170,7 +170,7 @@ def test_two_nodes_train_like_one_machine_and_resume_on_new_machines(
         Bucket="nodes"
     )
     cfg = torchrun_config("cpu")
-    cfg.train.max_steps, cfg.train.checkpoint_every, cfg.train.eval_every = 40, 2, 40
+    cfg.pretrain.max_steps, cfg.pretrain.checkpoint_every, cfg.pretrain.eval_every = 40, 2, 40
     cfg.storage = StorageConfig(backend="s3", bucket="nodes", endpoint_url=moto_server)
     cfg.pools.definitions["cpu-node"] = PoolSpec(price_per_hour=0.1)
     cfg.pools.stages["pretrain"] = "cpu-node"
@@ -182,7 +182,7 @@ def test_two_nodes_train_like_one_machine_and_resume_on_new_machines(
     ref = pretrain_model.fn(cfg, data, tmp_path / "one-machine", lambda r: None)
     want = load_file(str(tmp_path / "one-machine" / "model.safetensors"))
 
-    cfg.train.nproc, cfg.train.nodes = 1, 2
+    cfg.pretrain.nproc, cfg.pretrain.nodes = 1, 2
     store = open_store(cfg.storage)
     cluster = LocalCluster(tmp_path / "cluster")
     out = tmp_path / "launcher" / "models" / "pretrain"
@@ -236,7 +236,7 @@ def test_a_new_flow_run_follows_the_job_its_predecessor_launched(tmp_path: Path)
     from tests.test_train import _data
 
     cfg = torchrun_config("cpu")
-    cfg.train.nodes, cfg.train.nproc = 2, 1
+    cfg.pretrain.nodes, cfg.pretrain.nproc = 2, 1
     cfg.storage = StorageConfig(backend="local", root=str(tmp_path / "store"))
     cfg.multinode.poll_s = 0.1
     data = _data(tmp_path / "data")

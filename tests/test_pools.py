@@ -176,12 +176,12 @@ def test_a_stage_trains_on_the_gpus_its_pool_gives() -> None:
 
     eight = ["pools.definitions.gpu-h100.gpus=8"]
     cfg = load_config(None, eight)
-    assert cfg.processes("train") == 8 and cfg.processes("finetune_sql") == 1
-    assert load_config(None, [*eight, "train.nproc=4"]).processes("train") == 4
+    assert cfg.processes("pretrain") == 8 and cfg.processes("finetune_sql") == 1
+    assert load_config(None, [*eight, "pretrain.nproc=4"]).processes("pretrain") == 4
     with pytest.raises(
-        ConfigError, match=r"train.nproc = 16: is more than the 8 GPU\(s\) its pool gpu-h100"
+        ConfigError, match=r"pretrain.nproc = 16: is more than the 8 GPU\(s\) its pool gpu-h100"
     ):
-        load_config(None, [*eight, "train.nproc=16"])
-    load_config(None, ["train.nproc=2", "train.device=cpu"])  # CPU processes: any count
-    cpu_here = load_config(None, [*eight, "train.device=cpu"])
-    assert cpu_here.processes("train") == 8 and _processes(cpu_here, "pretrain") == 1
+        load_config(None, [*eight, "pretrain.nproc=16"])
+    load_config(None, ["pretrain.nproc=2", "pretrain.device=cpu"])  # CPU processes: any count
+    cpu_here = load_config(None, [*eight, "pretrain.device=cpu"])
+    assert cpu_here.processes("pretrain") == 8 and _processes(cpu_here, "pretrain") == 1

@@ -32,8 +32,8 @@ SCRIPT = textwrap.dedent(
     (data / "meta.json").write_text(json.dumps({"dtype": str(token_dtype(64)), "vocab_size": 64, "splits": counts}))
     cfg = load_config(None, [
         "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=16", "model.dense_hidden=32",
-        "moe.num_experts=4", "moe.expert_hidden=32", "train.max_steps=10", "train.batch_size=4", "train.device=cpu",
-        "train.checkpoint_every=4", "train.log_every=2", "train.eval_every=5", "train.eval_batches=1",
+        "moe.num_experts=4", "moe.expert_hidden=32", "pretrain.max_steps=10", "pretrain.batch_size=4", "pretrain.device=cpu",
+        "pretrain.checkpoint_every=4", "pretrain.log_every=2", "pretrain.eval_every=5", "pretrain.eval_batches=1",
         "finetune_sql.max_len=16", "finetune_domain.max_len=16",
     ])
     task = pretrain_model.with_options(retries=1, retry_delay_seconds=0, retry_jitter_factor=None)
@@ -50,7 +50,7 @@ SCRIPT = textwrap.dedent(
     same = digest(work / "crashy") == digest(work / "straight")
     # Same folder, another learning rate: the checkpoints there belong to other params.
     import dataclasses
-    other = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=cfg.train.lr / 2))
+    other = dataclasses.replace(cfg, pretrain=dataclasses.replace(cfg.pretrain, lr=cfg.pretrain.lr / 2))
     relr = task(other, data, work / "straight", lambda row: None)
     print(json.dumps({"crashed": crashed, "resumed_from": resumed.resumed_from, "straight_from": straight.resumed_from,
                       "steps": resumed.steps, "other_lr_from": relr.resumed_from, "same": same}))
@@ -96,9 +96,9 @@ def test_the_training_fingerprint_covers_params_data_and_start_model(tmp_path: P
         return training_fingerprint(load_config(None, list(sets)), stage, data, init)
 
     pre, sql = fp("pretrain"), fp("finetune_sql")
-    for changed in ("train.lr=0.01", "model.d_model=64", "moe.top_k=1", "train.seed=7"):
+    for changed in ("pretrain.lr=0.01", "model.d_model=64", "moe.top_k=1", "pretrain.seed=7"):
         assert fp("pretrain", changed) != pre, changed
-    for same in ("train.nproc=1", "finetune_sql.lr=0.01", "evaluate.batch_size=3"):
+    for same in ("pretrain.nproc=1", "finetune_sql.lr=0.01", "evaluate.batch_size=3"):
         assert fp("pretrain", same) == pre, same
     assert fp("finetune_sql", "finetune_sql.lr=0.01") != sql
     assert fp("finetune_sql", "finetune_sql.replay_ratio=0") != sql

@@ -213,10 +213,10 @@ def test_a_machine_lost_twice_is_recovered_without_a_human(root: Path, pipeline:
         root / "params.yaml",
         [
             *state["overrides"],
-            "train.max_steps=500",
-            f"train.checkpoint_every={every}",
-            "train.log_every=50",
-            "train.eval_every=500",
+            "pretrain.max_steps=500",
+            f"pretrain.checkpoint_every={every}",
+            "pretrain.log_every=50",
+            "pretrain.eval_every=500",
         ],
     )
     # prepare and publish of the pipeline run, handed off under a key of this test's own

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from moe.checkpoint import CheckpointStore, model_tensors, weights_digest
-from moe.config import ModelConfig, MoEConfig, TrainConfig
+from moe.config import ModelConfig, MoEConfig, PretrainConfig
 from moe.data import BatchSampler, TokenStore, token_dtype, write_token_store
 from moe.model import MoETransformer
 from moe.train import Budget, Trainer, lr_at
@@ -51,7 +51,7 @@ def _trainer(
     dtype: str = "auto",
 ) -> Trainer:
     torch.manual_seed(0)
-    cfg = TrainConfig(
+    cfg = PretrainConfig(
         max_steps=max_steps,
         batch_size=4,
         grad_accum=2,
