@@ -3,6 +3,7 @@ params.yaml assigns to the stage, with an entrypoint that exists."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import os
@@ -62,6 +63,40 @@ def test_dvc_yaml_and_prefect_yaml_agree_with_the_stage_declarations() -> None:
         folder = stage.out(cfg).as_posix()
         assert any(folder == o or folder.startswith(o + "/") for o in outs), (stage.name, outs)
         assert deployments[stage.name]["entrypoint"] == f"flows/stages.py:{stage.name}"
+
+
+def _moe_modules(path: Path) -> set[str]:
+    """The moe/ modules a source file imports (anywhere in it, lazy imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("moe"):
+            found |= (
+                {f"moe/{a.name}.py" for a in node.names}
+                if node.module == "moe"
+                else {node.module.replace(".", "/") + ".py"}
+            )
+        elif isinstance(node, ast.Import):
+            found |= {a.name.replace(".", "/") + ".py" for a in node.names if a.name[:4] == "moe."}
+    return {p for p in found if (ROOT / p).is_file()}
+
+
+def test_a_stage_reruns_when_any_code_it_runs_changes() -> None:
+    """A stage's skip decision hashes the .py deps dvc.yaml lists for it (as DVC does): every
+    moe/ module its task modules import, directly or through other moe/ modules, must be
+    listed, or a change there (the SFT batches of moe/data.py, say) would leave the stage
+    skipped with stale outputs. moe/config.py and moe/errors.py are exempt: their effect on
+    a run is the params, which are tracked as params."""
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    for name, stage in dvc.items():
+        deps = {d for d in stage["deps"] if d.endswith(".py")}
+        needed, todo = set(), [d for d in deps if d.startswith("tasks/")]
+        assert todo, f"dvc.yaml stage {name} lists no task module"
+        while todo:
+            for module in _moe_modules(ROOT / todo.pop()) - needed:
+                needed.add(module)
+                todo.append(module)
+        missing = needed - deps - {"moe/config.py", "moe/errors.py"}
+        assert not missing, f"dvc.yaml stage {name}: add to deps {sorted(missing)}"
 
 
 def _placeholders(node: object) -> set[str]:
