@@ -302,8 +302,8 @@ class MoEConfig:
     rebalance_every: int = 1000  # rebalance: recalibrate the gate every this many steps
     rebalance_beta: float = 0.1  # rebalance: gate row e *= 1 - beta * (util_e - 1)
     # aux_free: the bias update speed u. DeepSeek-V3 uses 0.001 over ~15T tokens; in a run of a
-    # few hundred steps that moves the bias too little (measured: MaxVio 1.4 after 100 steps at
-    # 0.001, 0.15 at 0.01; bench/RESULTS.md).
+    # few hundred steps that moves the bias too little (measured: MaxVio 1.47 after 100 steps at
+    # 0.001, 0.17 at 0.01; bench/RESULTS.md).
     aux_free_rate: float = 0.01
     warmup_steps: int = 50  # warmup: uniform routing for this many pretraining steps...
     warmup_blend_steps: int = 50  # ...then the router's choice blended in over this many
@@ -506,8 +506,8 @@ class FinetuneConfig(OptimConfig):
     replay_split: Literal["train", "replay"] = "train"
     focus_weight: float = 2.0  # loss weight of focus tokens (below)
     # The SQL keywords, and the digits: the numbers of a question must be copied exactly, and
-    # mis-copied digits were the errors left (weighting them lifted the weak seed's domain
-    # accuracy from 0.81 to 0.99: bench/RESULTS.md).
+    # mis-copied digits were the errors left (weighting them lifted the domain accuracy over
+    # three seeds from 0.83 to 0.95 and the weakest seed from 0.715 to 0.855: bench/RESULTS.md).
     focus_tokens: list[str] = field(
         default_factory=lambda: [
             *("SELECT", "WHERE", "JOIN", "GROUP", "ORDER", "COUNT", "LIMIT"),
@@ -537,7 +537,7 @@ class CheckpointConfig:
     hot_level: int = 1  # zstd level of L0/L1: fast (~220 MB/s per exponent plane here)
     # fp16-zstd is LOSSY (an option for the cold tier): marked in the manifest and on restore.
     cold_codec: Literal["bg-zstd", "bg-lzma", "fp16-zstd"] = "bg-zstd"
-    cold_level: int = 19  # L2 is written rarely: slow and ~7% smaller (bench/RESULTS.md)
+    cold_level: int = 19  # L2 is written rarely: slow; ~3% smaller than level 1 on bf16 (bench/RESULTS.md)
     background: bool = True  # encode and write on a worker thread; training only copies
     # Cold data to cheap object storage. After each save and at the end of a
     # training stage, move the newest checkpoint's cold tier (L2) and every older

@@ -3,7 +3,7 @@ patience scaled by lr / initial_lr, and a cost-aware stop.
 
 - Composite score = val_loss + util_weight * (1 - utilisation): a model that improves its loss
   by starving experts is not improving (lower is better).
-- Patience = base_patience * lr / initial_lr (the design's formula). NOTE: that formula lets this
+- Patience = base_patience * lr / initial_lr (docs/DESIGN.md, early stopping). NOTE: that formula lets this
   reach 0 as the lr decays; we keep a floor of one evaluation, so one bad evaluation late in a
   schedule stops the run but a single good one never does.
 - Cost-aware: fit a line to the last `trend_window` validation losses; the loss the remaining

@@ -216,7 +216,7 @@ def capacity_mask(
     """True for the assignments each expert keeps: its `capacity` highest-scoring ones.
 
     NOTE: GShard drops by arrival order; we drop the lowest-score assignments instead (as
-    in Switch's "batch prioritized routing", Riquelme et al. 2021), which loses less signal.
+    in V-MoE's "batch prioritized routing", Riquelme et al. 2021), which loses less signal.
     """
     flat_e = experts_TK.flatten()
     flat_s = scores_TK.flatten()
