@@ -39,7 +39,7 @@ import torch
 from moe.checkpoint import CheckpointStore
 from moe.data import BatchSampler, TokenStore
 from moe.model import MoETransformer
-from moe.train import Trainer
+from moe.train import Trainer, Validation
 from tasks.config import Config, load_config
 
 BALANCING: dict[str, list] = {
@@ -80,9 +80,9 @@ def _trainer(
         schedule="cosine",
         min_lr=t.min_lr,
         router_lr_mult=cfg.moe.router_lr_mult,
-        val_batches=BatchSampler(TokenStore(data, "val"), t.batch_size, cfg.model.seq_len, 7),
-        eval_every=steps,
-        eval_batches=32,
+        validation=Validation(
+            BatchSampler(TokenStore(data, "val"), t.batch_size, cfg.model.seq_len, 7), steps, 32
+        ),
         metrics_path=work / "metrics.jsonl",
     )
 

@@ -537,7 +537,9 @@ class CheckpointConfig:
     hot_level: int = 1  # zstd level of L0/L1: fast (~220 MB/s per exponent plane here)
     # fp16-zstd is LOSSY (an option for the cold tier): marked in the manifest and on restore.
     cold_codec: Literal["bg-zstd", "bg-lzma", "fp16-zstd"] = "bg-zstd"
-    cold_level: int = 19  # L2 is written rarely: slow; ~3% smaller than level 1 on bf16 (bench/RESULTS.md)
+    cold_level: int = (
+        19  # L2 is written rarely: slow; ~3% smaller than level 1 on bf16 (bench/RESULTS.md)
+    )
     background: bool = True  # encode and write on a worker thread; training only copies
     # Cold data to cheap object storage. After each save and at the end of a
     # training stage, move the newest checkpoint's cold tier (L2) and every older

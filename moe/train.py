@@ -170,6 +170,28 @@ class Budget:
 
 
 @dataclass
+class Validation:
+    """The held-out loss: `batches` batches of `source` every `every` steps (and at the last
+    step). It picks the best checkpoint and drives early stopping."""
+
+    source: BatchSource
+    every: int
+    batches: int
+
+
+@dataclass
+class Resilience:
+    """What carries a run across interruptions: the attempt journal beside its checkpoints,
+    when this process started (what a restart costs is measured from it; None = now) and,
+    for checkpoint.every: auto, the pool's mean time between interruptions in seconds
+    (None = a save every cfg.checkpoint_every steps; 0 = no interruptions declared)."""
+
+    journal: AttemptJournal | None = None
+    started_at: float | None = None
+    auto_mtbi_s: float | None = None
+
+
+@dataclass
 class _Run:
     """What one call of Trainer.fit tracks between its steps."""
 
@@ -201,17 +223,13 @@ class Trainer:
         min_lr: float = 0.0,
         expert_warmup: bool = True,
         router_lr_mult: float = 1.0,
-        val_batches: BatchSource | None = None,
-        eval_every: int = 0,
-        eval_batches: int = 0,
+        validation: Validation | None = None,
         budget: Budget | None = None,
         log_fn: Callable[[dict[str, Any]], None] | None = None,
         metrics_path: Path | None = None,
         stop_after: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        auto_checkpoint_mtbi_s: float | None = None,
-        journal: AttemptJournal | None = None,
-        started_at: float | None = None,
+        resilience: Resilience | None = None,
     ) -> None:
         self.device = resolve_device(cfg.device)
         # Under torchrun: data parallel + expert parallel (moe/distributed.py). Each rank
@@ -227,7 +245,7 @@ class Trainer:
         self.cfg, self.batches, self.store = cfg, batches, store
         self.fingerprint, self.schedule, self.min_lr = fingerprint, schedule, min_lr
         self.expert_warmup = expert_warmup  # False for finetuning: no uniform routing again
-        self.val_batches, self.eval_every, self.eval_batches = val_batches, eval_every, eval_batches
+        self.validation = validation
         self.budget = budget or Budget()
         self._budget_warned = False
         self.log_fn = log_fn or (lambda row: None)
@@ -236,12 +254,10 @@ class Trainer:
         # Every decision that reads the time (cost, budget stops, time_budget_s, the lr under a
         # time budget) reads this clock: tests inject one so they do not depend on CPU speed.
         self.clock = clock
-        # checkpoint.every: auto -> the pool's mean time between interruptions (0 = none
-        # declared); None -> a save every cfg.checkpoint_every steps.
-        self.auto_mtbi_s = auto_checkpoint_mtbi_s
+        resilience = resilience or Resilience()
+        self.auto_mtbi_s = resilience.auto_mtbi_s
         self.interval: IntervalChoice | None = None
-        self.journal = journal
-        self.started_at = started_at
+        self.journal, self.started_at = resilience.journal, resilience.started_at
         self.amp_dtype = autocast_dtype(self.device, cfg.dtype)
         self.router_lr_mult = router_lr_mult
         self.optimizer = build_optimizer(model, cfg, router_lr_mult)
@@ -259,7 +275,7 @@ class Trainer:
         self.best_val: float | None = None
         early = getattr(cfg, "early_stop", None)
         self.stopper = (
-            EarlyStopper(early, cfg.lr) if early is not None and val_batches is not None else None
+            EarlyStopper(early, cfg.lr) if early is not None and validation is not None else None
         )
 
     # ------------------------------------------------------------------ state
@@ -371,12 +387,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        if self.val_batches is None or not self.eval_batches:
+        v = self.validation
+        if v is None or not v.batches:
             return None
         self.model.eval()
         losses = []
-        for i in range(self.eval_batches):
-            x, y, w = self._rows(self.val_batches.batch_at(0, i))
+        for i in range(v.batches):
+            x, y, w = self._rows(v.source.batch_at(0, i))
             with self._autocast():
                 _, loss, _ = self.model(
                     x.to(self.device), y.to(self.device), None if w is None else w.to(self.device)
@@ -687,7 +704,8 @@ class Trainer:
         is logged and recorded once, here; a budget nearly spent is an alert."""
         cfg = self.cfg
         reason = None
-        if self.eval_every and (self.step % self.eval_every == 0 or self.step == cfg.max_steps):
+        v = self.validation
+        if v and v.every and (self.step % v.every == 0 or self.step == cfg.max_steps):
             run.val_loss = self._validate()
             if run.val_loss is not None:
                 reason = self._early_stop(run.val_loss, lr) or None

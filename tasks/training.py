@@ -31,7 +31,7 @@ from moe.model import MoETransformer
 from moe.resilience import AttemptJournal
 from moe.sql import load_pairs, prompt_text, response_text
 from moe.tokenizer import EOT, PAD, load_tokenizer
-from moe.train import Budget, Trainer, TrainResult
+from moe.train import Budget, Resilience, Trainer, TrainResult, Validation
 from tasks import retry_unless_input_error
 from tasks.checkpoints import checkpoint_store, offload_checkpoints
 from tasks.config import Config, PoolSpec
@@ -252,21 +252,18 @@ def _need(receipt: dict[str, Any] | None) -> dict[str, Any]:
     return receipt
 
 
-def _resilience(cfg: Config, stage: str, ckpt_dir: Path, fingerprint: str) -> dict[str, Any]:
-    """The Trainer arguments that survive interruptions: the attempt journal beside the
-    checkpoints, this process's start (what a restart costs is measured from it) and, with
-    checkpoint.every: auto, the pool's mean time between interruptions."""
+def _resilience(cfg: Config, stage: str, ckpt_dir: Path, fingerprint: str) -> Resilience:
+    """The attempt journal beside the checkpoints, this process's start (what a restart costs
+    is measured from it) and, with checkpoint.every: auto, the pool's mean time between
+    interruptions."""
     import psutil
 
-    pool = _pool(cfg, stage)
-    return {
-        "journal": AttemptJournal(ckpt_dir / "attempts.json", fingerprint),
+    return Resilience(
+        AttemptJournal(ckpt_dir / "attempts.json", fingerprint),
         # under torchrun: the stage's own process (launch() passes it), not the rank's
-        "started_at": float(
-            os.environ.get("MOE_ATTEMPT_STARTED") or psutil.Process().create_time()
-        ),
-        "auto_checkpoint_mtbi_s": pool.mtbi_s if cfg.checkpoint.every == "auto" else None,
-    }
+        float(os.environ.get("MOE_ATTEMPT_STARTED") or psutil.Process().create_time()),
+        _pool(cfg, stage).mtbi_s if cfg.checkpoint.every == "auto" else None,
+    )
 
 
 @task(name="pretrain-model", cache_policy=NONE, **TRAIN_RETRIES)
@@ -308,13 +305,15 @@ def pretrain_model(
         schedule="cosine",
         min_lr=t.min_lr,
         router_lr_mult=cfg.moe.router_lr_mult,
-        val_batches=BatchSampler(val_store, t.batch_size, cfg.model.seq_len, t.seed + 1),
-        eval_every=t.eval_every,
-        eval_batches=t.eval_batches,
+        validation=Validation(
+            BatchSampler(val_store, t.batch_size, cfg.model.seq_len, t.seed + 1),
+            t.eval_every,
+            t.eval_batches,
+        ),
         budget=Budget(_price(cfg, "pretrain"), budget_left, cfg.cost.alert_fraction),
         log_fn=log_fn,
         metrics_path=out_dir / "metrics.jsonl",
-        **_resilience(cfg, "pretrain", out_dir / "checkpoints", fingerprint),
+        resilience=_resilience(cfg, "pretrain", out_dir / "checkpoints", fingerprint),
     )
     return _fit_and_save(cfg, trainer, out_dir, run_key)
 
@@ -392,6 +391,6 @@ def finetune_model(
         budget=Budget(_price(cfg, stage), budget_left, cfg.cost.alert_fraction),
         log_fn=log_fn,
         metrics_path=out_dir / "metrics.jsonl",
-        **_resilience(cfg, stage, out_dir / "checkpoints", fingerprint),
+        resilience=_resilience(cfg, stage, out_dir / "checkpoints", fingerprint),
     )
     return _fit_and_save(cfg, trainer, out_dir, run_key)

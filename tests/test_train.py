@@ -13,7 +13,7 @@ from moe.checkpoint import CheckpointStore, model_tensors, weights_digest
 from moe.config import ModelConfig, MoEConfig, PretrainConfig
 from moe.data import BatchSampler, TokenStore, token_dtype, write_token_store
 from moe.model import MoETransformer
-from moe.train import Budget, Trainer, lr_at
+from moe.train import Budget, Trainer, Validation, lr_at
 
 VOCAB = 64
 
@@ -77,9 +77,7 @@ def _trainer(
         schedule="cosine",
         min_lr=cfg.min_lr,
         router_lr_mult=3.0,
-        val_batches=BatchSampler(TokenStore(data, "val"), 4, 16, seed=2),
-        eval_every=5,
-        eval_batches=2,
+        validation=Validation(BatchSampler(TokenStore(data, "val"), 4, 16, seed=2), 5, 2),
         metrics_path=ckpt.parent / f"{ckpt.name}.jsonl",
         stop_after=stop_after,
     )
