@@ -28,6 +28,7 @@ is measured (`stalls_s`) and logged.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -203,6 +204,88 @@ class _Entry(NamedTuple):
     tensor: torch.Tensor
 
 
+@dataclass
+class TensorMeta:
+    """Where one stored tensor's bytes are (file, offset, length), how they decode (codec,
+    dtype, shape; `base` is the step of the checkpoint an XOR delta reads against, None for
+    a full copy) and which tensor it is (group, name, expert slice, tier)."""
+
+    key: str
+    group: str
+    name: str
+    expert: int | None
+    tier: str
+    file: str
+    offset: int
+    length: int
+    codec: str
+    dtype: str
+    shape: list[int]
+    base: int | None
+    lossy: bool
+
+
+@dataclass
+class FileMeta:
+    sha256: str
+    bytes: int
+
+
+class ManifestError(ValueError):
+    """A checkpoint folder whose manifest.json is missing, unreadable or of another format."""
+
+
+@dataclass
+class Manifest:
+    """manifest.json of a checkpoint folder: written last, so its presence means complete.
+
+    It lists every tensor, the tiers written in full, the checkpoints deltas read against
+    (`bases`), each MoE layer's hot and cold experts, the sha256 and size of every file, and
+    where offloaded files live (`locations`: file -> object-store location)."""
+
+    step: int
+    tensors: list[TensorMeta]
+    files: dict[str, FileMeta]
+    full_tiers: list[str] = field(default_factory=list)
+    bases: list[int] = field(default_factory=list)
+    experts: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    expert_counts: dict[str, int] = field(default_factory=dict)
+    lossy: bool = False
+    val_loss: float | None = None
+    time: float = 0.0
+    locations: dict[str, str] = field(default_factory=dict)
+    format: int = FORMAT_VERSION
+
+    @classmethod
+    def read(cls, folder: Path) -> Manifest:
+        """The manifest of a checkpoint folder; ManifestError says why there is none."""
+        path = folder / MANIFEST
+        if not path.is_file():
+            raise ManifestError("no manifest.json (the write did not finish)")
+        try:
+            raw = json.loads(path.read_text())
+            if raw.get("format") != FORMAT_VERSION:
+                raise ManifestError(
+                    f"checkpoint format {raw.get('format')} (this version reads {FORMAT_VERSION})"
+                )
+            return cls(
+                **{
+                    **raw,
+                    "tensors": [TensorMeta(**t) for t in raw["tensors"]],
+                    "files": {n: FileMeta(**f) for n, f in raw["files"].items()},
+                }
+            )
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ManifestError(f"unreadable manifest.json ({e!r})") from e
+
+    def write(self, folder: Path, name: str = MANIFEST) -> None:
+        _fsync_write(folder / name, json.dumps(dataclasses.asdict(self), indent=1).encode())
+
+    def index(self) -> dict[str, TensorMeta]:
+        """Tensors by key (a delta's base is looked up this way)."""
+        return {t.key: t for t in self.tensors}
+
+
 class CheckpointStore:
     """Write, verify, retain and restore tiered training checkpoints under one folder."""
 
@@ -279,8 +362,8 @@ class CheckpointStore:
 
     def bases(self, path: Path) -> list[int]:
         """The steps of the checkpoints `path`'s delta-coded tiers are read against."""
-        manifest = self._manifest(path) or {}
-        return [int(b) for b in manifest.get("bases", [])]
+        manifest = self._manifest(path)
+        return manifest.bases if manifest else []
 
     def offloadable(self, path: Path, hot: bool) -> list[str]:
         """The files of a checkpoint folder that may live in an object store instead: the
@@ -289,10 +372,11 @@ class CheckpointStore:
         names = ["L2.bin"] if hot else [*TENSOR_FILES, STATE]
         return [n for n in names if (path / n).is_file()]
 
-    def _manifest(self, path: Path) -> dict[str, Any] | None:
+    def _manifest(self, path: Path) -> Manifest | None:
+        """The folder's manifest, or None where it has none this version reads."""
         try:
-            return json.loads((path / MANIFEST).read_text())
-        except (OSError, json.JSONDecodeError):
+            return Manifest.read(path)
+        except ManifestError:
             return None
 
     # ------------------------------------------------------------------ saving
@@ -384,16 +468,16 @@ class CheckpointStore:
         layer = expert_layer(pname)
         return layer if layer is not None and t.dim() >= 2 else None
 
-    def _last_full(self) -> dict[str, tuple[int, dict[str, Any]]]:
-        """Per tier: (step, manifest) of the newest valid checkpoint that wrote it in full."""
-        out: dict[str, tuple[int, dict[str, Any]]] = {}
+    def _last_full(self) -> dict[str, Manifest]:
+        """Per tier: the manifest of the newest valid checkpoint that wrote it in full."""
+        out: dict[str, Manifest] = {}
         for path in self._dirs():
             m = self._manifest(path)
-            if m is None or m.get("format") != FORMAT_VERSION:
+            if m is None:
                 continue
-            for tier in m.get("full_tiers", []):
+            for tier in m.full_tiers:
                 if tier not in out and self.verify(path) is None:
-                    out[tier] = (int(m["step"]), m)
+                    out[tier] = m
             if len(out) == 3:
                 break
         return out
@@ -418,25 +502,23 @@ class CheckpointStore:
             entries = self._entries(snapshot, param_names, expert_tiers)
             tensors_meta = self._write_tensors(tmp, entries, full, last_full)
             _fsync_write(tmp / STATE, json.dumps(state, indent=1, sort_keys=True).encode())
-            manifest = {
-                "format": FORMAT_VERSION,
-                "step": step,
-                "time": time.time(),
-                "full_tiers": sorted(full),
-                "bases": sorted({m["base"] for m in tensors_meta if m["base"] is not None}),
-                "experts": expert_tiers,
-                "expert_counts": {
+            Manifest(
+                step=step,
+                time=time.time(),
+                full_tiers=sorted(full),
+                bases=sorted({m.base for m in tensors_meta if m.base is not None}),
+                experts=expert_tiers,
+                expert_counts={
                     layer: len(t["hot"]) + len(t["cold"]) for layer, t in expert_tiers.items()
                 },
-                "lossy": any(m["lossy"] for m in tensors_meta),
-                "val_loss": state.get("val_loss"),
-                "tensors": tensors_meta,
-                "files": {
-                    p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+                lossy=any(m.lossy for m in tensors_meta),
+                val_loss=state.get("val_loss"),
+                tensors=tensors_meta,
+                files={
+                    p.name: FileMeta(sha256_file(p), p.stat().st_size)
                     for p in sorted(tmp.iterdir())
                 },
-            }
-            _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last
+            ).write(tmp)  # last
             final = self._commit(tmp, step)
             self._retain()
         dt = time.perf_counter() - t0
@@ -465,14 +547,14 @@ class CheckpointStore:
         tmp.mkdir()
         return tmp
 
-    def _full_tiers(self, step: int, last_full: dict[str, tuple[int, dict[str, Any]]]) -> set[str]:
+    def _full_tiers(self, step: int, last_full: dict[str, Manifest]) -> set[str]:
         """The tiers written in full this time (the others as deltas where that pays): a tier
         never written in full, or whose last full write is its interval ago."""
         every = {"L0": self.hot_every, "L1": self.hot_every, "L2": self.cold_every}
         return {
             tier
             for tier in ("L0", "L1", "L2")
-            if tier not in last_full or step - last_full[tier][0] >= every[tier]
+            if tier not in last_full or step - last_full[tier].step >= every[tier]
         }
 
     def _expert_tiers(self, expert_load: dict[str, list[float]]) -> dict[str, dict[str, list[int]]]:
@@ -512,11 +594,11 @@ class CheckpointStore:
         tmp: Path,
         entries: list[_Entry],
         full: set[str],
-        last_full: dict[str, tuple[int, dict[str, Any]]],
-    ) -> list[dict[str, Any]]:
+        last_full: dict[str, Manifest],
+    ) -> list[TensorMeta]:
         """Encode every entry into its tier's file; returns their manifest records."""
-        base_index: dict[int, dict[str, Any]] = {}  # base step -> {key: manifest entry}
-        tensors_meta: list[dict[str, Any]] = []
+        base_index: dict[int, dict[str, TensorMeta]] = {}  # base step -> its tensors by key
+        tensors_meta: list[TensorMeta] = []
         handles = {tier: open(tmp / f"{tier}.bin", "wb") for tier in ("L0", "L1", "L2")}
         try:
             for group, name, e, tier, t in entries:
@@ -534,21 +616,21 @@ class CheckpointStore:
                 offset = f.tell()
                 f.write(enc.data)
                 tensors_meta.append(
-                    {
-                        "key": key,
-                        "group": group,
-                        "name": name,
-                        "expert": e,
-                        "tier": tier,
-                        "file": f"{tier}.bin",
-                        "offset": offset,
-                        "length": len(enc.data),
-                        "codec": enc.codec,
-                        "dtype": enc.dtype,
-                        "shape": list(enc.shape),
-                        "base": base_step,
-                        "lossy": enc.lossy,
-                    }
+                    TensorMeta(
+                        key=key,
+                        group=group,
+                        name=name,
+                        expert=e,
+                        tier=tier,
+                        file=f"{tier}.bin",
+                        offset=offset,
+                        length=len(enc.data),
+                        codec=enc.codec,
+                        dtype=enc.dtype,
+                        shape=list(enc.shape),
+                        base=base_step,
+                        lossy=enc.lossy,
+                    )
                 )
             for f in handles.values():
                 f.flush()
@@ -579,28 +661,28 @@ class CheckpointStore:
         tier: str,
         t: torch.Tensor,
         full: set[str],
-        last_full: dict[str, tuple[int, dict[str, Any]]],
-        base_index: dict[int, dict[str, Any]],
+        last_full: dict[str, Manifest],
+        base_index: dict[int, dict[str, TensorMeta]],
     ) -> tuple[str, torch.Tensor | None, int | None]:
         """(codec, base tensor, base step) for one entry."""
         full_codec = self._full_codec(tier)
         if tier in full or tier not in last_full:
             return full_codec, None, None
-        base_step, manifest = last_full[tier]
+        manifest = last_full[tier]
+        base_step = manifest.step
         if base_step not in base_index:  # built once per base, not once per tensor
-            base_index[base_step] = {m["key"]: m for m in manifest.get("tensors", [])}
-        index = base_index[base_step]
-        meta = index.get(key)
+            base_index[base_step] = manifest.index()
+        meta = base_index[base_step].get(key)
         if (
             meta is None
-            or meta["base"] is not None
-            or meta["codec"] in LOSSY
-            or meta["dtype"] != str(t.dtype).removeprefix("torch.")
-            or list(meta["shape"]) != list(t.shape)
+            or meta.base is not None
+            or meta.codec in LOSSY
+            or meta.dtype != str(t.dtype).removeprefix("torch.")
+            or list(meta.shape) != list(t.shape)
         ):
             return full_codec, None, None  # no lossless full copy to diff against
         base_dir = self.step_dir(base_step)
-        if not (base_dir / meta["file"]).is_file():
+        if not (base_dir / meta.file).is_file():
             return full_codec, None, None  # the base was offloaded: write in full
         base_t = self._read_entry(base_dir, meta, None)
         return "xor-zstd", base_t, base_step
@@ -614,16 +696,15 @@ class CheckpointStore:
             best: tuple[float, Path] | None = None
             for p in dirs:
                 m = self._manifest(p)
-                v = m.get("val_loss") if m else None
+                v = m.val_loss if m else None
                 if v is not None and (best is None or v < best[0]):
                     best = (float(v), p)
             if best is not None:
                 keep.add(best[1])
         # Never delete a base that a kept checkpoint needs.
         for p in list(keep):
-            m = self._manifest(p)
-            for b in (m or {}).get("bases", []):
-                keep.add(self.step_dir(int(b)))
+            for b in self.bases(p):
+                keep.add(self.step_dir(b))
         for old in dirs:
             if old not in keep:
                 shutil.rmtree(old, ignore_errors=True)
@@ -633,20 +714,12 @@ class CheckpointStore:
     def verify(self, path: Path, _depth: int = 0) -> str | None:
         """None when `path` is a complete checkpoint whose files (and bases) match their
         manifests; else why not."""
-        mpath = path / MANIFEST
-        if not mpath.is_file():
-            return "no manifest.json (the write did not finish)"
         try:
-            manifest = json.loads(mpath.read_text())
-            files = manifest["files"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            return f"unreadable manifest.json ({e})"
-        if manifest.get("format") != FORMAT_VERSION:
-            return (
-                f"checkpoint format {manifest.get('format')} (this version reads {FORMAT_VERSION})"
-            )
+            manifest = Manifest.read(path)
+        except ManifestError as e:
+            return str(e)
+        files, locations = manifest.files, manifest.locations
         root = path.resolve()
-        locations = manifest.get("locations", {})
         for name, meta in files.items():
             f = (path / name).resolve()
             if f.parent != root:
@@ -655,14 +728,14 @@ class CheckpointStore:
                 if name in locations:
                     continue  # offloaded: its hash is checked when it is fetched back
                 return f"{name} is missing"
-            if sha256_file(f) != meta["sha256"]:
+            if sha256_file(f) != meta.sha256:
                 return f"{name} does not match its sha256 (damaged)"
-        for t in manifest.get("tensors", []):
-            if t["file"] not in files:
-                return f"tensor {t['key']} names a file the manifest does not list: {t['file']!r}"
+        for t in manifest.tensors:
+            if t.file not in files:
+                return f"tensor {t.key} names a file the manifest does not list: {t.file!r}"
         if _depth == 0:
-            for b in manifest.get("bases", []):
-                base = self.step_dir(int(b))
+            for b in manifest.bases:
+                base = self.step_dir(b)
                 why = self.verify(base, _depth=1) if base.is_dir() else "it is missing"
                 if why is not None:
                     return f"its base checkpoint {base.name} is not usable: {why}"
@@ -681,21 +754,20 @@ class CheckpointStore:
     # ------------------------------------------------------------------ loading
 
     def _read_entry(
-        self, path: Path, meta: dict[str, Any], base_index: dict[str, Any] | None
+        self, path: Path, meta: TensorMeta, base_index: dict[str, TensorMeta] | None
     ) -> torch.Tensor:
-        with open(path / meta["file"], "rb") as f:
-            f.seek(meta["offset"])
-            data = f.read(meta["length"])
-        if len(data) != meta["length"]:
-            raise ValueError(f"{path / meta['file']} is shorter than its manifest says")
+        with open(path / meta.file, "rb") as f:
+            f.seek(meta.offset)
+            data = f.read(meta.length)
+        if len(data) != meta.length:
+            raise ValueError(f"{path / meta.file} is shorter than its manifest says")
         base_t = None
-        if meta["base"] is not None:
-            base_dir = self.step_dir(int(meta["base"]))
+        if meta.base is not None:
+            base_dir = self.step_dir(meta.base)
             if base_index is None:
-                bm = json.loads((base_dir / MANIFEST).read_text())
-                base_index = {m["key"]: m for m in bm["tensors"]}
-            base_t = self._read_entry(base_dir, base_index[meta["key"]], None)
-        return decode(meta["codec"], meta["dtype"], meta["shape"], data, base=base_t)
+                base_index = Manifest.read(base_dir).index()
+            base_t = self._read_entry(base_dir, base_index[meta.key], None)
+        return decode(meta.codec, meta.dtype, meta.shape, data, base=base_t)
 
     def ensure_local(self, path: Path) -> None:
         """Fetch back the files of `path` (and of its bases) that an offload moved to an
@@ -703,10 +775,9 @@ class CheckpointStore:
         manifest = self._manifest(path)
         if manifest is None:
             return
-        for b in manifest.get("bases", []):
-            self.ensure_local(self.step_dir(int(b)))
-        locations: dict[str, str] = manifest.get("locations", {})
-        missing = {n: loc for n, loc in locations.items() if not (path / n).is_file()}
+        for b in manifest.bases:
+            self.ensure_local(self.step_dir(b))
+        missing = {n: loc for n, loc in manifest.locations.items() if not (path / n).is_file()}
         if not missing:
             return
         if self.fetch is None:
@@ -717,7 +788,7 @@ class CheckpointStore:
         for name, loc in missing.items():
             tmp = path / f".{name}.fetch"
             self.fetch(loc, tmp)
-            want = manifest["files"][name]["sha256"]
+            want = manifest.files[name].sha256
             if sha256_file(tmp) != want:
                 tmp.unlink(missing_ok=True)
                 raise ValueError(
@@ -733,10 +804,9 @@ class CheckpointStore:
         manifest = self._manifest(path)
         if manifest is None:
             raise ValueError(f"{path} has no readable manifest")
-        manifest.setdefault("locations", {}).update(moved)
-        tmp = path / ".manifest.tmp"
-        _fsync_write(tmp, json.dumps(manifest, indent=1).encode())
-        os.replace(tmp, path / MANIFEST)
+        manifest.locations.update(moved)
+        manifest.write(path, ".manifest.tmp")
+        os.replace(path / ".manifest.tmp", path / MANIFEST)
 
     def load(self, path: Path) -> Checkpoint:
         self.ensure_local(path)
@@ -744,24 +814,21 @@ class CheckpointStore:
         if why is not None:
             raise ValueError(f"checkpoint {path} failed verification: {why}")
         self.flush()
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = Manifest.read(path)
         state = json.loads((path / STATE).read_text())
-        base_indexes: dict[int, dict[str, Any]] = {}
-        for b in manifest.get("bases", []):
-            bm = json.loads((self.step_dir(int(b)) / MANIFEST).read_text())
-            base_indexes[int(b)] = {m["key"]: m for m in bm["tensors"]}
+        base_indexes = {b: Manifest.read(self.step_dir(b)).index() for b in manifest.bases}
         parts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
         out: dict[str, dict[str, torch.Tensor]] = {g: {} for g in GROUPS}
         lossy: list[str] = []
-        for meta in manifest["tensors"]:
-            idx = base_indexes.get(int(meta["base"])) if meta["base"] is not None else None
+        for meta in manifest.tensors:
+            idx = base_indexes.get(meta.base) if meta.base is not None else None
             t = self._read_entry(path, meta, idx)
-            if meta["lossy"]:
-                lossy.append(meta["key"])
-            if meta["expert"] is None:
-                out[meta["group"]][meta["name"]] = t
+            if meta.lossy:
+                lossy.append(meta.key)
+            if meta.expert is None:
+                out[meta.group][meta.name] = t
             else:
-                parts.setdefault((meta["group"], meta["name"]), {})[int(meta["expert"])] = t
+                parts.setdefault((meta.group, meta.name), {})[meta.expert] = t
         for (group, name), experts in parts.items():
             out[group][name] = torch.stack([experts[e] for e in sorted(experts)])
         if lossy:
@@ -773,7 +840,7 @@ class CheckpointStore:
             )
         return Checkpoint(
             path=path,
-            step=int(manifest["step"]),
+            step=manifest.step,
             model=out["model"],
             optimizer=out["optimizer"],
             rng=out["rng"],
@@ -785,27 +852,23 @@ class CheckpointStore:
         """Every checkpoint folder, newest first, with its size, tiers and validity."""
         rows = []
         for path in self._dirs():
-            m = self._manifest(path) or {}
-            files = m.get("files", {})
+            # A folder without a manifest this version reads is listed with its problem.
+            m = self._manifest(path) or Manifest(step=step_of(path.name) or 0, tensors=[], files={})
             tiers: dict[str, int] = {}
-            for t in m.get("tensors", []):
-                tiers[t["tier"]] = tiers.get(t["tier"], 0) + int(t["length"])
+            for t in m.tensors:
+                tiers[t.tier] = tiers.get(t.tier, 0) + t.length
             rows.append(
                 CheckpointInfo(
                     path=path,
-                    step=int(m.get("step", int(path.name[5:]))),
-                    bytes=sum(int(v.get("bytes", 0)) for v in files.values()),
+                    step=m.step,
+                    bytes=sum(f.bytes for f in m.files.values()),
                     tiers=tiers,
-                    experts=m.get("experts", {}),
-                    deltas=sum(1 for t in m.get("tensors", []) if t.get("base") is not None),
-                    bases=[int(b) for b in m.get("bases", [])],
-                    lossy=bool(m.get("lossy")),
+                    experts=m.experts,
+                    deltas=sum(1 for t in m.tensors if t.base is not None),
+                    bases=m.bases,
+                    lossy=m.lossy,
                     problem=self.verify(path),
-                    remote={
-                        n: loc
-                        for n, loc in m.get("locations", {}).items()
-                        if not (path / n).is_file()
-                    },
+                    remote={n: loc for n, loc in m.locations.items() if not (path / n).is_file()},
                 )
             )
         return rows

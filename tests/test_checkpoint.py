@@ -153,6 +153,27 @@ def test_incomplete_write_is_ignored(tmp_path: Path) -> None:
     assert store.latest_valid().name == "step_00000001"
 
 
+def test_a_manifest_this_version_cannot_read_is_named_and_skipped(tmp_path: Path) -> None:
+    """Another format, a missing field and a corrupt manifest each say why; restore falls
+    back to the newest checkpoint this version reads, and `info` still lists them."""
+    store = CheckpointStore(tmp_path)
+    good = _save(store, 1)
+    for step, edit in (
+        (2, lambda m: {**m, "format": 1}),
+        (3, lambda m: {k: v for k, v in m.items() if k != "tensors"}),
+        (4, lambda m: {**m, "files": {"L0.bin": {"sha": "x"}}}),
+    ):
+        path = _save(store, step)
+        m = json.loads((path / "manifest.json").read_text())
+        (path / "manifest.json").write_text(json.dumps(edit(m)))
+    why = {i.step: i.problem for i in store.info()}
+    assert why[2] == "checkpoint format 1 (this version reads 2)"
+    assert why[3].startswith("unreadable manifest.json (KeyError('tensors')")
+    assert why[4].startswith("unreadable manifest.json (TypeError(")
+    assert why[1] is None and store.latest_valid() == good
+    assert store.load(good).step == 1
+
+
 def test_process_killed_mid_save_leaves_previous_restorable(tmp_path: Path) -> None:
     """A real process writes step 1, then is SIGKILLed while writing a large step 2."""
     # The child announces the moment it is inside step 2's write (after its first tier file
