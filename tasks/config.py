@@ -542,94 +542,105 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 def from_dict(
     raw: dict[str, Any], lines: dict[str, int] | None = None, source: str = "params"
 ) -> Config:
-    """Build and validate a Config from a nested mapping (missing keys take their defaults)."""
+    """Build and validate a Config from a nested mapping (missing keys take their defaults):
+    every section's own checks, then those across sections; every problem at once."""
     p = Problems(lines, source)
-    raw = dict(raw)
-    for old, new in RENAMED_SECTIONS.items():
-        if old in raw:
-            # The key to name: the section's own line in a file, else the first --set under it.
-            under = [k for k in (lines or {}) if k.startswith(f"{old}.")]
-            p.note(
-                old if old in (lines or {}) or not under else under[0],
-                f"this section is now named {new}, after its stage: rename `{old}:` to "
-                f"`{new}:` (and --set {old}.KEY to --set {new}.KEY)",
-            )
-            if new not in raw:
-                raw[new] = raw.pop(old)  # check the values too, under their new name
-                for k in [k for k in p.lines if k == old or k.startswith(f"{old}.")]:
-                    p.lines.setdefault(new + k[len(old) :], p.lines[k])
-            else:
-                raw.pop(old)
+    raw = _renamed(dict(raw), p)
     # Layer what the user wrote over the defaults, so that `--set pools.stages.pretrain=cpu`
     # changes one entry of a mapping instead of replacing the whole mapping.
     cfg = build(Config, _deep_merge(Config().to_dict(), raw), p)
     for f in dataclasses.fields(Config):
-        section = getattr(cfg, f.name)
         with p.section(f.name):
-            section.check(p)
+            getattr(cfg, f.name).check(p)
     for stage in cfg.training_stages():
-        if not isinstance(ft := getattr(cfg, stage), FinetuneConfig):
-            continue
-        p.require(
-            ft.replay_ratio == 0 or ft.replay_split == "train" or cfg.data.replay_fraction > 0,
-            f"{stage}.replay_ratio",
-            ft.replay_ratio,
-            "needs a replay split: set data.replay_fraction > 0, replay_split to train, or "
-            "replay_ratio to 0",
-        )
-        p.require(
-            ft.max_len <= cfg.model.seq_len,
-            f"{stage}.max_len",
-            ft.max_len,
-            f"must be <= model.seq_len ({cfg.model.seq_len})",
-        )
+        _check_training_stage(cfg, stage, p)
     if cfg.moe.growth.enabled:
         p.require(
             cfg.world("pretrain") == 1,
             "moe.growth.enabled",
             True,
-            "expert growth runs in one process: set pretrain.nproc and pretrain.nodes to 1 or growth off",
-        )
-    for section in cfg.training_stages():
-        sec = getattr(cfg, section)
-        n = cfg.processes(section)
-        what = f"{n} (one per GPU of its pool)" if sec.nproc == 0 else f"{n}"
-        if sec.nodes > 1:
-            what = f"{sec.nodes * n} ({sec.nodes} nodes x {n})"
-        pool_name, pool = cfg.pool_of(section)
-        p.require(
-            cfg.moe.num_experts % (sec.nodes * n) == 0,
-            f"{section}.nproc",
-            what,
-            f"must divide moe.num_experts ({cfg.moe.num_experts}): each process holds an equal "
-            "share of the experts",
-        )
-        p.require(
-            sec.batch_size % (sec.nodes * n) == 0,
-            f"{section}.batch_size",
-            sec.batch_size,
-            f"must be a multiple of the process count ({what}): each process takes an equal share",
-        )
-        p.require(
-            sec.nodes == 1 or cfg.storage.backend != "local",
-            f"{section}.nodes",
-            sec.nodes,
-            f"needs an object store every node reaches (storage.backend s3 or hf, not "
-            f"{cfg.storage.backend!r}): data, the start model and checkpoints travel through it",
-        )
-        # One process per GPU: more processes than the pool's machine has GPUs would share
-        # them (or fail to start); a CPU run (device: cpu) may use any count.
-        p.require(
-            pool is None or sec.device == "cpu" or pool.gpus == 0 or n <= pool.gpus,
-            f"{section}.nproc",
-            sec.nproc,
-            f"is more than the {pool.gpus if pool else 0} GPU(s) its pool {pool_name} gives "
-            f"(pools.definitions.{pool_name}.gpus): raise that, or lower nproc (processes "
-            f"on the CPU: set {section}.device to cpu)",
+            "expert growth runs in one process: set pretrain.nproc and pretrain.nodes to 1 or "
+            "growth off",
         )
     if p.items:
         raise ConfigError(p.items, source)
     return cfg
+
+
+def _renamed(raw: dict[str, Any], p: Problems) -> dict[str, Any]:
+    """A section under its old name is a problem that says what to rename; its values are
+    checked under the new name (with their lines), so nothing else goes unreported."""
+    for old, new in RENAMED_SECTIONS.items():
+        if old not in raw:
+            continue
+        # The key to name: the section's own line in a file, else the first --set under it.
+        under = [k for k in p.lines if k.startswith(f"{old}.")]
+        p.note(
+            old if old in p.lines or not under else under[0],
+            f"this section is now named {new}, after its stage: rename `{old}:` to `{new}:` "
+            f"(and --set {old}.KEY to --set {new}.KEY)",
+        )
+        section = raw.pop(old)
+        if new not in raw:
+            raw[new] = section
+            for k in [k for k in p.lines if k == old or k.startswith(f"{old}.")]:
+                p.lines.setdefault(new + k[len(old) :], p.lines[k])
+    return raw
+
+
+def _check_training_stage(cfg: Config, stage: str, p: Problems) -> None:
+    """What a training stage's section must agree on with the model, the data, its pool and
+    the store: its processes split the experts and the batch, its machines reach the store."""
+    sec = getattr(cfg, stage)
+    if isinstance(sec, FinetuneConfig):
+        p.require(
+            sec.replay_ratio == 0 or sec.replay_split == "train" or cfg.data.replay_fraction > 0,
+            f"{stage}.replay_ratio",
+            sec.replay_ratio,
+            "needs a replay split: set data.replay_fraction > 0, replay_split to train, or "
+            "replay_ratio to 0",
+        )
+        p.require(
+            sec.max_len <= cfg.model.seq_len,
+            f"{stage}.max_len",
+            sec.max_len,
+            f"must be <= model.seq_len ({cfg.model.seq_len})",
+        )
+    n = cfg.processes(stage)
+    what = f"{n} (one per GPU of its pool)" if sec.nproc == 0 else f"{n}"
+    if sec.nodes > 1:
+        what = f"{sec.nodes * n} ({sec.nodes} nodes x {n})"
+    pool_name, pool = cfg.pool_of(stage)
+    p.require(
+        cfg.moe.num_experts % (sec.nodes * n) == 0,
+        f"{stage}.nproc",
+        what,
+        f"must divide moe.num_experts ({cfg.moe.num_experts}): each process holds an equal "
+        "share of the experts",
+    )
+    p.require(
+        sec.batch_size % (sec.nodes * n) == 0,
+        f"{stage}.batch_size",
+        sec.batch_size,
+        f"must be a multiple of the process count ({what}): each process takes an equal share",
+    )
+    p.require(
+        sec.nodes == 1 or cfg.storage.backend != "local",
+        f"{stage}.nodes",
+        sec.nodes,
+        f"needs an object store every node reaches (storage.backend s3 or hf, not "
+        f"{cfg.storage.backend!r}): data, the start model and checkpoints travel through it",
+    )
+    # One process per GPU: more processes than the pool's machine has GPUs would share
+    # them (or fail to start); a CPU run (device: cpu) may use any count.
+    p.require(
+        pool is None or sec.device == "cpu" or pool.gpus == 0 or n <= pool.gpus,
+        f"{stage}.nproc",
+        sec.nproc,
+        f"is more than the {pool.gpus if pool else 0} GPU(s) its pool {pool_name} gives "
+        f"(pools.definitions.{pool_name}.gpus): raise that, or lower nproc (processes "
+        f"on the CPU: set {stage}.device to cpu)",
+    )
 
 
 def load_config(
