@@ -4,6 +4,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# Test files run at once (pytest-xdist); 1 = one after another.
+TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
 # Offline hygiene for everything make runs (the code sets the same defaults for direct use).
@@ -31,7 +33,7 @@ demo: venv
 	@echo "Models: models/{pretrain,finetune_sql,finetune_domain}/   Lineage: */lineage.json"
 
 test: venv browser
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Debian's headless Chromium for the UI tests (they fail under CI=true without it, and skip
 # saying why elsewhere). Installed only where this user may run apt-get.
