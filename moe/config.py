@@ -97,6 +97,60 @@ class _Section:
         self.problems.prefix.pop()
 
 
+def knob(
+    default: Any,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    note: str = "",
+) -> Any:
+    """A field with its allowed range declared beside it. `validate` refuses a value outside
+    it as "must be >= 1", "must be in (0, 1]" and so on, followed by `note`."""
+    return field(default=default, metadata={"bounds": (ge, gt, le, lt), "note": note})
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+def _allowed(ge: float | None, gt: float | None, le: float | None, lt: float | None) -> str:
+    lo = f"[{_number(ge)}" if ge is not None else f"({_number(gt)}" if gt is not None else ""
+    hi = f"{_number(le)}]" if le is not None else f"{_number(lt)})" if lt is not None else ""
+    if lo and hi:
+        return f"must be in {lo}, {hi}"
+    if lo:
+        return f"must be >= {_number(ge)}" if ge is not None else f"must be > {_number(gt)}"
+    return f"must be <= {_number(le)}" if le is not None else f"must be < {_number(lt)}"
+
+
+def validate(section: Any, p: Problems) -> None:
+    """The one validation path of every section: each field's declared range (`knob`), each
+    nested section and mapping of sections under its key path, then the section's own
+    `check`, which holds only the rules that relate fields to each other."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if "bounds" in f.metadata and isinstance(value, (int, float)):
+            ge, gt, le, lt = f.metadata["bounds"]
+            ok = (
+                (ge is None or value >= ge)
+                and (gt is None or value > gt)
+                and (le is None or value <= le)
+                and (lt is None or value < lt)
+            )
+            p.require(ok, f.name, value, _allowed(ge, gt, le, lt) + f.metadata["note"])
+        elif dataclasses.is_dataclass(value):
+            with p.section(f.name):
+                validate(value, p)
+        elif isinstance(value, dict) and any(dataclasses.is_dataclass(v) for v in value.values()):
+            for key, item in value.items():
+                with p.section(f"{f.name}.{key}"):
+                    validate(item, p)
+    if hasattr(section, "check"):
+        section.check(p)
+
+
 def _valid_device(name: str) -> bool:
     """auto, cpu, cuda or cuda:N."""
     return re.fullmatch(r"auto|cpu|cuda(:\d+)?", name) is not None
@@ -114,83 +168,55 @@ class DataConfig:
     on_bad_record: Literal["error", "skip"] = (
         "error"  # a malformed JSONL line: stop, or skip and count
     )
-    max_bytes: int = 4_000_000  # cap on corpus size read (0 = no cap)
+    max_bytes: int = knob(4_000_000, ge=0)  # cap on corpus size read (0 = no cap)
     # Text files (.txt/.md/.py/.sql/.rst) are decoded with this codec (any Python codec name:
     # utf-8, latin-1, cp1252, ...); a file that does not decode is named and refused (a lone
     # file) or skipped and listed (in a folder). The stdlib corpus is always UTF-8.
     encoding: str = "utf-8"
     # A text file longer than this (in characters) is cut into documents at paragraph breaks,
     # so that one big file (a book as nanoGPT's input.txt) splits into train/val/replay.
-    doc_max_bytes: int = 16_384
-    val_fraction: float = 0.05  # fraction of documents held out for validation
-    replay_fraction: float = 0.05  # held back from pretraining for finetune replay
+    doc_max_bytes: int = knob(16_384, ge=256)
+    val_fraction: float = knob(
+        0.05, gt=0.0, lt=0.5
+    )  # fraction of documents held out for validation
+    replay_fraction: float = knob(
+        0.05, ge=0.0, lt=0.5, note=" (0 = no replay split)"
+    )  # held back from pretraining for finetune replay
     seed: int = 1337
     out_dir: str = "data/prepared"
-    sql_generic_pairs: int = 10_000  # stage one of finetuning: ~10k generic text-to-SQL pairs
-    sql_domain_train_pairs: int = 500  # stage two: ~500 pairs of the target domain
-    sql_domain_test_pairs: int = 200
+    sql_generic_pairs: int = knob(
+        10_000, ge=1
+    )  # stage one of finetuning: ~10k generic text-to-SQL pairs
+    sql_domain_train_pairs: int = knob(500, ge=1)  # stage two: ~500 pairs of the target domain
+    sql_domain_test_pairs: int = knob(200, ge=1)
     # Generic questions never trained on: half on the training databases, half on schemas no
     # training pair uses (moe/sql.py: generate_sql_sets).
-    sql_generic_test_pairs: int = 200
+    sql_generic_test_pairs: int = knob(
+        200, ge=2, note=" (half on training databases, half on held-out ones)"
+    )
 
     def check(self, p: Problems) -> None:
-        p.require(self.max_bytes >= 0, "max_bytes", self.max_bytes, "must be >= 0")
         try:
             codecs.lookup(self.encoding)
             known = True
         except LookupError:
             known = False
         p.require(known, "encoding", self.encoding, "not a known text encoding (e.g. utf-8)")
-        p.require(self.doc_max_bytes >= 256, "doc_max_bytes", self.doc_max_bytes, "must be >= 256")
-        p.require(
-            0.0 < self.val_fraction < 0.5, "val_fraction", self.val_fraction, "must be in (0, 0.5)"
-        )
-        p.require(
-            0.0 <= self.replay_fraction < 0.5,
-            "replay_fraction",
-            self.replay_fraction,
-            "must be in [0, 0.5) (0 = no replay split)",
-        )
-        p.require(
-            self.sql_generic_pairs >= 1, "sql_generic_pairs", self.sql_generic_pairs, "must be >= 1"
-        )
-        p.require(
-            self.sql_domain_train_pairs >= 1,
-            "sql_domain_train_pairs",
-            self.sql_domain_train_pairs,
-            "must be >= 1",
-        )
-        p.require(
-            self.sql_generic_test_pairs >= 2,
-            "sql_generic_test_pairs",
-            self.sql_generic_test_pairs,
-            "must be >= 2 (half on training databases, half on held-out ones)",
-        )
-        p.require(
-            self.sql_domain_test_pairs >= 1,
-            "sql_domain_test_pairs",
-            self.sql_domain_test_pairs,
-            "must be >= 1",
-        )
         p.require(bool(self.text_field), "text_field", self.text_field, "must not be empty")
 
 
 @dataclass
 class TokenizerConfig:
-    vocab_size: int = 4096
-    min_frequency: int = 2
-    train_bytes: int = 50_000_000  # train the BPE on at most this much of the corpus (0 = all)
+    vocab_size: int = knob(
+        4096, ge=259, le=1048576, note=": 256 byte tokens + 2 special tokens + at least one merge"
+    )
+    min_frequency: int = knob(2, ge=1)
+    train_bytes: int = knob(
+        50_000_000, ge=0, note=" (0 = all)"
+    )  # train the BPE on at most this much of the corpus (0 = all)
     path: str = ""  # an existing tokenizer.json to use instead of training one
 
     def check(self, p: Problems) -> None:
-        p.require(
-            259 <= self.vocab_size <= 1 << 20,
-            "vocab_size",
-            self.vocab_size,
-            "must be in [259, 1048576]: 256 byte tokens + 2 special tokens + at least one merge",
-        )
-        p.require(self.train_bytes >= 0, "train_bytes", self.train_bytes, "must be >= 0 (0 = all)")
-        p.require(self.min_frequency >= 1, "min_frequency", self.min_frequency, "must be >= 1")
         if self.path:
             p.require(
                 Path(self.path).is_file(), "path", self.path, "must name an existing tokenizer.json"
@@ -199,20 +225,18 @@ class TokenizerConfig:
 
 @dataclass
 class ModelConfig:
-    n_layer: int = 2
-    n_head: int = 4
-    d_model: int = 128
-    seq_len: int = 128
-    moe_every: int = 1  # an MoE feed-forward in every Nth block (1 = every block)
-    dense_hidden: int = 512  # feed-forward width of the non-MoE blocks
+    n_layer: int = knob(2, ge=1)
+    n_head: int = knob(4, ge=1)
+    d_model: int = knob(128, ge=1)
+    seq_len: int = knob(128, ge=1)
+    moe_every: int = knob(1, ge=1)  # an MoE feed-forward in every Nth block (1 = every block)
+    dense_hidden: int = knob(512, ge=1)  # feed-forward width of the non-MoE blocks
     tie_embeddings: bool = True
-    rope_theta: float = 10_000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
+    rope_theta: float = knob(10_000.0, gt=0)
+    norm_eps: float = knob(1e-5, gt=0)
+    init_std: float = knob(0.02, gt=0)
 
     def check(self, p: Problems) -> None:
-        for name in ("n_layer", "n_head", "d_model", "seq_len", "moe_every", "dense_hidden"):
-            p.require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         if self.n_head >= 1 and self.d_model >= 1:
             p.require(
                 self.d_model % self.n_head == 0,
@@ -226,9 +250,6 @@ class ModelConfig:
                 self.d_model,
                 "d_model / n_head must be even (rotary positions)",
             )
-        p.require(self.rope_theta > 0, "rope_theta", self.rope_theta, "must be > 0")
-        p.require(self.norm_eps > 0, "norm_eps", self.norm_eps, "must be > 0")
-        p.require(self.init_std > 0, "init_std", self.init_std, "must be > 0")
 
 
 @dataclass
@@ -236,39 +257,32 @@ class GrowthConfig:
     """Expert growth and pruning (moe/growth.py). Off by default."""
 
     enabled: bool = False
-    check_every: int = 10  # steps between trigger checks
-    top_fraction: float = 0.2  # grow when the top 20% of experts...
-    top_load: float = 0.8  # ...carry more than 80% of the load,
-    importance_var: float = 0.25  # or the importance variance exceeds this (seed: 0.2-0.3)
+    check_every: int = knob(10, ge=1)  # steps between trigger checks
+    top_fraction: float = knob(0.2, gt=0, lt=1)  # grow when the top 20% of experts...
+    top_load: float = knob(0.8, gt=0, le=1)  # ...carry more than 80% of the load,
+    importance_var: float = knob(
+        0.25, gt=0
+    )  # or the importance variance exceeds this (seed: 0.2-0.3)
     # ...and, either way, only while the layer's load CV is above this: importance also
     # reads gradient norms, uneven in a balanced layer too (bench/RESULTS.md, growth).
-    min_load_cv: float = 0.5
-    cooldown: int = 5000  # steps between growth events in one layer (seed: 5000)
+    min_load_cv: float = knob(0.5, ge=0)
+    cooldown: int = knob(5000, ge=1)  # steps between growth events in one layer (seed: 5000)
     max_experts: int = 32  # per layer
-    ema: float = 0.98  # moving average of activation frequency and gradient norm
-    ramp_steps: int = 100  # a new expert's router offset ramps from -20 to 0 over these
+    ema: float = knob(0.98, ge=0, lt=1)  # moving average of activation frequency and gradient norm
+    ramp_steps: int = knob(100, ge=1)  # a new expert's router offset ramps from -20 to 0 over these
     # orthogonal: new weights orthogonal to the layer's experts, at their mean norm;
     # split: the hottest expert's weights plus an orthogonal component of 10% of their norm.
     # split is the default: with aux_free balancing it ends more balanced and no worse in
     # loss than orthogonal (bench/RESULTS.md, expert growth, three seeds).
     init: Literal["orthogonal", "split"] = "split"
     prune: bool = True
-    u_min: float = 0.05  # prune an expert under 5% of its fair share of the load...
-    prune_window: int = 1000  # ...for this many consecutive steps (merged into its nearest)
-    min_experts: int = 2  # per layer, never below moe.top_k
-
-    def check(self, p: Problems) -> None:
-        p.require(self.check_every >= 1, "check_every", self.check_every, "must be >= 1")
-        p.require(0 < self.top_fraction < 1, "top_fraction", self.top_fraction, "must be in (0, 1)")
-        p.require(0 < self.top_load <= 1, "top_load", self.top_load, "must be in (0, 1]")
-        p.require(self.importance_var > 0, "importance_var", self.importance_var, "must be > 0")
-        p.require(self.min_load_cv >= 0, "min_load_cv", self.min_load_cv, "must be >= 0")
-        p.require(self.cooldown >= 1, "cooldown", self.cooldown, "must be >= 1")
-        p.require(0 <= self.ema < 1, "ema", self.ema, "must be in [0, 1)")
-        p.require(self.ramp_steps >= 1, "ramp_steps", self.ramp_steps, "must be >= 1")
-        p.require(0 <= self.u_min < 1, "u_min", self.u_min, "must be in [0, 1)")
-        p.require(self.prune_window >= 1, "prune_window", self.prune_window, "must be >= 1")
-        p.require(self.min_experts >= 1, "min_experts", self.min_experts, "must be >= 1")
+    u_min: float = knob(
+        0.05, ge=0, lt=1
+    )  # prune an expert under 5% of its fair share of the load...
+    prune_window: int = knob(
+        1000, ge=1
+    )  # ...for this many consecutive steps (merged into its nearest)
+    min_experts: int = knob(2, ge=1)  # per layer, never below moe.top_k
 
 
 BalancingMethod = Literal[
@@ -279,9 +293,9 @@ BALANCING_METHODS: tuple[str, ...] = get_args(BalancingMethod)
 
 @dataclass
 class MoEConfig:
-    num_experts: int = 8
-    top_k: int = 2
-    expert_hidden: int = 256
+    num_experts: int = knob(8, ge=1)
+    top_k: int = knob(2, ge=1)
+    expert_hidden: int = knob(256, ge=1)
     # Dropless: every routed token is computed. Otherwise an expert takes at most
     # capacity_factor * tokens * top_k / num_experts assignments per batch and the
     # lowest-scoring overflow is dropped (its residual passes through).
@@ -289,32 +303,38 @@ class MoEConfig:
     capacity_factor: float = 1.25
     # Typical: 1.2-1.5 early (routing still moves), 0.8-1.0 late. > 0: capacity_factor moves linearly to this
     # value over the training run; 0 = constant.
-    capacity_factor_end: float = 0.0
+    capacity_factor_end: float = knob(0.0, ge=0, note=" (0 = constant capacity_factor)")
     renormalize: bool = True  # renormalise the kept top-k weights to sum to 1
-    jitter: float = 0.0  # Switch: multiply router inputs by U(1-jitter, 1+jitter) in training
+    jitter: float = knob(
+        0.0, ge=0, lt=1
+    )  # Switch: multiply router inputs by U(1-jitter, 1+jitter) in training
     # Load balancing; any combination of the methods in BALANCING_METHODS (see moe/routing.py):
     balancing: list[BalancingMethod] = field(default_factory=lambda: ["aux_free", "z_loss"])
-    aux_loss_coef: float = 0.01  # aux_loss: Switch/GShard E * sum f_i * P_i
-    z_loss_coef: float = 0.001  # z_loss: ST-MoE router z-loss
-    cv_penalty_coef: float = 0.01  # cv_penalty: std/mean of expert load
-    util_alpha: float = 0.2  # util_aware: alpha (0.1-0.3 is the usual range)
-    util_momentum: float = 0.99  # util_aware/rebalance: moving average of utilisation
-    rebalance_every: int = 1000  # rebalance: recalibrate the gate every this many steps
-    rebalance_beta: float = 0.1  # rebalance: gate row e *= 1 - beta * (util_e - 1)
+    aux_loss_coef: float = knob(0.01, ge=0)  # aux_loss: Switch/GShard E * sum f_i * P_i
+    z_loss_coef: float = knob(0.001, ge=0)  # z_loss: ST-MoE router z-loss
+    cv_penalty_coef: float = knob(0.01, ge=0)  # cv_penalty: std/mean of expert load
+    util_alpha: float = knob(0.2, ge=0)  # util_aware: alpha (0.1-0.3 is the usual range)
+    util_momentum: float = knob(
+        0.99, ge=0, lt=1
+    )  # util_aware/rebalance: moving average of utilisation
+    rebalance_every: int = knob(1000, ge=1)  # rebalance: recalibrate the gate every this many steps
+    rebalance_beta: float = knob(
+        0.1, gt=0, lt=1
+    )  # rebalance: gate row e *= 1 - beta * (util_e - 1)
     # aux_free: the bias update speed u. DeepSeek-V3 uses 0.001 over ~15T tokens; in a run of a
     # few hundred steps that moves the bias too little (measured: MaxVio 1.47 after 100 steps at
     # 0.001, 0.17 at 0.01; bench/RESULTS.md).
-    aux_free_rate: float = 0.01
-    warmup_steps: int = 50  # warmup: uniform routing for this many pretraining steps...
-    warmup_blend_steps: int = 50  # ...then the router's choice blended in over this many
-    router_lr_mult: float = 3.0  # routers learn 3-5x faster than the base rate
+    aux_free_rate: float = knob(0.01, gt=0)
+    warmup_steps: int = knob(50, ge=0)  # warmup: uniform routing for this many pretraining steps...
+    warmup_blend_steps: int = knob(
+        50, ge=0
+    )  # ...then the router's choice blended in over this many
+    router_lr_mult: float = knob(3.0, gt=0)  # routers learn 3-5x faster than the base rate
     shared_expert: bool = False
     force_balanced: bool = False  # debug: round-robin routing, for throughput/memory tests
     growth: GrowthConfig = field(default_factory=GrowthConfig)
 
     def check(self, p: Problems) -> None:
-        with p.section("growth"):
-            self.growth.check(p)
         if self.growth.enabled:
             p.require(
                 self.growth.max_experts >= self.num_experts,
@@ -328,15 +348,12 @@ class MoEConfig:
                 self.growth.min_experts,
                 f"must be >= moe.top_k ({self.top_k})",
             )
-        p.require(self.num_experts >= 1, "num_experts", self.num_experts, "must be >= 1")
-        p.require(self.top_k >= 1, "top_k", self.top_k, "must be >= 1")
         p.require(
             self.top_k <= self.num_experts,
             "top_k",
             self.top_k,
             f"must be <= moe.num_experts ({self.num_experts})",
         )
-        p.require(self.expert_hidden >= 1, "expert_hidden", self.expert_hidden, "must be >= 1")
         if not self.dropless:
             p.require(
                 self.capacity_factor > 0,
@@ -345,63 +362,30 @@ class MoEConfig:
                 "must be > 0 when moe.dropless is false",
             )
         p.require(
-            self.capacity_factor_end >= 0,
-            "capacity_factor_end",
-            self.capacity_factor_end,
-            "must be >= 0 (0 = constant capacity_factor)",
-        )
-        p.require(0 <= self.jitter < 1, "jitter", self.jitter, "must be in [0, 1)")
-        p.require(
             len(set(self.balancing)) == len(self.balancing),
             "balancing",
             self.balancing,
             "names a method twice",
         )
-        for name in ("aux_loss_coef", "z_loss_coef", "cv_penalty_coef", "util_alpha"):
-            p.require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
-        p.require(
-            0 <= self.util_momentum < 1, "util_momentum", self.util_momentum, "must be in [0, 1)"
-        )
-        p.require(
-            self.rebalance_every >= 1, "rebalance_every", self.rebalance_every, "must be >= 1"
-        )
-        p.require(
-            0 < self.rebalance_beta < 1, "rebalance_beta", self.rebalance_beta, "must be in (0, 1)"
-        )
-        p.require(self.aux_free_rate > 0, "aux_free_rate", self.aux_free_rate, "must be > 0")
-        p.require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
-        p.require(
-            self.warmup_blend_steps >= 0,
-            "warmup_blend_steps",
-            self.warmup_blend_steps,
-            "must be >= 0",
-        )
-        p.require(self.router_lr_mult > 0, "router_lr_mult", self.router_lr_mult, "must be > 0")
 
 
 @dataclass
 class EarlyStopConfig:
     """Early stopping (moe/early_stop.py): composite score, lr-scaled patience, cost-aware stop."""
 
-    patience: int = 0  # evaluations without improvement before stopping, at the initial lr; 0 = off
-    min_delta: float = 0.001  # an improvement smaller than this does not count
-    util_weight: float = 0.5  # composite = val_loss + util_weight * (1 - expert utilisation)
+    patience: int = knob(
+        0, ge=0, note=" (0 = off)"
+    )  # evaluations without improvement before stopping, at the initial lr; 0 = off
+    min_delta: float = knob(0.001, ge=0)  # an improvement smaller than this does not count
+    util_weight: float = knob(
+        0.5, ge=0
+    )  # composite = val_loss + util_weight * (1 - expert utilisation)
     value_per_loss: float = (
-        0.0  # currency value of lowering val loss by 1.0; 0 = no cost-aware stop
+        knob(
+            0.0, ge=0, note=" (0 = off)"
+        )  # currency value of lowering val loss by 1.0; 0 = no cost-aware stop
     )
-    trend_window: int = 3  # evaluations fitted to project the remaining improvement
-
-    def check(self, p: Problems) -> None:
-        p.require(self.patience >= 0, "patience", self.patience, "must be >= 0 (0 = off)")
-        p.require(self.min_delta >= 0, "min_delta", self.min_delta, "must be >= 0")
-        p.require(self.util_weight >= 0, "util_weight", self.util_weight, "must be >= 0")
-        p.require(
-            self.value_per_loss >= 0,
-            "value_per_loss",
-            self.value_per_loss,
-            "must be >= 0 (0 = off)",
-        )
-        p.require(self.trend_window >= 2, "trend_window", self.trend_window, "must be >= 2")
+    trend_window: int = knob(3, ge=2)  # evaluations fitted to project the remaining improvement
 
 
 @dataclass
@@ -409,61 +393,41 @@ class OptimConfig:
     """What every training stage shares: steps and batches, the optimiser, where and how it
     runs, how often it logs and saves, and on how many processes and machines."""
 
-    max_steps: int = 300
-    batch_size: int = 16
-    grad_accum: int = 1
-    lr: float = 2e-3
-    warmup_steps: int = 30
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # max_norm (2.0 is a common choice under bf16)
+    max_steps: int = knob(300, ge=1)
+    batch_size: int = knob(16, ge=1)
+    grad_accum: int = knob(1, ge=1)
+    lr: float = knob(2e-3, gt=0)
+    warmup_steps: int = knob(30, ge=0)
+    weight_decay: float = knob(0.1, ge=0)
+    beta1: float = knob(0.9, ge=0, lt=1)
+    beta2: float = knob(0.95, ge=0, lt=1)
+    grad_clip: float = knob(
+        1.0, ge=0, note=" (0 = no clipping)"
+    )  # max_norm (2.0 is a common choice under bf16)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     device: str = "auto"
     seed: int = 1337
-    log_every: int = 10
-    checkpoint_every: int = 100
+    log_every: int = knob(10, ge=1)
+    checkpoint_every: int = knob(100, ge=1)
     # > 0: stop after this many seconds of training; the lr decay follows the time used when
     # that is ahead of the steps, so the run still ends annealed. 0 = max_steps only.
-    time_budget_s: float = 0.0
+    time_budget_s: float = knob(0.0, ge=0, note=" (0 = off)")
     # Processes on this machine (torchrun: data parallel + expert parallel); moe.num_experts
     # and batch_size must divide by it. 0 = one per GPU of the stage's pool
     # (pools.definitions.<pool>.gpus; one where the machine turns out to have no GPU).
-    nproc: int = 0
+    nproc: int = knob(0, ge=0, note=" (0 = one per GPU of the pool)")
     # Machines this stage spans, each with the processes above (world size = nodes x
     # processes). Above 1 the stage's flow run launches a Kubernetes Indexed Job of that many
     # pods (tasks/multinode.py, the `multinode` section); data, the start model and the
     # checkpoints reach every node through the object store.
-    nodes: int = 1
+    nodes: int = knob(1, ge=1)
 
     def check(self, p: Problems) -> None:
-        p.require(self.max_steps >= 1, "max_steps", self.max_steps, "must be >= 1")
-        p.require(
-            self.nproc >= 0, "nproc", self.nproc, "must be >= 0 (0 = one per GPU of the pool)"
-        )
-        p.require(self.nodes >= 1, "nodes", self.nodes, "must be >= 1")
-        p.require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
-        p.require(self.grad_accum >= 1, "grad_accum", self.grad_accum, "must be >= 1")
-        p.require(self.lr > 0, "lr", self.lr, "must be > 0")
-        p.require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
-        p.require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
-        p.require(0 <= self.beta1 < 1, "beta1", self.beta1, "must be in [0, 1)")
-        p.require(0 <= self.beta2 < 1, "beta2", self.beta2, "must be in [0, 1)")
-        p.require(
-            self.grad_clip >= 0, "grad_clip", self.grad_clip, "must be >= 0 (0 = no clipping)"
-        )
-        p.require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
-        p.require(
-            self.checkpoint_every >= 1, "checkpoint_every", self.checkpoint_every, "must be >= 1"
-        )
         p.require(
             _valid_device(self.device),
             "device",
             self.device,
             "must be auto, cpu, cuda or cuda:N",
-        )
-        p.require(
-            self.time_budget_s >= 0, "time_budget_s", self.time_budget_s, "must be >= 0 (0 = off)"
         )
 
 
@@ -471,40 +435,37 @@ class OptimConfig:
 class PretrainConfig(OptimConfig):
     """Pretraining: warm-up + cosine decay to min_lr, validation, early stopping."""
 
-    min_lr: float = 2e-4
-    eval_every: int = 100
-    eval_batches: int = 8
+    min_lr: float = knob(2e-4, ge=0)
+    eval_every: int = knob(100, ge=1)
+    eval_batches: int = knob(8, ge=1)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
     def check(self, p: Problems) -> None:
         super().check(p)
-        with p.section("early_stop"):
-            self.early_stop.check(p)
-        p.require(self.min_lr >= 0, "min_lr", self.min_lr, "must be >= 0")
         p.require(self.min_lr <= self.lr, "min_lr", self.min_lr, f"must be <= lr ({self.lr})")
-        p.require(self.eval_batches >= 1, "eval_batches", self.eval_batches, "must be >= 1")
-        p.require(self.eval_every >= 1, "eval_every", self.eval_every, "must be >= 1")
 
 
 @dataclass
 class FinetuneConfig(OptimConfig):
     """Supervised finetuning on prompt -> SQL pairs: linear decay, loss on response tokens."""
 
-    max_steps: int = 900
-    lr: float = 2e-3  # finetune_sql; 3 seeds each: 2e-3 beat 3e-3 (bench/RESULTS.md)
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    checkpoint_every: int = 50
-    max_len: int = 128  # prompt + response tokens; longer pairs are truncated from the left
+    max_steps: int = knob(900, ge=1)
+    lr: float = knob(2e-3, gt=0)  # finetune_sql; 3 seeds each: 2e-3 beat 3e-3 (bench/RESULTS.md)
+    warmup_steps: int = knob(10, ge=0)
+    weight_decay: float = knob(0.0, ge=0)
+    checkpoint_every: int = knob(50, ge=1)
+    max_len: int = knob(
+        128, ge=8
+    )  # prompt + response tokens; longer pairs are truncated from the left
     # Rows of pretraining text added to each batch, as a fraction of batch_size (replay:
     # keeps the model from forgetting what pretraining taught it).
-    replay_ratio: float = 0.25
+    replay_ratio: float = knob(0.25, ge=0, le=4)
     # Where replay rows come from: "train" (the pretraining text itself, ~1M tokens on the
     # default: no row is seen twice) or "replay" (the split held back from pretraining by
     # data.replay_fraction; ~55k tokens on the default, so a long finetune memorises it and
     # forgets the rest: bench/RESULTS.md).
     replay_split: Literal["train", "replay"] = "train"
-    focus_weight: float = 2.0  # loss weight of focus tokens (below)
+    focus_weight: float = knob(2.0, gt=0)  # loss weight of focus tokens (below)
     # The SQL keywords, and the digits: the numbers of a question must be copied exactly, and
     # mis-copied digits were the errors left (weighting them lifted the domain accuracy over
     # three seeds from 0.83 to 0.95 and the weakest seed from 0.715 to 0.855: bench/RESULTS.md).
@@ -515,31 +476,26 @@ class FinetuneConfig(OptimConfig):
         ]
     )
 
-    def check(self, p: Problems) -> None:
-        super().check(p)
-        p.require(self.max_len >= 8, "max_len", self.max_len, "must be >= 8")
-        p.require(self.focus_weight > 0, "focus_weight", self.focus_weight, "must be > 0")
-        p.require(
-            0 <= self.replay_ratio <= 4, "replay_ratio", self.replay_ratio, "must be in [0, 4]"
-        )
-
 
 @dataclass
 class CheckpointConfig:
     """Tiered checkpoints: see moe/checkpoint.py."""
 
-    max_retain: int = 3  # keep the last 3 (plus the best, plus the bases they need)
+    max_retain: int = knob(3, ge=1)  # keep the last 3 (plus the best, plus the bases they need)
     keep_best: bool = True  # also keep the checkpoint with the lowest validation loss
-    hot_every: int = 100  # steps between full writes of L0 (shared) and L1 (hot experts)
-    cold_every: int = 1000  # steps between full writes of L2 (cold experts)
-    cold_threshold: float = 0.5  # an expert below this x its layer's mean load is cold
+    hot_every: int = knob(
+        100, ge=1
+    )  # steps between full writes of L0 (shared) and L1 (hot experts)
+    cold_every: int = knob(1000, ge=1)  # steps between full writes of L2 (cold experts)
+    cold_threshold: float = knob(
+        0.5, ge=0, le=1
+    )  # an expert below this x its layer's mean load is cold
     hot_codec: Literal["bg-zstd", "raw"] = "bg-zstd"
-    hot_level: int = 1  # zstd level of L0/L1: fast (~220 MB/s per exponent plane here)
+    hot_level: int = knob(1, ge=1, le=22, note=" (zstd levels)")  # fast (~220 MB/s here)
     # fp16-zstd is LOSSY (an option for the cold tier): marked in the manifest and on restore.
     cold_codec: Literal["bg-zstd", "bg-lzma", "fp16-zstd"] = "bg-zstd"
-    cold_level: int = (
-        19  # L2 is written rarely: slow; ~3% smaller than level 1 on bf16 (bench/RESULTS.md)
-    )
+    # L2 is written rarely: slow; ~3% smaller than level 1 on bf16 (bench/RESULTS.md).
+    cold_level: int = knob(19, ge=1, le=22, note=" (zstd levels)")
     background: bool = True  # encode and write on a worker thread; training only copies
     # Cold data to cheap object storage. After each save and at the end of a
     # training stage, move the newest checkpoint's cold tier (L2) and every older
@@ -553,29 +509,15 @@ class CheckpointConfig:
     # checkpoint_every. The choice and its inputs are logged and kept in the lineage record.
     every: Literal["stage", "auto"] = "stage"
 
-    def check(self, p: Problems) -> None:
-        p.require(self.max_retain >= 1, "max_retain", self.max_retain, "must be >= 1")
-        p.require(self.hot_every >= 1, "hot_every", self.hot_every, "must be >= 1")
-        p.require(self.cold_every >= 1, "cold_every", self.cold_every, "must be >= 1")
-        p.require(
-            0 <= self.cold_threshold <= 1,
-            "cold_threshold",
-            self.cold_threshold,
-            "must be in [0, 1]",
-        )
-        for name in ("hot_level", "cold_level"):
-            v = getattr(self, name)
-            p.require(1 <= v <= 22, name, v, "must be in [1, 22] (zstd levels)")
-
 
 @dataclass
 class EvaluateConfig:
     # Held-out pairs to generate SQL for, per set and model (0 = every one: 200 domain and
     # 200 generic questions by default). Decoding is batched with a KV cache.
-    max_examples: int = 0
-    max_new_tokens: int = 40
-    val_batches: int = 16
-    batch_size: int = 64  # questions decoded together
+    max_examples: int = knob(0, ge=0, note=" (0 = all)")
+    max_new_tokens: int = knob(40, ge=1)
+    val_batches: int = knob(16, ge=1)
+    batch_size: int = knob(64, ge=1)  # questions decoded together
     device: str = "auto"  # auto: the GPU when the evaluating machine has one, else the CPU
 
     def check(self, p: Problems) -> None:
@@ -585,12 +527,6 @@ class EvaluateConfig:
             self.device,
             "must be auto, cpu, cuda or cuda:N",
         )
-        p.require(
-            self.max_examples >= 0, "max_examples", self.max_examples, "must be >= 0 (0 = all)"
-        )
-        p.require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
-        p.require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
-        p.require(self.val_batches >= 1, "val_batches", self.val_batches, "must be >= 1")
 
 
 # --------------------------------------------------------------------------- building

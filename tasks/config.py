@@ -40,6 +40,8 @@ from moe.config import (
     Problems,
     TokenizerConfig,
     build,
+    knob,
+    validate,
 )
 
 # The stages in pipeline order, each with the pool it runs on by default: preparing and
@@ -72,22 +74,14 @@ class StorageConfig:
     hf_repo: str = ""  # hf backend: a dataset repo id, e.g. "me/moe-data" (token from HF_TOKEN)
     hf_revision: str = ""  # hf backend: branch to publish to (empty = main)
     dataset_name: str = "stdlib-code"
-    zstd_level: int = 10
-    zstd_threads: int = -1  # -1 = all cores
+    zstd_level: int = knob(10, ge=1, le=22)
+    zstd_threads: int = knob(-1, ge=-1)  # -1 = all cores
     cache_dir: str = ".cache/datasets"  # where training stages download published data
     # s3 backend: files above this size move in parts of this size, several at once (S3's
     # smallest part is 5 MiB; a failed part is sent again, not the whole file)
-    multipart_mib: int = 64
+    multipart_mib: int = knob(64, ge=5, le=5120, note=" (S3's smallest and largest part, MiB)")
 
     def check(self, p: Problems) -> None:
-        p.require(1 <= self.zstd_level <= 22, "zstd_level", self.zstd_level, "must be in [1, 22]")
-        p.require(
-            5 <= self.multipart_mib <= 5120,
-            "multipart_mib",
-            self.multipart_mib,
-            "must be in [5, 5120] (S3's smallest and largest part, MiB)",
-        )
-        p.require(self.zstd_threads >= -1, "zstd_threads", self.zstd_threads, "must be >= -1")
         if self.backend == "s3":
             p.require(
                 len(self.bucket) >= 3,
@@ -112,21 +106,23 @@ class StorageConfig:
 
 @dataclass
 class PoolSpec:
-    price_per_hour: float = 0.0  # USD per hour of one on-demand machine of this pool
+    price_per_hour: float = knob(0.0, ge=0)  # USD per hour of one on-demand machine of this pool
     gpu: str = ""  # e.g. "H100"; empty = CPU only
     type: Literal["process", "docker", "kubernetes"] = "process"
     # Spot / preemptible machines: cheaper, and they vanish. `pricing` says which the pool
     # rents (the bill uses that price); the mean time between interruptions drives
     # checkpoint.every: auto (0 = none expected, as on-demand machines are priced here).
     pricing: Literal["on_demand", "spot"] = "on_demand"
-    spot_price_per_hour: float = 0.0
-    mean_hours_between_interruptions: float = 0.0
+    spot_price_per_hour: float = knob(0.0, ge=0)
+    mean_hours_between_interruptions: float = knob(
+        0.0, ge=0, note=" (0 = no interruptions expected)"
+    )
     # One machine of the pool, as its job template requests it (flows/pools.py renders the
     # Docker and Kubernetes templates with these): GPUs, CPUs, memory, shared memory for
     # torch's data and NCCL, the GPU product label Kubernetes selects nodes by, the image.
-    gpus: int = 0
-    cpu: float = 4.0
-    memory_gib: int = 16
+    gpus: int = knob(0, ge=0)
+    cpu: float = knob(4.0, gt=0)
+    memory_gib: int = knob(16, ge=1)
     shm_gib: int = 2
     gpu_product: str = ""  # e.g. NVIDIA-H100-80GB-HBM3 (label nvidia.com/gpu.product)
     image: str = ""  # "" = moe-pipeline:gpu for a GPU pool, moe-pipeline:cpu otherwise
@@ -141,39 +137,23 @@ class PoolSpec:
         return self.mean_hours_between_interruptions * 3600
 
     def check(self, p: Problems) -> None:
-        p.require(self.price_per_hour >= 0, "price_per_hour", self.price_per_hour, "must be >= 0")
-        p.require(
-            self.spot_price_per_hour >= 0,
-            "spot_price_per_hour",
-            self.spot_price_per_hour,
-            "must be >= 0",
-        )
         p.require(
             self.pricing != "spot" or self.spot_price_per_hour > 0,
             "spot_price_per_hour",
             self.spot_price_per_hour,
             "must be set (> 0) when pricing is spot",
         )
-        p.require(self.gpus >= 0, "gpus", self.gpus, "must be >= 0")
         p.require(
             (self.gpus > 0) == bool(self.gpu),
             "gpus",
             self.gpus,
             f"must be > 0 exactly when gpu is set (gpu: {self.gpu!r})",
         )
-        p.require(self.cpu > 0, "cpu", self.cpu, "must be > 0")
-        p.require(self.memory_gib >= 1, "memory_gib", self.memory_gib, "must be >= 1")
         p.require(
             0 < self.shm_gib < self.memory_gib,
             "shm_gib",
             self.shm_gib,
             f"must be > 0 and below memory_gib ({self.memory_gib}): /dev/shm counts against it",
-        )
-        p.require(
-            self.mean_hours_between_interruptions >= 0,
-            "mean_hours_between_interruptions",
-            self.mean_hours_between_interruptions,
-            "must be >= 0 (0 = no interruptions expected)",
         )
 
 
@@ -211,9 +191,6 @@ class PoolsConfig:
     stages: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_STAGE_POOLS))
 
     def check(self, p: Problems) -> None:
-        for name, spec in self.definitions.items():
-            with p.section(f"definitions.{name}"):
-                spec.check(p)
         for stage, pool in self.stages.items():
             p.require(
                 stage in STAGES,
@@ -239,23 +216,14 @@ class PoolsConfig:
 @dataclass
 class CostConfig:
     currency: str = "USD"
-    budget: float = 5.0  # for the whole pipeline; 0 = no budget
-    alert_fraction: float = 0.8  # warn when spend passes this fraction of the budget
-    storage_per_gb_month: float = 0.023
-    egress_per_gb: float = 0.09
-
-    def check(self, p: Problems) -> None:
-        p.require(self.budget >= 0, "budget", self.budget, "must be >= 0 (0 = no budget)")
-        p.require(
-            0 < self.alert_fraction <= 1, "alert_fraction", self.alert_fraction, "must be in (0, 1]"
-        )
-        p.require(
-            self.storage_per_gb_month >= 0,
-            "storage_per_gb_month",
-            self.storage_per_gb_month,
-            "must be >= 0",
-        )
-        p.require(self.egress_per_gb >= 0, "egress_per_gb", self.egress_per_gb, "must be >= 0")
+    budget: float = knob(
+        5.0, ge=0, note=" (0 = no budget)"
+    )  # for the whole pipeline; 0 = no budget
+    alert_fraction: float = knob(
+        0.8, gt=0, le=1
+    )  # warn when spend passes this fraction of the budget
+    storage_per_gb_month: float = knob(0.023, ge=0)
+    egress_per_gb: float = knob(0.09, ge=0)
 
 
 @dataclass
@@ -270,12 +238,12 @@ class MultinodeConfig:
     # credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, HF_TOKEN, WANDB_API_KEY).
     credentials_secret: str = "moe-credentials"
     image_pull_secrets: list[str] = field(default_factory=list)
-    rdzv_port: int = 29400
+    rdzv_port: int = knob(29400, ge=1024, le=65535)
     # How long the pods wait for each other at the rendezvous (nodes are scheduled and pull
     # the image at different times), and the Job's whole deadline (0 = none).
-    join_timeout_s: int = 900
-    deadline_s: int = 0
-    poll_s: float = 10.0  # how often the flow run reads the Job's status
+    join_timeout_s: int = knob(900, ge=30)
+    deadline_s: int = knob(0, ge=0, note=" (0 = none)")
+    poll_s: float = knob(10.0, gt=0)  # how often the flow run reads the Job's status
 
     def check(self, p: Problems) -> None:
         p.require(
@@ -284,12 +252,6 @@ class MultinodeConfig:
             self.namespace,
             "must be a Kubernetes name (lower-case letters, digits, '-')",
         )
-        p.require(
-            1024 <= self.rdzv_port <= 65535, "rdzv_port", self.rdzv_port, "must be in 1024..65535"
-        )
-        p.require(self.join_timeout_s >= 30, "join_timeout_s", self.join_timeout_s, "must be >= 30")
-        p.require(self.deadline_s >= 0, "deadline_s", self.deadline_s, "must be >= 0 (0 = none)")
-        p.require(self.poll_s > 0, "poll_s", self.poll_s, "must be > 0")
 
 
 @dataclass
@@ -300,7 +262,7 @@ class RecoveryConfig:
     enabled: bool = True
     # Flow runs send a heartbeat this often (Prefect's PREFECT_RUNNER_HEARTBEAT_FREQUENCY;
     # it accepts 30 s or more).
-    heartbeat_s: int = 30
+    heartbeat_s: int = knob(30, ge=30, note=" (Prefect's minimum)")
     # A run whose heartbeats stop is marked Crashed after this long. 90 s = three missed
     # heartbeats: one late heartbeat (a loaded API server, a long GC pause) never crashes a
     # live run, and the detection costs at most 1.5 minutes of an idle replacement.
@@ -308,20 +270,14 @@ class RecoveryConfig:
     # Give up (a human looks) after this many recoveries of one stage in one pipeline run,
     # or this many recoveries in a row that got no further than the attempt before (a crash
     # loop, not preemption: bad data, an out-of-memory model).
-    max_attempts: int = 20
-    max_stalled: int = 3
+    max_attempts: int = knob(20, ge=1)
+    max_stalled: int = knob(3, ge=1)
     # Wait before a recovery run starts: backoff_s, doubled for every stalled attempt in a
     # row (a pool short of machines is not hammered), at most backoff_max_s.
-    backoff_s: float = 10.0
+    backoff_s: float = knob(10.0, ge=0)
     backoff_max_s: float = 600.0
 
     def check(self, p: Problems) -> None:
-        p.require(
-            self.heartbeat_s >= 30,
-            "heartbeat_s",
-            self.heartbeat_s,
-            "must be >= 30 (Prefect's minimum)",
-        )
         p.require(
             self.crashed_after_s >= 2 * self.heartbeat_s,
             "crashed_after_s",
@@ -329,9 +285,6 @@ class RecoveryConfig:
             f"must be at least twice heartbeat_s ({self.heartbeat_s}): with less, one late "
             "heartbeat would crash a live run",
         )
-        p.require(self.max_attempts >= 1, "max_attempts", self.max_attempts, "must be >= 1")
-        p.require(self.max_stalled >= 1, "max_stalled", self.max_stalled, "must be >= 1")
-        p.require(self.backoff_s >= 0, "backoff_s", self.backoff_s, "must be >= 0")
         p.require(
             self.backoff_max_s >= self.backoff_s,
             "backoff_max_s",
@@ -549,9 +502,7 @@ def from_dict(
     # Layer what the user wrote over the defaults, so that `--set pools.stages.pretrain=cpu`
     # changes one entry of a mapping instead of replacing the whole mapping.
     cfg = build(Config, _deep_merge(Config().to_dict(), raw), p)
-    for f in dataclasses.fields(Config):
-        with p.section(f.name):
-            getattr(cfg, f.name).check(p)
+    validate(cfg, p)
     for stage in cfg.training_stages():
         _check_training_stage(cfg, stage, p)
     if cfg.moe.growth.enabled:
@@ -592,6 +543,8 @@ def _check_training_stage(cfg: Config, stage: str, p: Problems) -> None:
     """What a training stage's section must agree on with the model, the data, its pool and
     the store: its processes split the experts and the batch, its machines reach the store."""
     sec = getattr(cfg, stage)
+    if sec.nodes < 1 or sec.nproc < 0:
+        return  # refused by the section's own ranges; the splits below need a count
     if isinstance(sec, FinetuneConfig):
         p.require(
             sec.replay_ratio == 0 or sec.replay_split == "train" or cfg.data.replay_fraction > 0,

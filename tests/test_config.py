@@ -3,6 +3,7 @@ every bad key, type or value is named with its path, exits 2, and touches nothin
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,50 @@ def test_the_old_train_section_is_told_to_be_renamed(tmp_path: Path) -> None:
         load_config(None, ["train.max_steps=5"])
     assert err.value.problems[0].startswith("train.max_steps: this section is now named pretrain")
     assert err.value.problems[0].endswith("(from --set)")
+
+
+def _bounded_fields(section: object, path: str) -> list[tuple[str, tuple, str]]:
+    """(key path, (ge, gt, le, lt), note) of every field declared with knob(), nested ones
+    and mappings of sections (pools.definitions.<pool>) included."""
+    out = []
+    for f in dataclasses.fields(section):
+        value, key = getattr(section, f.name), f"{path}.{f.name}" if path else f.name
+        if "bounds" in f.metadata:
+            out.append((key, f.metadata["bounds"], f.metadata["note"]))
+        elif dataclasses.is_dataclass(value):
+            out += _bounded_fields(value, key)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if dataclasses.is_dataclass(v):
+                    out += _bounded_fields(v, f"{key}.{k}")
+    return out
+
+
+def test_every_declared_range_is_enforced_with_its_key_and_file_line(tmp_path: Path) -> None:
+    """Each knob's range (declared on the field, checked by one path) refuses a value just
+    outside it, naming the key path, the range and the line, in one report for all."""
+    fields = _bounded_fields(Config(), "")
+    assert len(fields) > 100 and "pools.definitions.gpu-h100.price_per_hour" in dict(
+        (k, b) for k, b, _ in fields
+    )
+    raw: dict = {}
+    expected = {}
+    for key, (ge, gt, le, lt), _ in fields:
+        bad = (
+            ge - 1 if ge is not None else gt if gt is not None else le + 1 if le is not None else lt
+        )
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = bad
+        expected[key] = bad
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, raw))
+    problems = {p.split(" = ")[0]: p for p in err.value.problems}
+    for key in expected:
+        assert key in problems, key
+        assert " must be " in problems[key] and "params.yaml, line" in problems[key], problems[key]
 
 
 def test_not_a_mapping_and_missing_file(tmp_path: Path) -> None:
