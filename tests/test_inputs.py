@@ -227,7 +227,7 @@ def _check(tmp_path: Path, text: bytes | str, *sets: str) -> subprocess.Complete
 
 
 def test_a_params_file_that_is_not_utf8_names_the_line(tmp_path: Path) -> None:
-    r = _check(tmp_path, "train:\n  lr: 0.001  # café\n".encode("latin-1"))
+    r = _check(tmp_path, "pretrain:\n  lr: 0.001  # café\n".encode("latin-1"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "not UTF-8 text: byte 0xe9 at line 2" in r.stderr
 
@@ -247,7 +247,7 @@ def test_yaml_aliases_are_refused_at_once(tmp_path: Path) -> None:
 
 
 def test_a_key_given_twice_names_both_lines(tmp_path: Path) -> None:
-    r = _check(tmp_path, "train:\n  lr: 0.001\n  max_steps: 5\n  lr: 0.002\n")
+    r = _check(tmp_path, "pretrain:\n  lr: 0.001\n  max_steps: 5\n  lr: 0.002\n")
     assert r.returncode == 2
     assert "key 'lr' is given twice in one mapping (lines 2 and 4)" in r.stderr
 
@@ -282,7 +282,7 @@ def test_every_float_knob_refuses_inf_and_nan(tmp_path: Path) -> None:
             load_config(None, [f"{k}={bad}" for k in knobs])
         for k in knobs:
             assert f"{k} = " in str(e.value) and "must be a finite number" in str(e.value), k
-    r = _check(tmp_path, "train:\n  lr: .inf\n")
+    r = _check(tmp_path, "pretrain:\n  lr: .inf\n")
     assert r.returncode == 2 and "pretrain.lr = inf: must be a finite number" in r.stderr
     assert "(params.yaml, line 2)" in r.stderr
 
