@@ -104,10 +104,14 @@ def knob(
     gt: float | None = None,
     le: float | None = None,
     lt: float | None = None,
+    pattern: str | None = None,
     note: str = "",
 ) -> Any:
-    """A field with its allowed range declared beside it. `validate` refuses a value outside
-    it as "must be >= 1", "must be in (0, 1]" and so on, followed by `note`."""
+    """A field with what it allows declared beside it. `validate` refuses a number outside
+    its range as "must be >= 1", "must be in (0, 1]" and so on, followed by `note`; a string
+    that does not match `pattern` (the whole of it) as "must be <note>"."""
+    if pattern is not None:
+        return field(default=default, metadata={"pattern": pattern, "note": note})
     return field(default=default, metadata={"bounds": (ge, gt, le, lt), "note": note})
 
 
@@ -140,6 +144,9 @@ def validate(section: Any, p: Problems) -> None:
                 and (lt is None or value < lt)
             )
             p.require(ok, f.name, value, _allowed(ge, gt, le, lt) + f.metadata["note"])
+        elif "pattern" in f.metadata:
+            ok = isinstance(value, str) and re.fullmatch(f.metadata["pattern"], value) is not None
+            p.require(ok, f.name, value, f"must be {f.metadata['note']}")
         elif dataclasses.is_dataclass(value):
             with p.section(f.name):
                 validate(value, p)
@@ -151,9 +158,8 @@ def validate(section: Any, p: Problems) -> None:
         section.check(p)
 
 
-def _valid_device(name: str) -> bool:
-    """auto, cpu, cuda or cuda:N."""
-    return re.fullmatch(r"auto|cpu|cuda(:\d+)?", name) is not None
+# auto, cpu, cuda or cuda:N: where a stage trains or evaluates.
+DEVICE = r"auto|cpu|cuda(:\d+)?"
 
 
 # --------------------------------------------------------------------------- sections
@@ -405,7 +411,7 @@ class OptimConfig:
         1.0, ge=0, note=" (0 = no clipping)"
     )  # max_norm (2.0 is a common choice under bf16)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    device: str = "auto"
+    device: str = knob("auto", pattern=DEVICE, note="auto, cpu, cuda or cuda:N")
     seed: int = 1337
     log_every: int = knob(10, ge=1)
     checkpoint_every: int = knob(100, ge=1)
@@ -422,14 +428,6 @@ class OptimConfig:
     # checkpoints reach every node through the object store.
     nodes: int = knob(1, ge=1)
 
-    def check(self, p: Problems) -> None:
-        p.require(
-            _valid_device(self.device),
-            "device",
-            self.device,
-            "must be auto, cpu, cuda or cuda:N",
-        )
-
 
 @dataclass
 class PretrainConfig(OptimConfig):
@@ -441,7 +439,6 @@ class PretrainConfig(OptimConfig):
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
     def check(self, p: Problems) -> None:
-        super().check(p)
         p.require(self.min_lr <= self.lr, "min_lr", self.min_lr, f"must be <= lr ({self.lr})")
 
 
@@ -518,15 +515,8 @@ class EvaluateConfig:
     max_new_tokens: int = knob(40, ge=1)
     val_batches: int = knob(16, ge=1)
     batch_size: int = knob(64, ge=1)  # questions decoded together
-    device: str = "auto"  # auto: the GPU when the evaluating machine has one, else the CPU
-
-    def check(self, p: Problems) -> None:
-        p.require(
-            _valid_device(self.device),
-            "device",
-            self.device,
-            "must be auto, cpu, cuda or cuda:N",
-        )
+    # auto: the GPU when the evaluating machine has one, else the CPU
+    device: str = knob("auto", pattern=DEVICE, note="auto, cpu, cuda or cuda:N")
 
 
 # --------------------------------------------------------------------------- building

@@ -18,7 +18,6 @@ import copy
 import dataclasses
 import hashlib
 import json
-import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,7 +231,11 @@ class MultinodeConfig:
     Indexed Job of `nodes` pods of the stage's pool, a headless Service that gives pod 0 a
     name, and torchrun's c10d rendezvous at that name."""
 
-    namespace: str = "moe-pipeline"
+    namespace: str = knob(
+        "moe-pipeline",
+        pattern=r"[a-z0-9]([-a-z0-9]*[a-z0-9])?",
+        note="a Kubernetes name (lower-case letters, digits, '-')",
+    )
     service_account: str = ""  # "" = the namespace's default
     # A Kubernetes Secret whose keys become every pod's environment: the object store's
     # credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, HF_TOKEN, WANDB_API_KEY).
@@ -244,14 +247,6 @@ class MultinodeConfig:
     join_timeout_s: int = knob(900, ge=30)
     deadline_s: int = knob(0, ge=0, note=" (0 = none)")
     poll_s: float = knob(10.0, gt=0)  # how often the flow run reads the Job's status
-
-    def check(self, p: Problems) -> None:
-        p.require(
-            bool(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", self.namespace)),
-            "namespace",
-            self.namespace,
-            "must be a Kubernetes name (lower-case letters, digits, '-')",
-        )
 
 
 @dataclass

@@ -107,13 +107,13 @@ def test_the_old_train_section_is_told_to_be_renamed(tmp_path: Path) -> None:
 
 
 def _bounded_fields(section: object, path: str) -> list[tuple[str, tuple, str]]:
-    """(key path, (ge, gt, le, lt), note) of every field declared with knob(), nested ones
-    and mappings of sections (pools.definitions.<pool>) included."""
+    """(key path, (ge, gt, le, lt) or None for a pattern, note) of every field declared with
+    knob(), nested ones and mappings of sections (pools.definitions.<pool>) included."""
     out = []
     for f in dataclasses.fields(section):
         value, key = getattr(section, f.name), f"{path}.{f.name}" if path else f.name
-        if "bounds" in f.metadata:
-            out.append((key, f.metadata["bounds"], f.metadata["note"]))
+        if "bounds" in f.metadata or "pattern" in f.metadata:
+            out.append((key, f.metadata.get("bounds"), f.metadata["note"]))
         elif dataclasses.is_dataclass(value):
             out += _bounded_fields(value, key)
         elif isinstance(value, dict):
@@ -123,19 +123,26 @@ def _bounded_fields(section: object, path: str) -> list[tuple[str, tuple, str]]:
     return out
 
 
+def _just_outside(ge: float | None, gt: float | None, le: float | None, lt: float | None) -> float:
+    if ge is not None:
+        return ge - 1
+    if gt is not None:
+        return gt
+    return le + 1 if le is not None else lt
+
+
 def test_every_declared_range_is_enforced_with_its_key_and_file_line(tmp_path: Path) -> None:
-    """Each knob's range (declared on the field, checked by one path) refuses a value just
-    outside it, naming the key path, the range and the line, in one report for all."""
+    """Each knob's range or pattern (declared on the field, checked by one path) refuses a
+    value just outside it, naming the key path, the range and the line, in one report for all."""
     fields = _bounded_fields(Config(), "")
-    assert len(fields) > 100 and "pools.definitions.gpu-h100.price_per_hour" in dict(
-        (k, b) for k, b, _ in fields
-    )
+    keys = [k for k, _, _ in fields]
+    assert len(keys) > 100 and "pools.definitions.gpu-h100.price_per_hour" in keys
+    assert {"pretrain.device", "evaluate.device", "multinode.namespace"} <= set(keys)
     raw: dict = {}
     expected = {}
-    for key, (ge, gt, le, lt), _ in fields:
-        bad = (
-            ge - 1 if ge is not None else gt if gt is not None else le + 1 if le is not None else lt
-        )
+    for key, bounds, _ in fields:
+        # a pattern field (device, namespace) gets a string no pattern matches
+        bad = "Not A/Match" if bounds is None else _just_outside(*bounds)
         node = raw
         *parents, leaf = key.split(".")
         for part in parents:
