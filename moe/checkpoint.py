@@ -234,6 +234,10 @@ class FileMeta:
 class ManifestError(ValueError):
     """A checkpoint folder whose manifest.json is missing, unreadable or of another format."""
 
+    def __init__(self, why: str, other_format: bool = False) -> None:
+        super().__init__(why)
+        self.other_format = other_format  # a whole checkpoint another version wrote
+
 
 @dataclass
 class Manifest:
@@ -263,19 +267,26 @@ class Manifest:
         if not path.is_file():
             raise ManifestError("no manifest.json (the write did not finish)")
         try:
-            raw = json.loads(path.read_text())
-            if raw.get("format") != FORMAT_VERSION:
-                raise ManifestError(
-                    f"checkpoint format {raw.get('format')} (this version reads {FORMAT_VERSION})"
-                )
+            raw = json.loads(path.read_bytes())
+            version = raw.get("format")
+        except (OSError, ValueError, RecursionError, AttributeError) as e:
+            raise ManifestError(f"unreadable manifest.json ({e!r})") from e
+        if version != FORMAT_VERSION:
+            raise ManifestError(
+                f"checkpoint format {version} (this version reads {FORMAT_VERSION})",
+                other_format=True,
+            )
+        try:
             return cls(
                 **{
                     **raw,
+                    "step": int(raw["step"]),
+                    "bases": [int(b) for b in raw.get("bases", [])],
                     "tensors": [TensorMeta(**t) for t in raw["tensors"]],
                     "files": {n: FileMeta(**f) for n, f in raw["files"].items()},
                 }
             )
-        except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ManifestError(f"unreadable manifest.json ({e!r})") from e
 
     def write(self, folder: Path, name: str = MANIFEST) -> None:
@@ -701,6 +712,13 @@ class CheckpointStore:
                     best = (float(v), p)
             if best is not None:
                 keep.add(best[1])
+        # A checkpoint another version wrote is not this version's to judge: never deleted.
+        for p in dirs:
+            try:
+                Manifest.read(p)
+            except ManifestError as e:
+                if e.other_format:
+                    keep.add(p)
         # Never delete a base that a kept checkpoint needs.
         for p in list(keep):
             for b in self.bases(p):

@@ -1,6 +1,6 @@
 """The library's configuration: typed sections for what moe/ does, and the checks behind them.
 
-Each section is a dataclass beside the code it configures (data and tokenizer: moe/data.py;
+Each section is a dataclass for one part of the library (data and tokenizer: moe/data.py;
 model and moe: moe/model.py, moe/routing.py, moe/growth.py; the training sections:
 moe/train.py; checkpoint: moe/checkpoint.py; evaluate: moe/evaluate.py). Its defaults *are*
 the embedded default: a tiny model that runs the whole pipeline on a 2-core CPU in minutes.
@@ -9,9 +9,10 @@ How the pipeline runs (storage, pools, cost, recovery, multi-node, W&B), the sta
 the reading of `params.yaml` belong to the orchestration and live in tasks/config.py; this
 module knows no file, no stage and no machine.
 
-`build` turns a nested mapping into a section and each section's `check` adds what is wrong
-to a `Problems`; all problems are reported together, each with its key path, the offending
-value, what is allowed and (when read from a file) the line.
+`build` turns a nested mapping into a section; `validate` checks what each field declares
+(`knob`: a range or a pattern), every nested section, then the section's own `check` (the
+rules across fields), adding what is wrong to a `Problems`; all are reported together, each
+with its key path, the offending value, what is allowed and (when read from a file) the line.
 """
 
 from __future__ import annotations
@@ -150,10 +151,11 @@ def validate(section: Any, p: Problems) -> None:
         elif dataclasses.is_dataclass(value):
             with p.section(f.name):
                 validate(value, p)
-        elif isinstance(value, dict) and any(dataclasses.is_dataclass(v) for v in value.values()):
+        elif isinstance(value, dict):
             for key, item in value.items():
-                with p.section(f"{f.name}.{key}"):
-                    validate(item, p)
+                if dataclasses.is_dataclass(item):  # None: refused when it was built
+                    with p.section(f"{f.name}.{key}"):
+                        validate(item, p)
     if hasattr(section, "check"):
         section.check(p)
 

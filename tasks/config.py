@@ -527,10 +527,11 @@ def _renamed(raw: dict[str, Any], p: Problems) -> dict[str, Any]:
             f"(and --set {old}.KEY to --set {new}.KEY)",
         )
         section = raw.pop(old)
-        if new not in raw:
-            raw[new] = section
-            for k in [k for k in p.lines if k == old or k.startswith(f"{old}.")]:
-                p.lines.setdefault(new + k[len(old) :], p.lines[k])
+        # Beside a section under the new name (a --set train.X on today's params.yaml), the
+        # old one's values are laid over it, as the user meant them.
+        raw[new] = _deep_merge(raw[new], section) if isinstance(raw.get(new), dict) else section
+        for k in [k for k in p.lines if k == old or k.startswith(f"{old}.")]:
+            p.lines[new + k[len(old) :]] = p.lines[k]
     return raw
 
 
@@ -538,8 +539,6 @@ def _check_training_stage(cfg: Config, stage: str, p: Problems) -> None:
     """What a training stage's section must agree on with the model, the data, its pool and
     the store: its processes split the experts and the batch, its machines reach the store."""
     sec = getattr(cfg, stage)
-    if sec.nodes < 1 or sec.nproc < 0:
-        return  # refused by the section's own ranges; the splits below need a count
     if isinstance(sec, FinetuneConfig):
         p.require(
             sec.replay_ratio == 0 or sec.replay_split == "train" or cfg.data.replay_fraction > 0,
@@ -554,6 +553,8 @@ def _check_training_stage(cfg: Config, stage: str, p: Problems) -> None:
             sec.max_len,
             f"must be <= model.seq_len ({cfg.model.seq_len})",
         )
+    if sec.nodes < 1 or sec.nproc < 0:
+        return  # refused by the section's own ranges; the splits below need a count
     n = cfg.processes(stage)
     what = f"{n} (one per GPU of its pool)" if sec.nproc == 0 else f"{n}"
     if sec.nodes > 1:

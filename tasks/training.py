@@ -222,7 +222,7 @@ def training_fingerprint(
     cfg: Config, stage: str, data_dir: Path, init_dir: Path | None = None
 ) -> str:
     """What a checkpoint must have been trained with to be resumed by `stage`: the stage's
-    hyper-parameters (pretrain: model, moe and train; a finetune stage: its own section), the
+    hyper-parameters (pretrain: model, moe and pretrain; a finetune stage: its own section), the
     prepared data (its meta.json, which holds every split's sha256) and, for a finetune stage,
     the model it starts from. The process count is left out (see _resumable)."""
     if stage == "pretrain":

@@ -172,6 +172,12 @@ def test_a_manifest_this_version_cannot_read_is_named_and_skipped(tmp_path: Path
     assert why[4].startswith("unreadable manifest.json (TypeError(")
     assert why[1] is None and store.latest_valid() == good
     assert store.load(good).step == 1
+    for junk in (b"\xff\xfe not utf-8", b"[" * 100_000, b"null"):  # never a crash
+        (tmp_path / "step_00000003" / "manifest.json").write_bytes(junk)
+        assert store.verify(tmp_path / "step_00000003").startswith("unreadable manifest.json")
+    for step in (5, 6, 7, 8):  # retention never deletes what another version wrote
+        _save(store, step)
+    assert (tmp_path / "step_00000002").is_dir() and not (tmp_path / "step_00000004").exists()
 
 
 def test_process_killed_mid_save_leaves_previous_restorable(tmp_path: Path) -> None:

@@ -62,6 +62,7 @@ def test_override_parses_scientific_notation_and_nested_dicts() -> None:
             "not a pool defined",
         ),
         ({"storage": {"backend": "s3"}}, "storage.bucket", "needs a bucket"),
+        ({"pools": {"definitions": {"cpu": 5}}}, "pools.definitions.cpu", "expected a mapping"),
     ],
 )
 def test_bad_values_are_named(tmp_path: Path, data: dict, key: str, fragment: str) -> None:
@@ -104,6 +105,10 @@ def test_the_old_train_section_is_told_to_be_renamed(tmp_path: Path) -> None:
         load_config(None, ["train.max_steps=5"])
     assert err.value.problems[0].startswith("train.max_steps: this section is now named pretrain")
     assert err.value.problems[0].endswith("(from --set)")
+    # Beside today's pretrain: section, the old name's values are still checked
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "params.yaml", ["train.lr=0"])
+    assert err.value.problems[1] == "pretrain.lr = 0.0: must be > 0 (from --set)"
 
 
 def _bounded_fields(section: object, path: str) -> list[tuple[str, tuple, str]]:

@@ -84,8 +84,10 @@ def test_a_stage_reruns_when_any_code_it_runs_changes() -> None:
     """A stage's skip decision hashes the .py deps dvc.yaml lists for it (as DVC does): every
     moe/ module its task modules import, directly or through other moe/ modules, must be
     listed, or a change there (the SFT batches of moe/data.py, say) would leave the stage
-    skipped with stale outputs. moe/config.py and moe/errors.py are exempt: their effect on
-    a run is the params, which are tracked as params."""
+    skipped with stale outputs; so must the task modules those import from tasks/ to compute
+    outputs (evaluate loads models through tasks/training.py). moe/config.py and
+    moe/errors.py are exempt: their effect on a run is the params, tracked as params. The
+    plumbing (store, progress, launch) is deliberately not a dep: see dvc.yaml."""
     dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     for name, stage in dvc.items():
         deps = {d for d in stage["deps"] if d.endswith(".py")}
