@@ -26,7 +26,9 @@ What travels, and how (all verified by sha256, tasks/storage.push_files/pull_fil
   the checkpoint mirror.
 
 The flow run launches the Job, follows it (state changes and the newest mirrored step in
-its log), and deletes it if the flow run is cancelled or fails, so no node keeps billing.
+its log), and deletes it if the flow run is cancelled, so no node keeps billing; a Job that
+ended (done or failed: its pods have stopped) is kept for its logs, its Service and
+ConfigMap removed.
 If the flow run's own machine dies, the Job keeps training; the recovered flow run finds it
 by its run-key label and follows it instead of launching a second one.
 """
