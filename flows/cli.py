@@ -251,7 +251,7 @@ def _verify_against_lineage(path: Path, producer: str, stage: str) -> None:
     want = next((o["sha256"] for o in outputs.values() if Path(o["path"]) == path), None)
     if want is None:
         return
-    from moe.checkpoint import sha256_file  # a file's hash, as the lineage record took it
+    from moe.hashing import sha256_file  # a file's hash, as the lineage record took it
 
     if sha256_file(path) != want:
         raise InputError(

@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 import torch
 
 from moe.codec import LOSSY, decode, encode
+from moe.hashing import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +66,6 @@ def step_of(name: str) -> int | None:
 
 
 FORMAT_VERSION = 2
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -703,26 +696,21 @@ class CheckpointStore:
     def _retain(self) -> None:
         dirs = self._dirs()
         keep = set(dirs[: self.max_retain])
-        if self.keep_best:
-            best: tuple[float, Path] | None = None
-            for p in dirs:
-                m = self._manifest(p)
-                v = m.val_loss if m else None
-                if v is not None and (best is None or v < best[0]):
-                    best = (float(v), p)
-            if best is not None:
-                keep.add(best[1])
-        # A checkpoint another version wrote is not this version's to judge: never deleted.
+        manifests: dict[Path, Manifest] = {}  # each read once
         for p in dirs:
             try:
-                Manifest.read(p)
+                manifests[p] = Manifest.read(p)
             except ManifestError as e:
-                if e.other_format:
+                if e.other_format:  # another version's checkpoint is not this one's to judge
                     keep.add(p)
+        if self.keep_best:
+            losses = [(m.val_loss, p) for p, m in manifests.items() if m.val_loss is not None]
+            if losses:
+                keep.add(min(losses, key=lambda vp: vp[0])[1])
         # Never delete a base that a kept checkpoint needs.
         for p in list(keep):
-            for b in self.bases(p):
-                keep.add(self.step_dir(b))
+            if p in manifests:
+                keep.update(self.step_dir(b) for b in manifests[p].bases)
         for old in dirs:
             if old not in keep:
                 shutil.rmtree(old, ignore_errors=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import typing
@@ -322,6 +323,7 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     @staticmethod
+    @functools.cache
     def training_stages() -> tuple[str, ...]:
         """The stages that train: those whose section is an OptimConfig, in pipeline order."""
         hints = typing.get_type_hints(Config)

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moe.hashing import sha256_file
 from tasks.config import Config
-from tasks.storage import sha256_file
 
 log = logging.getLogger(__name__)
 

@@ -27,15 +27,9 @@ from prefect.cache_policies import NONE
 from prefect.tasks import exponential_backoff
 
 from moe.errors import InputError
+from moe.hashing import sha256_file
 from tasks import retry_unless_input_error
 from tasks.config import Config, StorageConfig
-
-
-def sha256_file(path: Path) -> str:
-    """A file's sha256, read in chunks (hashlib's file_digest)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
 
 log = logging.getLogger(__name__)
 

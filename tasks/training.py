@@ -22,11 +22,12 @@ from prefect.tasks import exponential_backoff
 from safetensors.torch import load_file, save_file
 
 from moe import distributed as D
-from moe.checkpoint import load_model_tensors, model_tensors, sha256_file
+from moe.checkpoint import load_model_tensors, model_tensors
 from moe.config import FinetuneConfig, GrowthConfig, ModelConfig, MoEConfig
 from moe.data import BatchSampler, MixedBatches, SFTBatches, SFTExample, TokenStore
 from moe.errors import InputError
 from moe.growth import resize_model
+from moe.hashing import sha256_file
 from moe.model import MoETransformer
 from moe.resilience import AttemptJournal
 from moe.sql import load_pairs, prompt_text, response_text

@@ -102,7 +102,8 @@ def test_every_file_is_checked_against_its_own_sha256(tmp_path: Path) -> None:
     """An archive whose own sha256 is consistent (manifest and receipt agree) but which holds
     a file other than the one the manifest lists (content republished under the same
     version) is refused, naming the file, and nothing is left in the cache."""
-    from tasks.storage import pack, sha256_file
+    from moe.hashing import sha256_file
+    from tasks.storage import pack
 
     cfg = _cfg(tmp_path)
     prepared = _prepared(tmp_path)
