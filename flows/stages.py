@@ -129,8 +129,9 @@ def _prepare(cfg: Config, record: StageRecord) -> Done:
     tmp.mkdir(parents=True)
     try:
         tok = build_tokenizer(cfg, tmp)
+        # the SQL pairs first: each is executed and fitted before the corpus is tokenized
+        sql = build_sql_sets(cfg, tmp, tok)
         meta = tokenize_corpus(cfg, tmp, tok)
-        sql = build_sql_sets(cfg, tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # the previous prepared data stays as it was
         raise
@@ -142,7 +143,8 @@ def _prepare(cfg: Config, record: StageRecord) -> Done:
         "vocab_size": meta["vocab_size"],
         "skipped_undecodable": meta["skipped_undecodable"],
         "tokens_per_s": meta["tokens_per_s"],
-        **{f"sql_{k}": v for k, v in sql.items()},
+        **{f"sql_{k}": v for k, v in sql["counts"].items()},
+        "sql_skipped_records": sql["skipped_records"],
     }
     return Done(summary, {"prepared": out})
 

@@ -192,16 +192,46 @@ class DataConfig:
     )  # held back from pretraining for finetune replay
     seed: int = 1337
     out_dir: str = "data/prepared"
-    sql_generic_pairs: int = knob(
-        10_000, ge=1
-    )  # stage one of finetuning: ~10k generic text-to-SQL pairs
-    sql_domain_train_pairs: int = knob(500, ge=1)  # stage two: ~500 pairs of the target domain
-    sql_domain_test_pairs: int = knob(200, ge=1)
-    # Generic questions never trained on: half on the training databases, half on schemas no
-    # training pair uses (moe/sql.py: generate_sql_sets).
+    # Stage one of finetuning: "generated" (the embedded default: databases built from ten
+    # themes, questions generated from their schemas), a folder in Spider's or BIRD's layout,
+    # or a JSONL file of {question, sql, db} with db a sqlite path relative to the file.
+    sql_generic_source: str = "generated"
+    sql_generic_pairs: int = knob(10_000, ge=1)  # at most this many generic training pairs
+    # Generic questions never trained on, stratified by kind: half on the training
+    # databases, half on databases no training pair uses.
     sql_generic_test_pairs: int = knob(
         200, ge=2, note=" (half on training databases, half on held-out ones)"
     )
+    # A folder source: the pair file (by name, without .json) that is the test split
+    # (Spider's and BIRD's dev.json); without one, a share of the databases is held out.
+    sql_generic_test_split: str = "dev"
+    sql_generic_heldout_dbs: float = knob(
+        0.2, ge=0, lt=1
+    )  # share of a source's databases held out for testing when it has no test split
+    # Stage two: the target domain. A sqlite file of the user's ("" = the embedded default's
+    # generated database); only read, never written: the pipeline works on a copy.
+    sql_domain_database: str = ""
+    # The user's own {question, sql} pairs on that database (JSONL; optional).
+    sql_domain_pairs: str = ""
+    # The held-out domain questions: a JSONL file of the user's, or a fraction of
+    # sql_domain_pairs ("" = 0.3 of them when there are any; else generated ones).
+    sql_domain_test: str = ""
+    # Domain training pairs: the user's, then pairs generated from the database's own schema
+    # and rows up to this many in all.
+    sql_domain_train_pairs: int = knob(500, ge=1)
+    sql_domain_test_pairs: int = knob(
+        200, ge=1, note=" (generated test questions, when the user gives none)"
+    )
+    sql_domain_pairs_weight: float = knob(
+        3.0, gt=0
+    )  # how much more often a user-written pair is drawn than a generated one
+    # Up to this many sample values of each categorical column in the schema the model reads
+    # (0 = none; dropped first when an example does not fit max_len).
+    sql_schema_values: int = knob(0, ge=0, le=30)
+    # Every execution of SQL on the databases (prepare's checks, evaluation, `ask`): a
+    # statement running longer or returning more rows counts as failed.
+    sql_time_limit_s: float = knob(2.0, gt=0)
+    sql_row_limit: int = knob(10_000, ge=1)
 
     def check(self, p: Problems) -> None:
         try:
@@ -211,6 +241,33 @@ class DataConfig:
             known = False
         p.require(known, "encoding", self.encoding, "not a known text encoding (e.g. utf-8)")
         p.require(bool(self.text_field), "text_field", self.text_field, "must not be empty")
+        for key in ("sql_domain_database", "sql_domain_pairs"):
+            value = getattr(self, key)
+            p.require(not value or Path(value).expanduser().is_file(), key, value, "no such file")
+        src = self.sql_generic_source
+        p.require(
+            src == "generated" or Path(src).expanduser().exists(),
+            "sql_generic_source",
+            src,
+            "must be 'generated', a Spider/BIRD folder or a JSONL file that exists",
+        )
+        test = self.sql_domain_test
+        try:
+            fraction = 0 < float(test) < 1
+        except ValueError:
+            fraction = False
+        p.require(
+            not test or fraction or Path(test).expanduser().is_file(),
+            "sql_domain_test",
+            test,
+            "must be a JSONL file that exists or a fraction in (0, 1)",
+        )
+        p.require(
+            not test or not fraction or bool(self.sql_domain_pairs),
+            "sql_domain_test",
+            test,
+            "a fraction of the user's pairs needs data.sql_domain_pairs",
+        )
 
 
 @dataclass
@@ -236,7 +293,8 @@ class ModelConfig:
     n_layer: int = knob(2, ge=1)
     n_head: int = knob(4, ge=1)
     d_model: int = knob(128, ge=1)
-    seq_len: int = knob(128, ge=1)
+    # 192: the longest generated example (a join: schema, question and SQL) is ~180 tokens
+    seq_len: int = knob(192, ge=1)
     moe_every: int = knob(1, ge=1)  # an MoE feed-forward in every Nth block (1 = every block)
     dense_hidden: int = knob(512, ge=1)  # feed-forward width of the non-MoE blocks
     tie_embeddings: bool = True
@@ -454,8 +512,8 @@ class FinetuneConfig(OptimConfig):
     weight_decay: float = knob(0.0, ge=0)
     checkpoint_every: int = knob(50, ge=1)
     max_len: int = knob(
-        128, ge=8
-    )  # prompt + response tokens; longer pairs are truncated from the left
+        192, ge=8
+    )  # prompt + response tokens; prepare fits every example to it or refuses (moe/sql.py)
     # Rows of pretraining text added to each batch, as a fraction of batch_size (replay:
     # keeps the model from forgetting what pretraining taught it).
     replay_ratio: float = knob(0.25, ge=0, le=4)
@@ -514,7 +572,7 @@ class EvaluateConfig:
     # Held-out pairs to generate SQL for, per set and model (0 = every one: 200 domain and
     # 200 generic questions by default). Decoding is batched with a KV cache.
     max_examples: int = knob(0, ge=0, note=" (0 = all)")
-    max_new_tokens: int = knob(40, ge=1)
+    max_new_tokens: int = knob(72, ge=1)  # the longest test answer must fit (prepare checks)
     val_batches: int = knob(16, ge=1)
     batch_size: int = knob(64, ge=1)  # questions decoded together
     # auto: the GPU when the evaluating machine has one, else the CPU

@@ -484,13 +484,15 @@ class BatchSampler:
 class SFTExample:
     prompt: list[int]
     response: list[int]
+    weight: float = 1.0  # how often it is drawn relative to the others
 
 
 class SFTBatches:
     """Prompt -> response batches: loss on response tokens only, focus tokens weighted.
 
-    Sequences longer than max_len lose tokens from the left (the prompt's start), so the
-    response is always whole. Padding is on the right and masked out.
+    An example longer than max_len + 1 tokens is refused (InputError with the numbers):
+    cutting it would drop the schema without a word. Examples are drawn uniformly, or in
+    proportion to their weights when those differ. Padding is on the right and masked out.
     """
 
     def __init__(
@@ -505,6 +507,16 @@ class SFTBatches:
     ) -> None:
         if not examples:
             raise InputError("no finetuning examples")
+        longest = max(len(ex.prompt) + len(ex.response) for ex in examples)
+        if longest > max_len + 1:
+            over = sum(len(ex.prompt) + len(ex.response) > max_len + 1 for ex in examples)
+            raise InputError(
+                f"{over} finetuning example(s) longer than max_len={max_len} (the longest"
+                f" {longest - 1} tokens): raise the stage's max_len (and model.seq_len) to at"
+                f" least {longest - 1}, or prepare the data again for these lengths"
+            )
+        weights = np.array([ex.weight for ex in examples], dtype=np.float64)
+        self.p = None if np.all(weights == weights[0]) else weights / weights.sum()
         self.examples, self.batch_size, self.max_len, self.seed = (
             examples,
             batch_size,
@@ -525,7 +537,10 @@ class SFTBatches:
         self, step: int, micro: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng([self.seed, micro, step])
-        picks = rng.integers(0, len(self.examples), size=self.batch_size)
+        if self.p is None:
+            picks = rng.integers(0, len(self.examples), size=self.batch_size)
+        else:
+            picks = rng.choice(len(self.examples), size=self.batch_size, p=self.p)
         rows = [self.encode(self.examples[i]) for i in picks]
         width = max(len(x) for x, _ in rows)
         x = torch.full((len(rows), width), self.pad_id, dtype=torch.int64)

@@ -10,8 +10,11 @@ from typing import Any
 import torch
 
 from moe.data import BatchSampler
+from moe.errors import InputError
 from moe.model import MoETransformer
-from moe.sql import TEMPLATES, SqlPair, execution_match, prompt_text, sql_runs, template_of
+from moe.sql import SqlPair, prompt_text
+from moe.sqldb import ReadOnlyDb, normalized_sql, orders, same_result
+from moe.sqlgen import KINDS
 
 
 @torch.no_grad()
@@ -38,40 +41,49 @@ def sql_accuracy(
     eot_id: int,
     progress: Callable[[int], None] | None = None,
     batch_size: int = 32,
+    time_limit_s: float = 2.0,
+    row_limit: int = 10_000,
 ) -> dict[str, Any]:
-    """Greedy-generate SQL for each pair (in batches, with a KV cache) and score it three
-    ways: valid (it runs on the pair's sqlite database), execution match (same result rows as
-    the reference) and exact match (whitespace- and case-normalised text); overall and per
-    template (filters, ordering, joins, aggregates). `progress(n)` hears how many are done."""
+    """Greedy-generate SQL for each pair (in batches, with a KV cache) and score it: valid
+    (it runs on the pair's database), execution match (the same rows as the reference, as
+    Spider's and BIRD's evaluators compare them: moe/sqldb.py `same_result`) and exact match
+    (both queries equal after sqlglot normalises them); overall and per kind of query.
+    Predicted SQL runs on a read-only connection that refuses writes, ATTACH, pragmas and
+    extensions, within `time_limit_s` and `row_limit`; what exceeds them counts as wrong
+    and is counted (`timeouts`, `row_limits`, `denied`). `progress(n)` hears how many are
+    done."""
     model.eval()
     # The response is one line: stop at the end token or at any token that holds a newline.
     stop_ids = {eot_id} | {i for i in range(tok.get_vocab_size()) if "\n" in tok.decode([i])}
-    keep = model.cfg.seq_len - max_new_tokens  # the prompt's last tokens that fit beside it
+    keep = model.cfg.seq_len - max_new_tokens  # room for the prompt beside the answer
     if keep < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room in model.seq_len")
     rows: list[dict[str, Any]] = []
-    for lo in range(0, len(pairs), batch_size):
-        chunk = pairs[lo : lo + batch_size]
-        prompts = [tok.encode(prompt_text(p)).ids[-keep:] for p in chunk]
-        outs = model.generate_batch(prompts, max_new_tokens, stop_ids)
-        for pair, out in zip(chunk, outs, strict=True):
-            predicted = tok.decode(out).split("\n")[0].strip()
-            valid = sql_runs(db_dir / pair.db, predicted)
-            rows.append(
-                {
-                    "question": pair.question,
-                    "gold": pair.sql,
-                    "predicted": predicted,
-                    "template": template_of(pair.sql),
-                    "valid": valid,
-                    "execution_match": valid
-                    and execution_match(db_dir / pair.db, predicted, pair.sql),
-                    "exact": " ".join(predicted.split()).lower()
-                    == " ".join(pair.sql.split()).lower(),
-                }
-            )
-        if progress:
-            progress(len(rows))
+    dbs: dict[str, ReadOnlyDb] = {}
+    try:
+        for lo in range(0, len(pairs), batch_size):
+            chunk = pairs[lo : lo + batch_size]
+            prompts = [tok.encode(prompt_text(p)).ids for p in chunk]
+            too_long = [
+                (len(ids), p) for ids, p in zip(prompts, chunk, strict=True) if len(ids) > keep
+            ]
+            if too_long:  # prepare fits every prompt; a later change of lengths must not cut one
+                n, p = max(too_long, key=lambda t: t[0])
+                raise InputError(
+                    f"{len(too_long)} prompt(s) longer than model.seq_len - evaluate.max_new_tokens"
+                    f" = {keep} tokens (the longest {n}, {p.origin or p.question!r}): raise"
+                    " model.seq_len or lower evaluate.max_new_tokens, and prepare again"
+                )
+            outs = model.generate_batch(prompts, max_new_tokens, stop_ids)
+            for pair, out in zip(chunk, outs, strict=True):
+                if pair.db not in dbs:
+                    dbs[pair.db] = ReadOnlyDb(db_dir / pair.db, time_limit_s, row_limit)
+                rows.append(_score_one(dbs[pair.db], pair, tok.decode(out).split("\n")[0].strip()))
+            if progress:
+                progress(len(rows))
+    finally:
+        for db in dbs.values():
+            db.close()
 
     def score(rs: list[dict[str, Any]]) -> dict[str, Any]:
         n = max(len(rs), 1)
@@ -80,13 +92,17 @@ def sql_accuracy(
             "valid_sql": sum(r["valid"] for r in rs) / n,
             "execution_accuracy": sum(r["execution_match"] for r in rs) / n,
             "exact_match": sum(r["exact"] for r in rs) / n,
+            **{
+                f"{s}s": sum(r["status"] == s for r in rs)
+                for s in ("timeout", "row_limit", "denied")
+            },
         }
 
     return {
         **score(rows),
         "by_template": {
             t: score([r for r in rows if r["template"] == t])
-            for t in TEMPLATES
+            for t in KINDS
             if any(r["template"] == t for r in rows)
         },
         # the first five, and the first five it got wrong: what a reader checks first
@@ -94,4 +110,31 @@ def sql_accuracy(
             {k: r[k] for k in ("question", "gold", "predicted", "execution_match")}
             for r in rows[:5] + [r for r in rows[5:] if not r["execution_match"]][:5]
         ],
+    }
+
+
+def _score_one(db: ReadOnlyDb, pair: SqlPair, predicted: str) -> dict[str, Any]:
+    gold = db.run(pair.sql)
+    if not gold.ok:
+        raise InputError(
+            f"the reference SQL of {pair.origin or pair.question!r} no longer runs on {pair.db}"
+            f" ({gold.status}: {gold.message}): prepare the data again"
+        )
+    got = db.run(predicted)
+    norm_p, norm_g = normalized_sql(predicted), normalized_sql(pair.sql)
+    exact = (
+        norm_p == norm_g
+        if norm_p is not None and norm_g is not None
+        else " ".join(predicted.split()).lower() == " ".join(pair.sql.split()).lower()
+    )
+    return {
+        "question": pair.question,
+        "gold": pair.sql,
+        "predicted": predicted,
+        "template": pair.kind,
+        "valid": got.ok,
+        "status": got.status,
+        "execution_match": got.ok
+        and same_result(got.rows or [], gold.rows or [], ordered=orders(pair.sql)),
+        "exact": exact,
     }

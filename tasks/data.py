@@ -20,7 +20,9 @@ from prefect.cache_policies import NONE
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moe.data import CorpusStats, iter_documents, write_token_store
-from moe.sql import generate_sql_sets
+from moe.errors import InputError
+from moe.sql import Limits
+from moe.sql import build_sql_sets as build_sets
 from moe.tokenizer import EOT, batch_encoder, load_tokenizer, tokenizer_hash, train_tokenizer
 from tasks import retry_unless_input_error
 from tasks.config import Config
@@ -120,7 +122,9 @@ def tokenize_corpus(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, 
         "tokenizer_sha256": tokenizer_hash(tokenizer_path),
         "tokens_per_s": round(total_tokens / max(seconds, 1e-9)),
     }
-    (work / "meta.json").write_text(json.dumps(meta, indent=1))
+    meta_path = work / "meta.json"  # build_sql_sets may have written its part already
+    before = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    meta_path.write_text(json.dumps({**before, **meta}, indent=1))
     if stats.skipped_undecodable:
         log.warning(
             "skipped %d undecodable (non-UTF-8) files: %s",
@@ -139,23 +143,64 @@ def tokenize_corpus(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, 
 
 
 @task(
-    name="generate-sql-pairs",
+    name="build-sql-pairs",
     cache_policy=NONE,
     retries=1,
     retry_condition_fn=retry_unless_input_error,
 )
-def build_sql_sets(cfg: Config, work: Path) -> dict[str, int]:
-    d = cfg.data
-    counts = generate_sql_sets(
-        work / "sql",
-        d.sql_generic_pairs,
-        d.sql_domain_train_pairs,
-        d.sql_domain_test_pairs,
-        d.seed,
-        d.sql_generic_test_pairs,
+def build_sql_sets(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, Any]:
+    """The SQL pair sets (moe/sql.py), every pair executed on its database and every example
+    fitted to the model's lengths with the tokenizer it will be trained with. Returns what
+    meta.json records under `sql`: counts per set and kind, sources, skipped records,
+    schema notes and token lengths."""
+    tok = load_tokenizer(tokenizer_path)
+    budget = cfg.model.seq_len - cfg.evaluate.max_new_tokens
+    if budget < 1:
+        raise InputError(
+            f"evaluate.max_new_tokens={cfg.evaluate.max_new_tokens} leaves no room for a prompt"
+            f" in model.seq_len={cfg.model.seq_len}: lower it"
+        )
+    limits = Limits(
+        count=lambda texts: [len(e.ids) for e in tok.encode_batch(texts)] if texts else [],
+        prompt_max=budget,
+        response_max=cfg.evaluate.max_new_tokens,
+        total_max={
+            "train": cfg.finetune_sql.max_len,
+            "generic": cfg.finetune_sql.max_len,
+            "train_domain": cfg.finetune_domain.max_len,
+            "domain": cfg.finetune_domain.max_len,
+        },
+        keys={
+            "train": "finetune_sql.max_len",
+            "generic": "finetune_sql.max_len",
+            "train_domain": "finetune_domain.max_len",
+            "domain": "finetune_domain.max_len",
+            "prompt": "model.seq_len - evaluate.max_new_tokens",
+            "response": "evaluate.max_new_tokens",
+        },
     )
-    log.info("SQL pairs that execute on sqlite: %s", counts)
-    return counts
+    t0 = time.perf_counter()
+    sets = build_sets(cfg.data, work / "sql", limits)
+    summary = sets.summary()
+    summary["seconds"] = round(time.perf_counter() - t0, 2)
+    for line in sets.skipped[:20]:
+        log.warning("skipped (data.on_bad_record: skip): %s", line)
+    if len(sets.skipped) > 20:
+        log.warning("... and %d more skipped records (meta.json)", len(sets.skipped) - 20)
+    for note in sets.notes:
+        log.warning("schema shortened: %s", note)
+    log.info(
+        "SQL pairs that execute on their databases: %s (sources %s, %d skipped) in %.1fs",
+        summary["counts"],
+        summary["sources"],
+        summary["skipped_records"],
+        summary["seconds"],
+    )
+    meta_path = work / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    meta["sql"] = summary
+    meta_path.write_text(json.dumps(meta, indent=1))
+    return summary
 
 
 def commit_folder(tmp: Path, final: Path) -> None:

@@ -41,7 +41,7 @@ def evaluate_perplexity(cfg: Config, data_dir: Path, model_dir: Path) -> dict[st
     return out
 
 
-SQL_SETS = {  # what each SQL figure is measured on (moe/sql.py: generate_sql_sets)
+SQL_SETS = {  # what each SQL figure is measured on (moe/sql.py: build_sql_sets)
     "sql": "domain_test.jsonl",  # the target domain's held-out questions
     "generic_seen": "generic_test_seen.jsonl",  # new questions, databases trained on
     "generic_heldout": "generic_test_heldout.jsonl",  # new questions, schemas never trained on
@@ -76,15 +76,21 @@ def evaluate_sql(cfg: Config, data_dir: Path, model_dir: Path) -> dict[str, Any]
                 tok.token_to_id(EOT),
                 progress=lambda k, base=done: update(base + k),
                 batch_size=cfg.evaluate.batch_size,
+                time_limit_s=cfg.data.sql_time_limit_s,
+                row_limit=cfg.data.sql_row_limit,
             )
             done += len(pairs)
             log.info(
-                "%s on %s: execution accuracy %.3f, valid SQL %.3f, exact match %.3f (%d pairs)",
+                "%s on %s: execution accuracy %.3f, valid SQL %.3f, exact match %.3f (%d pairs;"
+                " %d over the time limit, %d over the row limit, %d denied)",
                 model_dir,
                 SQL_SETS[name],
                 out[name]["execution_accuracy"],
                 out[name]["valid_sql"],
                 out[name]["exact_match"],
                 out[name]["examples"],
+                out[name]["timeouts"],
+                out[name]["row_limits"],
+                out[name]["denied"],
             )
     return out

@@ -254,7 +254,7 @@ def run_report(
     """The run's markdown report (reports/evaluate/report.md): the bill per stage, every
     stage's model on the held-out sets (per kind of query too), samples, the saving against
     running everything on the dearest pool, and the plots."""
-    from moe.sql import TEMPLATES
+    from moe.sqlgen import KINDS as TEMPLATES
 
     trained = [s for s in STAGES if s in metrics]  # the training stages, in order
     lines = [
@@ -310,6 +310,16 @@ def run_report(
             + " |"
             for s in trained
         ),
+        "",
+        "Exact match compares both queries after sqlglot has parsed and normalised them. "
+        "Predicted queries stopped by the execution limits (domain set), each counted wrong: "
+        + "; ".join(
+            f"{s}: {metrics[s]['sql'].get('timeouts', 0)} over the time limit, "
+            f"{metrics[s]['sql'].get('row_limits', 0)} over the row limit, "
+            f"{metrics[s]['sql'].get('denied', 0)} denied"
+            for s in trained
+        )
+        + ".",
         "",
         "Samples (the first five, then the first five wrong) after finetune_domain:",
         "",

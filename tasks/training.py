@@ -322,7 +322,9 @@ def pretrain_model(
 def sft_examples(path: Path, tok: Any) -> list[SFTExample]:
     eot = tok.token_to_id(EOT)
     return [
-        SFTExample(tok.encode(prompt_text(p)).ids, [*tok.encode(response_text(p)).ids, eot])
+        SFTExample(
+            tok.encode(prompt_text(p)).ids, [*tok.encode(response_text(p)).ids, eot], p.weight
+        )
         for p in load_pairs(path)
     ]
 

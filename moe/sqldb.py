@@ -1,0 +1,428 @@
+"""A sqlite database as the SQL stages meet it: what it holds, how the model sees it, and a
+way to run a statement on it that cannot change, reach beyond or hang on it.
+
+- `open_checked` refuses a file that is missing, not sqlite (or encrypted), or locked, saying
+  which, before any work is done on it.
+- `inspect_database` reads the schema from the database itself: tables, columns and their
+  declared types, primary and foreign keys, row counts, and per column what the rows hold
+  (the distinct values of a categorical column, the range of a numeric one).
+- `serialize_schema` turns that into the compact text the model reads before a question; the
+  same function serves training and evaluation, so the two can never differ.
+- `ReadOnlyDb` executes predicted SQL on a read-only connection with `PRAGMA query_only`,
+  an authorizer that allows reading and nothing else (no ATTACH, no pragma, no writes, no
+  extension loading), a time limit (sqlite's progress handler) and a row limit.
+- `same_result` compares two result sets as Spider's and BIRD's evaluators do (a multiset of
+  rows, ordered only when the gold query orders, floats within a tolerance) and
+  `normalized_sql` rewrites a query through a real SQL parser (sqlglot) for exact match.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from moe.errors import InputError
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+# --------------------------------------------------------------------------- opening
+
+
+def _ro_uri(path: Path) -> str:
+    return f"file:{quote(str(path.resolve()))}?mode=ro"
+
+
+def open_checked(path: Path, what: str = "database") -> sqlite3.Connection:
+    """A read-only connection to `path`, or an InputError saying what is wrong with the file:
+    missing, not a sqlite database (an encrypted one has no plain header either), unreadable
+    or locked by another process."""
+    if not path.is_file():
+        raise InputError(f"{what} {path}: file not found")
+    with open(path, "rb") as f:
+        head = f.read(len(SQLITE_HEADER))
+    if head != SQLITE_HEADER:
+        raise InputError(
+            f"{what} {path}: not a sqlite database (no 'SQLite format 3' header; an encrypted"
+            " database, e.g. SQLCipher, looks like this too: export a plain copy)"
+        )
+    con = sqlite3.connect(_ro_uri(path), uri=True, timeout=0.5)
+    try:
+        con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except sqlite3.OperationalError as e:
+        con.close()
+        if "locked" in str(e) or "busy" in str(e):
+            raise InputError(
+                f"{what} {path}: locked by another process ({e}); close what holds it and retry"
+            ) from e
+        raise InputError(f"{what} {path}: cannot be read as sqlite ({e})") from e
+    except sqlite3.DatabaseError as e:
+        con.close()
+        raise InputError(f"{what} {path}: damaged or not sqlite ({e})") from e
+    return con
+
+
+def copy_database(src: Path, dst: Path) -> None:
+    """A consistent copy of `src` at `dst` through sqlite's backup API (a database in WAL
+    mode is copied whole, with what its log holds); the source is only read."""
+    con = open_checked(src)
+    dst.unlink(missing_ok=True)
+    out = sqlite3.connect(dst)
+    try:
+        con.backup(out)
+    finally:
+        out.close()
+        con.close()
+
+
+# --------------------------------------------------------------------------- the schema
+
+CATEGORICAL_MAX = 12  # a text column with at most this many distinct values is categorical
+
+
+@dataclass
+class Column:
+    name: str
+    type: str  # declared type, as written in CREATE TABLE ("" when none)
+    pk: bool = False
+    references: tuple[str, str] | None = None  # (table, column) of a foreign key
+    numeric: bool = False  # what the rows hold: numbers
+    values: list[Any] = field(default_factory=list)  # the distinct values, most frequent first
+    distinct: int = 0
+    lo: float | None = None
+    hi: float | None = None
+    nulls: int = 0
+
+    @property
+    def categorical(self) -> bool:
+        return not self.numeric and 1 < self.distinct <= CATEGORICAL_MAX and not self.pk
+
+
+@dataclass
+class Table:
+    name: str
+    columns: list[Column]
+    rows: int
+
+    def column(self, name: str) -> Column:
+        return next(c for c in self.columns if c.name == name)
+
+
+@dataclass
+class Schema:
+    tables: list[Table]
+
+    def table(self, name: str) -> Table:
+        return next(t for t in self.tables if t.name == name)
+
+    @property
+    def foreign_keys(self) -> list[tuple[str, str, str, str]]:
+        """(child table, child column, parent table, parent column) for every foreign key."""
+        return [
+            (t.name, c.name, *c.references)
+            for t in self.tables
+            for c in t.columns
+            if c.references is not None
+        ]
+
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_RESERVED = {
+    "select", "from", "where", "group", "order", "by", "limit", "table", "index", "join",
+    "on", "as", "and", "or", "not", "in", "is", "null", "values", "case", "when", "then",
+    "else", "end", "union", "having", "distinct", "desc", "asc", "default", "check",
+    "primary", "key", "references", "foreign", "transaction", "to", "into", "set",
+}  # fmt: skip
+
+
+def ident(name: str) -> str:
+    """`name` as it must be written in SQL: quoted when it is not a plain identifier or is a
+    keyword (Spider's databases have columns such as "Home Town" and "order")."""
+    if _IDENT.fullmatch(name) and name.lower() not in _RESERVED:
+        return name
+    return '"' + name.replace('"', '""') + '"'
+
+
+def inspect_database(con: sqlite3.Connection, sample_rows: int = 20000) -> Schema:
+    """The schema of the database behind `con`, read from the database itself. Column
+    statistics come from at most `sample_rows` rows of each table."""
+    tables: list[Table] = []
+    names = [
+        r[0]
+        for r in con.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+            " ORDER BY rowid"
+        )
+    ]
+    for tname in names:
+        q = ident(tname)
+        info = con.execute(f"PRAGMA table_info({q})").fetchall()
+        fks = {r[3]: (r[2], r[4]) for r in con.execute(f"PRAGMA foreign_key_list({q})").fetchall()}
+        rows = con.execute(f"SELECT count(*) FROM {q}").fetchone()[0]
+        cols = []
+        for _, cname, ctype, _, _, pk in info:
+            col = Column(cname, ctype or "", pk=bool(pk), references=fks.get(cname))
+            if col.references and col.references[1] is None:  # REFERENCES t without a column
+                parent_pk = [
+                    r[1]
+                    for r in con.execute(f"PRAGMA table_info({ident(col.references[0])})")
+                    if r[5]
+                ]
+                col.references = (col.references[0], parent_pk[0] if parent_pk else "rowid")
+            _column_stats(con, q, col, sample_rows)
+            cols.append(col)
+        tables.append(Table(tname, cols, rows))
+    return Schema(tables)
+
+
+def _column_stats(con: sqlite3.Connection, table: str, col: Column, sample_rows: int) -> None:
+    c = ident(col.name)
+    sample = f"(SELECT {c} AS v FROM {table} LIMIT {sample_rows})"
+    counts = con.execute(
+        f"SELECT v, count(*) AS n FROM {sample} WHERE v IS NOT NULL GROUP BY v"
+        " ORDER BY n DESC, v LIMIT 64"
+    ).fetchall()
+    col.distinct = con.execute(
+        f"SELECT count(DISTINCT v) FROM {sample} WHERE v IS NOT NULL"
+    ).fetchone()[0]
+    col.nulls = con.execute(f"SELECT count(*) FROM {sample} WHERE v IS NULL").fetchone()[0]
+    values = [v for v, _ in counts]
+    numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    col.numeric = bool(values) and len(numbers) == len(values)  # what the rows hold
+    col.values = values
+    if col.numeric:
+        lo, hi = con.execute(f"SELECT min(v), max(v) FROM {sample}").fetchone()
+        col.lo, col.hi = lo, hi
+
+
+def _short_type(t: str) -> str:
+    u = t.upper()
+    if "INT" in u:
+        return "int"
+    if any(a in u for a in ("REAL", "FLOA", "DOUB", "NUM", "DEC")):
+        return "real"
+    if any(a in u for a in ("CHAR", "TEXT", "CLOB")):
+        return "text"
+    if "DATE" in u or "TIME" in u:
+        return "date"
+    return u.lower() or "any"
+
+
+@dataclass(frozen=True)
+class SchemaStyle:
+    """What the serialised schema carries. Shortening drops sample values first, then the
+    column types, each only when the longest example does not fit otherwise."""
+
+    values: int = 0  # up to this many sample values of each categorical column
+    types: bool = True
+
+    def shorter(self) -> SchemaStyle | None:
+        if self.values:
+            return SchemaStyle(0, self.types)
+        if self.types:
+            return SchemaStyle(0, False)
+        return None
+
+
+def serialize_schema(schema: Schema, style: SchemaStyle = SchemaStyle()) -> str:
+    """Compact, one line a table: `table(col type pk, col type -> parent.col, col text
+    [a|b|c], ...)` joined with '; '. Keys always; types and sample values per `style`."""
+    parts = []
+    for t in schema.tables:
+        cols = []
+        for c in t.columns:
+            s = c.name
+            if style.types:
+                s += " " + _short_type(c.type)
+            if c.pk:
+                s += " pk"
+            if c.references:
+                s += f" -> {c.references[0]}.{c.references[1]}"
+            if style.values and c.categorical:
+                s += " [" + "|".join(str(v) for v in c.values[: style.values]) + "]"
+            cols.append(s)
+        parts.append(f"{t.name}({', '.join(cols)})")
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------- execution
+
+
+@dataclass
+class Outcome:
+    """What running one statement gave: rows, or why not ('error', 'timeout', 'row_limit',
+    'denied')."""
+
+    rows: list[tuple[Any, ...]] | None
+    status: str = "ok"
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+# Actions a statement may take: read tables and columns, call a (non-extension) function,
+# run a recursive CTE. Everything else (ATTACH, DETACH, PRAGMA, any write or DDL,
+# transactions) is denied before it runs.
+_ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION}
+_ALLOWED.add(getattr(sqlite3, "SQLITE_RECURSIVE", 33))
+_DENIED_FUNCTIONS = {"load_extension", "readfile", "writefile", "edit", "fts3_tokenizer"}
+
+
+class ReadOnlyDb:
+    """Runs untrusted SQL on a sqlite file without any way to change it, reach another file,
+    or run unbounded: read-only open (`mode=ro`) plus `PRAGMA query_only`, extension loading
+    off, an authorizer that allows only reads, `time_limit_s` of execution per statement
+    (checked by sqlite's progress handler every `tick` VM steps, against `clock`) and at most
+    `row_limit` rows fetched."""
+
+    def __init__(
+        self,
+        path: Path,
+        time_limit_s: float = 2.0,
+        row_limit: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+        tick: int = 1000,
+    ) -> None:
+        self.path, self.time_limit_s, self.row_limit, self.clock = (
+            path,
+            time_limit_s,
+            row_limit,
+            clock,
+        )
+        self.con = open_checked(path)
+        self.con.execute("PRAGMA query_only = ON")
+        if hasattr(self.con, "enable_load_extension"):
+            self.con.enable_load_extension(False)
+        self.con.set_authorizer(self._authorize)
+        self._deadline = math.inf
+        self._timed_out = False
+        self.con.set_progress_handler(self._progress, tick)
+
+    def _authorize(self, action: int, arg1: Any, arg2: Any, *_: Any) -> int:
+        if action not in _ALLOWED:
+            return sqlite3.SQLITE_DENY
+        if action == sqlite3.SQLITE_FUNCTION and str(arg2).lower() in _DENIED_FUNCTIONS:
+            return sqlite3.SQLITE_DENY
+        return sqlite3.SQLITE_OK
+
+    def _progress(self) -> int:
+        if self.clock() > self._deadline:
+            self._timed_out = True
+            return 1  # non-zero interrupts the statement
+        return 0
+
+    def run(self, sql: str) -> Outcome:
+        if not sql.strip():
+            return Outcome(None, "error", "empty statement")
+        self._timed_out = False
+        self._deadline = self.clock() + self.time_limit_s
+        try:
+            cur = self.con.execute(sql)
+            rows = cur.fetchmany(self.row_limit + 1)
+            cur.close()
+        except sqlite3.DatabaseError as e:
+            if self._timed_out:
+                return Outcome(None, "timeout", f"over {self.time_limit_s:g} s")
+            if "not authorized" in str(e) or "prohibited" in str(e):
+                return Outcome(None, "denied", str(e))
+            return Outcome(None, "error", str(e))
+        except (sqlite3.Warning, ValueError, OverflowError) as e:  # e.g. two statements
+            return Outcome(None, "error", str(e))
+        finally:
+            self._deadline = math.inf
+        if len(rows) > self.row_limit:
+            return Outcome(None, "row_limit", f"over {self.row_limit} rows")
+        return Outcome(rows)
+
+    def schema(self) -> Schema:
+        """The database's schema (`inspect_database`, on a connection of its own: this one's
+        authorizer refuses the pragmas that reading a schema needs)."""
+        con = open_checked(self.path)
+        try:
+            return inspect_database(con)
+        finally:
+            con.close()
+
+    def close(self) -> None:
+        self.con.close()
+
+    def __enter__(self) -> ReadOnlyDb:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def _value_key(v: Any) -> tuple[int, Any]:
+    if isinstance(v, bool):
+        v = int(v)
+    if isinstance(v, (int, float)):
+        return (0, round(float(v), 6) if math.isfinite(v) else repr(v))
+    if v is None:
+        return (1, "")
+    if isinstance(v, bytes):
+        return (3, v.hex())
+    return (2, str(v))
+
+
+def _values_equal(a: Any, b: Any, rel: float, abs_: float) -> bool:
+    num = (int, float)
+    if isinstance(a, num) and isinstance(b, num) and not isinstance(a, str):
+        return math.isclose(float(a), float(b), rel_tol=rel, abs_tol=abs_)
+    return a == b
+
+
+def same_result(
+    predicted: list[tuple[Any, ...]],
+    gold: list[tuple[Any, ...]],
+    ordered: bool,
+    rel_tol: float = 1e-6,
+    abs_tol: float = 1e-9,
+) -> bool:
+    """Spider/BIRD execution match: equal as multisets of rows (as lists when `ordered`),
+    numbers equal within a tolerance (1 and 1.0 are the same answer)."""
+    if len(predicted) != len(gold):
+        return False
+    if not ordered:
+
+        def key(row: tuple[Any, ...]) -> tuple[Any, ...]:
+            return tuple(_value_key(v) for v in row)
+
+        predicted, gold = sorted(predicted, key=key), sorted(gold, key=key)
+    return all(
+        len(p) == len(g)
+        and all(_values_equal(a, b, rel_tol, abs_tol) for a, b in zip(p, g, strict=True))
+        for p, g in zip(predicted, gold, strict=True)
+    )
+
+
+def orders(sql: str) -> bool:
+    """Whether a query's result order is part of its answer (its outermost ORDER BY)."""
+    return "ORDER BY" in " ".join(sql.upper().split())
+
+
+def normalized_sql(sql: str) -> str | None:
+    """`sql` rewritten by sqlglot (sqlite dialect, identifiers and keywords normalised), or
+    None when it does not parse: two queries written differently but parsed the same compare
+    equal."""
+    import sqlglot
+    from sqlglot.errors import SqlglotError
+
+    try:
+        tree = sqlglot.parse_one(sql, read="sqlite")
+    except (SqlglotError, ValueError, RecursionError):
+        return None
+    if tree is None:
+        return None
+    return tree.sql(dialect="sqlite", normalize=True, pretty=False)
