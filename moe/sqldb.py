@@ -83,7 +83,8 @@ def copy_database(src: Path, dst: Path) -> None:
 
 # --------------------------------------------------------------------------- the schema
 
-CATEGORICAL_MAX = 12  # a text column with at most this many distinct values is categorical
+CATEGORICAL_MAX = 30  # a text column with at most this many distinct values, each on 2+ rows
+# on average, is categorical
 
 
 @dataclass
@@ -98,10 +99,8 @@ class Column:
     lo: float | None = None
     hi: float | None = None
     nulls: int = 0
-
-    @property
-    def categorical(self) -> bool:
-        return not self.numeric and 1 < self.distinct <= CATEGORICAL_MAX and not self.pk
+    # text with few distinct values that repeat across rows (a department, a country)
+    categorical: bool = False
 
 
 @dataclass
@@ -176,6 +175,12 @@ def inspect_database(con: sqlite3.Connection, sample_rows: int = 20000) -> Schem
                 ]
                 col.references = (col.references[0], parent_pk[0] if parent_pk else "rowid")
             _column_stats(con, q, col, sample_rows)
+            col.categorical = (
+                not col.numeric
+                and not col.pk
+                and 1 < col.distinct <= CATEGORICAL_MAX
+                and 2 * col.distinct <= min(rows, sample_rows)
+            )
             cols.append(col)
         tables.append(Table(tname, cols, rows))
     return Schema(tables)

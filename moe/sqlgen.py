@@ -99,7 +99,7 @@ def _roles(schema: Schema) -> dict[str, _Role]:
         fk_cols = {c.name for c in t.columns if c.references}
         free = [c for c in t.columns if not c.pk and c.name not in fk_cols]
         nums = [c for c in free if c.numeric and c.distinct > 1 and not _id_like(c)]
-        cats = [c for c in free if _categorical(c, t.rows)]
+        cats = [c for c in free if c.categorical and not c.references]
         names = [
             c
             for c in free
@@ -114,12 +114,6 @@ def _roles(schema: Schema) -> dict[str, _Role]:
 
 def _id_like(c: Column) -> bool:
     return bool(re.search(r"(^|_)id$|Id$|ID$", c.name))
-
-
-def _categorical(c: Column, rows: int) -> bool:
-    if c.numeric or c.pk or c.distinct < 2 or not c.values:
-        return False
-    return c.distinct <= 30 and c.distinct * 2 <= rows
 
 
 Template = Callable[[random.Random], tuple[str, str] | None]

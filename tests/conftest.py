@@ -128,7 +128,7 @@ def tiny_params() -> dict:
             "sql_domain_test_pairs": 20,
         },
         "tokenizer": {"vocab_size": 512},
-        "model": {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 64, "dense_hidden": 128},
+        "model": {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 288, "dense_hidden": 128},
         "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 64},
         "pretrain": {
             "max_steps": 12,
@@ -145,7 +145,7 @@ def tiny_params() -> dict:
             "batch_size": 8,
             "checkpoint_every": 3,
             "log_every": 3,
-            "max_len": 64,
+            "max_len": 288,
             "device": "cpu",
         },
         "finetune_domain": {
@@ -153,10 +153,10 @@ def tiny_params() -> dict:
             "batch_size": 8,
             "checkpoint_every": 3,
             "log_every": 3,
-            "max_len": 64,
+            "max_len": 288,
             "device": "cpu",
         },
-        "evaluate": {"max_examples": 4, "max_new_tokens": 16, "val_batches": 2, "device": "cpu"},
+        "evaluate": {"max_examples": 4, "max_new_tokens": 100, "val_batches": 2, "device": "cpu"},
         "wandb": {"mode": "disabled"},
     }
 

