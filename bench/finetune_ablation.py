@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 import tasks  # noqa: E402
 
 tasks.offline_defaults()
+from moe.sqlgen import KINDS  # noqa: E402
 from tasks.config import load_config  # noqa: E402
 
 ARMS = ("two_stage", "domain_only", "generic_only", "no_focus", "no_replay", "random_init")
@@ -123,6 +124,10 @@ def score(cfg: object, data: Path, model_dir: Path) -> dict[str, float]:
         "generic_seen_exec": sql["generic_seen"]["execution_accuracy"],
         "generic_heldout_exec": sql["generic_heldout"]["execution_accuracy"],
         "ppl": evaluate_perplexity.fn(cfg, data, model_dir)["perplexity"],
+        **{
+            f"domain_{kind}": v["execution_accuracy"]
+            for kind, v in sql["sql"]["by_template"].items()
+        },
     }
 
 
@@ -178,6 +183,16 @@ def main() -> None:
                     f" | {cell(arm, 'sql_stage_generic_exec', '.3f')}"
                     f" | {cell(arm, 'sql_stage_ppl', '.1f')} |"
                 )
+    kinds = [
+        k for k in KINDS if all(f"domain_{k}" in r for r in results.get("two_stage", {}).values())
+    ]
+    if results.get("two_stage") and kinds:
+        print("\ndomain execution accuracy per kind of question, two_stage:")
+        print("| kind | execution accuracy | per seed |")
+        print("|---|---|---|")
+        for k in kinds:
+            per = ", ".join(f"{r[f'domain_{k}']:.2f}" for r in results["two_stage"].values())
+            print(f"| {k} | {cell('two_stage', f'domain_{k}', '.3f')} | {per} |")
     print(json.dumps({"seeds": a.seeds, "results": results}))
 
 

@@ -93,8 +93,12 @@ def sql_accuracy(
             "execution_accuracy": sum(r["execution_match"] for r in rs) / n,
             "exact_match": sum(r["exact"] for r in rs) / n,
             **{
-                f"{s}s": sum(r["status"] == s for r in rs)
-                for s in ("timeout", "row_limit", "denied")
+                key: sum(r["status"] == status for r in rs)
+                for key, status in (
+                    ("timeouts", "timeout"),
+                    ("row_limits", "row_limit"),
+                    ("denied", "denied"),
+                )
             },
         }
 

@@ -698,8 +698,10 @@ def _source_generic(
     else:
         ids = sorted({r.db for r in records})
         rng.shuffle(ids)
-        k = round(len(ids) * d.sql_generic_heldout_dbs) if len(ids) > 1 else 0
-        out_dbs = set(ids[: max(k, 1 if len(ids) > 1 and d.sql_generic_heldout_dbs > 0 else 0)])
+        k = 0
+        if len(ids) > 1 and d.sql_generic_heldout_dbs > 0:  # one at least, never all
+            k = min(max(1, round(len(ids) * d.sql_generic_heldout_dbs)), len(ids) - 1)
+        out_dbs = set(ids[:k])
         test = [r for r in records if r.db in out_dbs]
         rest = [r for r in records if r.db not in out_dbs]
         seen_test = _stratified(rest, d.sql_generic_test_pairs // 2, share=0.2)

@@ -94,10 +94,13 @@ def test_sft_batches_mask_prompt_and_weight_focus_tokens() -> None:
     assert x[0].tolist() == [5, 6, 7, 8, 9]
     assert y[0].tolist() == [-100, -100, 8, 9, 1]  # loss on the response (and its end token) only
     assert w[0].tolist() == [1.0, 1.0, 1.0, 3.0, 1.0]
-    # too long: the prompt loses tokens from the left, the response stays whole
-    long = SFTBatches([SFTExample(list(range(10, 30)), [8, 9, 1])], 1, 6, 0, 2)
-    x, y, _ = long.batch_at(0)
+    # too long: refused with its numbers, never cut (tests/test_sql.py), and exactly
+    # max_len + 1 tokens still fits (inputs and targets are max_len wide)
+    fits = SFTBatches([SFTExample(list(range(10, 14)), [8, 9, 1])], 1, 6, 0, 2)
+    x, y, _ = fits.batch_at(0)
     assert x.shape[1] == 6 and y[0, -3:].tolist() == [8, 9, 1]
+    with pytest.raises(InputError, match="longer than max_len=6"):
+        SFTBatches([SFTExample(list(range(10, 15)), [8, 9, 1])], 1, 6, 0, 2)
 
 
 def test_stdlib_corpus_skips_undecodable_and_caps(tmp_path: Path, monkeypatch) -> None:
