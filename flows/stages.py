@@ -115,10 +115,24 @@ def _receipt() -> dict[str, Any]:
 
 
 def _corpus(cfg: Config) -> dict[str, Path]:
-    """The corpus as a content-hashed input, where it is a local file or folder (the stdlib
-    corpus is identified by the Python version, a hub dataset by its id, in the params hash)."""
-    src = Path(cfg.data.source).expanduser()
-    return {"corpus": src} if cfg.data.source != "stdlib" and src.exists() else {}
+    """The corpus and the user's SQL files (databases, pairs, a Spider/BIRD folder) as
+    content-hashed inputs, where they are local files or folders (the stdlib corpus is
+    identified by the Python version, a hub dataset by its id, in the params hash): editing
+    one in place re-runs prepare."""
+    d = cfg.data
+    named = {
+        "corpus": d.source if d.source != "stdlib" else "",
+        "sql_generic_source": d.sql_generic_source if d.sql_generic_source != "generated" else "",
+        "sql_domain_database": d.sql_domain_database,
+        "sql_domain_pairs": d.sql_domain_pairs,
+        "sql_domain_test": d.sql_domain_test,
+    }
+    out = {}
+    for key, value in named.items():
+        path = Path(value).expanduser() if value else None
+        if path is not None and path.exists():
+            out[key] = path
+    return out
 
 
 def _prepare(cfg: Config, record: StageRecord) -> Done:
@@ -348,8 +362,8 @@ def headline(metrics: dict[str, Any], ledger: dict[str, Any]) -> dict[str, Any]:
             "ppl": round(metrics[s]["val"]["perplexity"], 3),
             "exec_acc": round(metrics[s]["sql"]["execution_accuracy"], 4),
         }
-        if "generic_heldout" in metrics[s]:
-            generic = [metrics[s][k] for k in ("generic_seen", "generic_heldout")]
+        generic = [metrics[s][k] for k in ("generic_seen", "generic_heldout") if k in metrics[s]]
+        if generic:
             n = sum(g["examples"] for g in generic)
             out[s]["generic_exec_acc"] = round(
                 sum(g["execution_accuracy"] * g["examples"] for g in generic) / max(n, 1), 4

@@ -301,6 +301,7 @@ class SqlSets:
     sets: dict[str, list[SqlPair]]
     skipped: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # outside test pairs also in training
     sources: dict[str, str] = field(default_factory=dict)
     longest: dict[str, int] = field(default_factory=dict)  # tokens, per set
     schema_tokens: dict[str, int] = field(default_factory=dict)  # per database
@@ -316,6 +317,8 @@ class SqlSets:
             "skipped_records": len(self.skipped),
             "skipped": self.skipped[:50],
             "schema_notes": self.notes,
+            "test_pairs_left_out": len(self.dropped),
+            "test_pairs_left_out_why": self.dropped[:20],
             "longest_example_tokens": self.longest,
             "schema_tokens": self.schema_tokens,
         }
@@ -340,6 +343,10 @@ class Limits:
 
 def _norm_q(q: str) -> str:
     return " ".join(q.lower().split())
+
+
+def _norm_sql(sql: str) -> str:
+    return " ".join(sql.lower().split())
 
 
 def _json_array_lines(text: str) -> Iterable[tuple[int, Any]]:
@@ -600,9 +607,10 @@ def generate_records(
         if got is None:
             break
         q, sql = got
-        if (db_path, sql) in seen or (db_path, _norm_q(q)) in seen or not db.run(sql).ok:
+        keys = {(db_path, sql), (db_path, _norm_q(q)), (db_path, _norm_sql(sql))}
+        if keys & seen or not db.run(sql).ok:
             continue
-        seen.update({(db_path, sql), (db_path, _norm_q(q))})
+        seen.update(keys)
         out.append(Record(q, sql, db_path, "generated"))
     return out
 
@@ -673,7 +681,7 @@ def _generated_generic(
 
 
 def _source_generic(
-    d: Any, dbs: _Dbs, rng: random.Random, bad: list[str]
+    d: Any, dbs: _Dbs, rng: random.Random, bad: list[str], dropped: list[str]
 ) -> tuple[list[Record], list[Record], list[Record]]:
     """Training and test pairs of a Spider/BIRD folder or a `{question, sql, db}` JSONL file.
     The test pairs are the `data.sql_generic_test_split` file's when the source has one,
@@ -705,16 +713,32 @@ def _source_generic(
         test = [r for r in records if r.db in out_dbs]
         rest = [r for r in records if r.db not in out_dbs]
         seen_test = _stratified(rest, d.sql_generic_test_pairs // 2, share=0.2)
-        train = [r for r in rest if r not in seen_test]
+        held_text = {_norm_q(r.question) for r in seen_test} | {_norm_sql(r.sql) for r in seen_test}
+        train = [
+            r
+            for r in rest
+            if r not in seen_test
+            and _norm_q(r.question) not in held_text
+            and _norm_sql(r.sql) not in held_text
+        ]
         test += seen_test
-    test = _overlap(test, train, bad)
+    train = train[: d.sql_generic_pairs]
+    # An outside corpus may repeat a question or a query across its splits: such test pairs
+    # are left out of the test (counted), since the user cannot be asked to fix Spider.
+    trained = {_norm_q(r.question) for r in train} | {_norm_sql(r.sql) for r in train}
+    repeats = [r for r in test if _norm_q(r.question) in trained or _norm_sql(r.sql) in trained]
+    test = [r for r in test if r not in repeats]
+    dropped.extend(
+        f"{r.where}: test pair left out: its question or SQL is also a training one"
+        for r in repeats
+    )
     train_dbs = {r.db for r in train}
     n = d.sql_generic_test_pairs
     seen = _stratified([r for r in test if r.db in train_dbs], n // 2)
     held = _stratified([r for r in test if r.db not in train_dbs], n - len(seen))
     if len(held) < n - len(seen):  # fewer held-out databases than asked: more seen ones
         seen = _stratified([r for r in test if r.db in train_dbs], n - len(held))
-    return train[: d.sql_generic_pairs], seen, held
+    return train, seen, held
 
 
 def _domain(
@@ -750,8 +774,16 @@ def _domain(
         src["domain_test"] = held
     user_train = check_records(user_train, dbs, bad)
     user_test = check_records(user_test, dbs, bad)
+    settle(bad, d.on_bad_record, "the domain's pairs")  # before they are split
+    if held and not _is_fraction(held) and not user_test:
+        raise InputError(f"{held}: no usable test pair left (data.sql_domain_test)")
     if user_train and not user_test and _is_fraction(held or "0.3"):
         frac = float(held or "0.3")
+        if len(user_train) < 2:
+            raise InputError(
+                f"{d.sql_domain_pairs}: one usable pair cannot be split into training and test:"
+                " write more pairs, or give a test file (data.sql_domain_test)"
+            )
         rng.shuffle(user_train)
         cut = min(len(user_train) - 1, max(1, round(len(user_train) * frac)))
         user_test, user_train = user_train[:cut], user_train[cut:]
@@ -760,6 +792,7 @@ def _domain(
         r.weight = 1.0
     user_test = _overlap(user_test, user_train, bad)
     seen = {(r.db, r.sql) for r in user_train + user_test}
+    seen |= {(r.db, _norm_sql(r.sql)) for r in user_train + user_test}
     seen |= {(r.db, _norm_q(r.question)) for r in user_train + user_test}
     n_gen = max(0, d.sql_domain_train_pairs - len(user_train))
     if user_test:
@@ -822,8 +855,7 @@ def _fit(
                     left.append("column types")
                 note = (
                     f"{db.name}: {' and '.join(left)} left out of the schema so that every"
-                    f" example fits ({schema_of(first).count(',') + 1} columns kept;"
-                    f" longest example {longest} tokens)"
+                    f" example fits (longest example {longest} tokens)"
                 )
             return text, note, longest, schema_tokens
         nxt = style.shorter()
@@ -863,12 +895,13 @@ def build_sql_sets(d: Any, out_dir: Path, limits: Limits) -> SqlSets:
     dbs_dir.mkdir(parents=True, exist_ok=True)
     dbs = _Dbs(d.sql_time_limit_s, d.sql_row_limit)
     bad: list[str] = []
+    result_dropped: list[str] = []
     try:
         if d.sql_generic_source == "generated":
             g = _generated_generic(dbs_dir, dbs, rng, d.sql_generic_pairs, d.sql_generic_test_pairs)
             gsrc = "generated"
         else:
-            g = _source_generic(d, dbs, rng, bad)
+            g = _source_generic(d, dbs, rng, bad, result_dropped)
             gsrc = d.sql_generic_source
         settle(bad, d.on_bad_record, f"data.sql_generic_source ({gsrc})")
         dtrain, dtest, src = _domain(d, dbs_dir, dbs, rng, bad)
@@ -877,6 +910,11 @@ def build_sql_sets(d: Any, out_dir: Path, limits: Limits) -> SqlSets:
             raise InputError("the domain test set is empty: give data.sql_domain_test pairs")
         if not g[0]:
             raise InputError(f"data.sql_generic_source ({gsrc}): no training pair runs")
+        if not dtrain:
+            raise InputError(
+                "the domain has no training pair: give data.sql_domain_pairs, or a database"
+                " with rows the generator can ask about (data.sql_domain_database)"
+            )
         raw = {
             "generic": g[0],
             "generic_test_seen": g[1],
@@ -884,7 +922,7 @@ def build_sql_sets(d: Any, out_dir: Path, limits: Limits) -> SqlSets:
             "domain_train": dtrain,
             "domain_test": dtest,
         }
-        result = SqlSets({}, bad, sources={"generic": gsrc, **src})
+        result = SqlSets({}, bad, sources={"generic": gsrc, **src}, dropped=result_dropped)
         # the database files a pair names in the prepared folder (copies of outside ones)
         names: dict[Path, str] = {}
         for recs in raw.values():
@@ -894,9 +932,10 @@ def build_sql_sets(d: Any, out_dir: Path, limits: Limits) -> SqlSets:
                         names[r.db] = r.db.name
                     else:
                         stem = re.sub(r"[^A-Za-z0-9_.-]", "_", r.db.stem)
-                        name = f"generic_{stem}.sqlite"
+                        name, k = f"generic_{stem}.sqlite", 1
                         while name in names.values():
-                            name = f"generic_{stem}_{len(names)}.sqlite"
+                            k += 1
+                            name = f"generic_{stem}_{k}.sqlite"
                         copy_database(r.db, dbs_dir / name)
                         names[r.db] = name
         texts: dict[Path, str] = {}
@@ -932,6 +971,8 @@ def build_sql_sets(d: Any, out_dir: Path, limits: Limits) -> SqlSets:
     finally:
         dbs.close()
     for name, pairs in result.sets.items():
+        if not pairs and name.startswith("generic_test"):
+            continue  # e.g. Spider: its dev databases are all held out, none is 'seen'
         with open(out_dir / f"{name}.jsonl", "w") as f:
             for pair in pairs:
                 f.write(pair.to_json() + "\n")

@@ -132,12 +132,21 @@ class Schema:
 
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_RESERVED = {
-    "select", "from", "where", "group", "order", "by", "limit", "table", "index", "join",
-    "on", "as", "and", "or", "not", "in", "is", "null", "values", "case", "when", "then",
-    "else", "end", "union", "having", "distinct", "desc", "asc", "default", "check",
-    "primary", "key", "references", "foreign", "transaction", "to", "into", "set",
-}  # fmt: skip
+# SQLite's keywords (https://sqlite.org/lang_keywords.html): a name that is one is quoted.
+_RESERVED = set(
+    """abort action add after all alter always analyze and as asc attach autoincrement before
+    begin between by cascade case cast check collate column commit conflict constraint create
+    cross current current_date current_time current_timestamp database default deferrable
+    deferred delete desc detach distinct do drop each else end escape except exclude exclusive
+    exists explain fail filter first following for foreign from full generated glob group groups
+    having if ignore immediate in index indexed initially inner insert instead intersect into is
+    isnull join key last left like limit match materialized natural no not nothing notnull null
+    nulls of offset on or order others outer over partition plan pragma preceding primary query
+    raise range recursive references regexp reindex release rename replace restrict returning
+    right rollback row rows savepoint select set table temp temporary then ties to transaction
+    trigger unbounded union unique update using vacuum values view virtual when where window
+    with without""".split()
+)
 
 
 def ident(name: str) -> str:
@@ -148,9 +157,22 @@ def ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+def _text(b: bytes) -> str:
+    return b.decode("utf-8", "replace")  # a database may hold text that is not UTF-8
+
+
 def inspect_database(con: sqlite3.Connection, sample_rows: int = 20000) -> Schema:
     """The schema of the database behind `con`, read from the database itself. Column
-    statistics come from at most `sample_rows` rows of each table."""
+    statistics come from at most `sample_rows` rows of each table. A database that cannot be
+    read this way is an InputError saying why."""
+    con.text_factory = _text
+    try:
+        return _inspect(con, sample_rows)
+    except sqlite3.Error as e:
+        raise InputError(f"cannot read the schema of the database ({e})") from e
+
+
+def _inspect(con: sqlite3.Connection, sample_rows: int) -> Schema:
     tables: list[Table] = []
     names = [
         r[0]
@@ -303,7 +325,11 @@ class ReadOnlyDb:
             clock,
         )
         self.con = open_checked(path)
+        self.con.text_factory = _text
         self.con.execute("PRAGMA query_only = ON")
+        # no value over 10 MB (zeroblob, a string doubled in a recursive CTE): memory stays
+        # bounded where the progress handler cannot interrupt one step
+        self.con.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 10_000_000)
         if hasattr(self.con, "enable_load_extension"):
             self.con.enable_load_extension(False)
         self.con.set_authorizer(self._authorize)
@@ -336,11 +362,16 @@ class ReadOnlyDb:
         except sqlite3.DatabaseError as e:
             if self._timed_out:
                 return Outcome(None, "timeout", f"over {self.time_limit_s:g} s")
-            if "not authorized" in str(e) or "prohibited" in str(e):
+            if any(w in str(e) for w in ("not authorized", "authorization", "prohibited")):
                 return Outcome(None, "denied", str(e))
             return Outcome(None, "error", str(e))
-        except (sqlite3.Warning, ValueError, OverflowError) as e:  # e.g. two statements
-            return Outcome(None, "error", str(e))
+        except (
+            sqlite3.Warning,
+            ValueError,
+            OverflowError,
+            MemoryError,
+        ) as e:  # e.g. two statements
+            return Outcome(None, "error", f"{type(e).__name__}: {e}")
         finally:
             self._deadline = math.inf
         if len(rows) > self.row_limit:
@@ -373,7 +404,7 @@ def _value_key(v: Any) -> tuple[int, Any]:
     if isinstance(v, bool):
         v = int(v)
     if isinstance(v, (int, float)):
-        return (0, round(float(v), 6) if math.isfinite(v) else repr(v))
+        return (0, round(float(v), 6)) if math.isfinite(v) else (4, repr(v))
     if v is None:
         return (1, "")
     if isinstance(v, bytes):
@@ -413,21 +444,29 @@ def same_result(
 
 
 def orders(sql: str) -> bool:
-    """Whether a query's result order is part of its answer (its outermost ORDER BY)."""
-    return "ORDER BY" in " ".join(sql.upper().split())
+    """Whether a query's result order is part of its answer: its outermost ORDER BY (an
+    ORDER BY inside a subquery or a string does not order the result)."""
+    tree = _parse(sql)
+    if tree is None:
+        return "ORDER BY" in " ".join(sql.upper().split())
+    return tree.args.get("order") is not None
+
+
+def _parse(sql: str) -> Any:
+    import sqlglot
+    from sqlglot.errors import SqlglotError
+
+    try:
+        return sqlglot.parse_one(sql, read="sqlite")
+    except (SqlglotError, ValueError, RecursionError):
+        return None
 
 
 def normalized_sql(sql: str) -> str | None:
     """`sql` rewritten by sqlglot (sqlite dialect, identifiers and keywords normalised), or
     None when it does not parse: two queries written differently but parsed the same compare
     equal."""
-    import sqlglot
-    from sqlglot.errors import SqlglotError
-
-    try:
-        tree = sqlglot.parse_one(sql, read="sqlite")
-    except (SqlglotError, ValueError, RecursionError):
-        return None
+    tree = _parse(sql)
     if tree is None:
         return None
     return tree.sql(dialect="sqlite", normalize=True, pretty=False)

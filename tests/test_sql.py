@@ -114,7 +114,7 @@ def test_generated_sets_run_are_disjoint_and_every_kind_is_tested(tmp_path: Path
     # The domain test set has every kind it trains on, stratified (not 199 filters of 200).
     dtest, dtrain = sets["domain_test"], sets["domain_train"]
     kinds = {k: sum(p.kind == k for p in dtest) for k in KINDS}
-    assert set(kinds) == {p.kind for p in dtrain} == set(KINDS)
+    assert {p.kind for p in dtest} == {p.kind for p in dtrain} == set(KINDS)
     assert min(kinds.values()) >= 4 and max(kinds.values()) <= len(dtest) // 2, kinds
     assert not {p.question for p in dtest} & {p.question for p in dtrain}
     assert not {p.sql for p in dtest} & {p.sql for p in dtrain}
@@ -218,6 +218,8 @@ def test_spider_folder_trains_on_its_train_files_and_tests_on_dev(tmp_path: Path
     assert {p.db for p in sets["generic"]} == {"generic_pets.sqlite", "generic_music.sqlite"}
     assert {p.db for p in sets["generic_test_heldout"]} == {"generic_farm.sqlite"}
     assert [p.question for p in sets["generic_test_seen"]] == ["List the names of pets of kind a."]
+    # a dev question or query that is also a training one is left out of the test, counted
+    assert got.summary()["test_pairs_left_out"] == 0
     assert len(sets["generic_test_heldout"]) == 6
     assert sets["generic"][0].origin.startswith(str(src / "train_spider.json") + ", line ")
     # each database's schema, from the copy in the prepared folder
@@ -226,6 +228,23 @@ def test_spider_folder_trains_on_its_train_files_and_tests_on_dev(tmp_path: Path
     assert rows_of(tmp_path / "out" / "dbs" / farm.db, farm.sql) == rows_of(
         src / "database" / "farm" / "farm.sqlite", farm.sql
     )
+
+
+def test_spider_dev_on_new_databases_only_writes_no_empty_seen_set(tmp_path: Path, tok) -> None:
+    src = _spider(tmp_path / "spider")
+    dev = json.loads((src / "dev.json").read_text())
+    dev = [r for r in dev if r["db_id"] == "farm"]
+    dev.append({**dev[0], "question": "A training question?"})  # asked in training too
+    (src / "dev.json").write_text(json.dumps(dev))
+    train = json.loads((src / "train_spider.json").read_text())
+    train.append({"db_id": "pets", "question": "A training question?", "query": "SELECT 1"})
+    (src / "train_spider.json").write_text(json.dumps(train))
+    got = build_sql_sets(small(sql_generic_source=str(src)), tmp_path / "out", limits(tok))
+    assert not (tmp_path / "out" / "generic_test_seen.jsonl").exists()  # evaluate skips it
+    held = load_pairs(tmp_path / "out" / "generic_test_heldout.jsonl")
+    assert len(held) == 6 and "A training question?" not in {p.question for p in held}
+    assert got.summary()["test_pairs_left_out"] == 1
+    assert "also a training one" in got.summary()["test_pairs_left_out_why"][0]
 
 
 def test_a_bad_pair_is_named_by_file_and_line_and_skip_counts_it(tmp_path: Path, tok) -> None:
@@ -259,7 +278,16 @@ def test_bird_records_carry_their_evidence_into_the_prompt(tmp_path: Path, tok) 
     ]
     (root / "train" / "train.json").write_text(json.dumps(recs))
     (root / "dev" / "dev.json").write_text(
-        json.dumps([{**recs[0], "db_id": "bank", "question": "Count bank items over 3."}])
+        json.dumps(
+            [
+                {
+                    **recs[0],
+                    "db_id": "bank",
+                    "question": "Count bank items of kind a.",
+                    "SQL": "SELECT COUNT(*) FROM item WHERE kind = 'a'",
+                }
+            ]
+        )
     )
     (root / "dev" / "dev_tables.json").write_text("[]")
     build_sql_sets(small(sql_generic_source=str(root)), tmp_path / "out", limits(tok))
@@ -395,6 +423,37 @@ def test_domain_pairs_problems_are_named(tmp_path: Path, tok, chinook_db: Path) 
         )
 
 
+def test_keyword_names_and_text_that_is_not_utf8_are_read(tmp_path: Path, tok) -> None:
+    db = tmp_path / "odd.sqlite"
+    con = sqlite3.connect(db)
+    con.execute('CREATE TABLE "update" (id INTEGER PRIMARY KEY, "cast" TEXT, "all" INT)')
+    con.executemany(
+        'INSERT INTO "update" VALUES (?, CAST(? AS TEXT), ?)',
+        [(i, [b"caf\xe9", b"bar"][i % 2], i) for i in range(1, 21)],
+    )
+    con.commit()
+    con.close()
+    got = build_sql_sets(
+        small(sql_domain_database=str(db), sql_domain_train_pairs=30, sql_domain_test_pairs=6),
+        tmp_path / "out",
+        limits(tok),
+    )
+    train = load_pairs(tmp_path / "out" / "domain_train.jsonl")
+    assert train and got.sources["domain_database"] == str(db)
+    assert train[0].schema == "update(id int pk, cast text, all int)"
+    assert any('"update"' in p.sql for p in train) and any('"all"' in p.sql for p in train)
+
+
+def test_one_pair_cannot_be_split_into_training_and_test(tmp_path: Path, tok, chinook_db) -> None:
+    one = _pairs_file(tmp_path / "one.jsonl", HANDWRITTEN[:1])
+    with pytest.raises(InputError, match="one usable pair cannot be split"):
+        build_sql_sets(
+            small(sql_domain_database=str(chinook_db), sql_domain_pairs=str(one)),
+            tmp_path / "out",
+            limits(tok),
+        )
+
+
 def test_databases_that_cannot_be_used_are_refused_saying_why(tmp_path: Path, tok) -> None:
     text = tmp_path / "notes.sqlite"
     text.write_text("just some text\n")
@@ -469,6 +528,9 @@ def test_predicted_sql_cannot_write_attach_or_hang(tmp_path: Path, chinook_db: P
             out = db.run(sql)
             assert out.status in ("denied", "error") and out.rows is None, (sql, out)
         assert db.run("DROP TABLE track").status == "denied"
+        assert db.run(f"VACUUM INTO '{tmp_path / 'copy.db'}'").status == "denied"
+        # no value grows past the length limit, where one step could take gigabytes
+        assert db.run("SELECT length(zeroblob(500000000))").status == "error"
         assert db.run("ATTACH DATABASE ':memory:' AS m").status == "denied"
         assert db.run("SELECT 1; DROP TABLE track").status == "error"  # one statement only
         # a three-way cross join: billions of rows, stopped at the row limit
@@ -481,7 +543,7 @@ def test_predicted_sql_cannot_write_attach_or_hang(tmp_path: Path, chinook_db: P
         out = db.run("SELECT count(*) FROM track, invoice_line, playlist_track")
         assert out.status == "timeout" and 5 <= next(ticks) <= 8
         assert db.run("SELECT count(*) FROM media_type").rows == [(5,)]
-    assert not (tmp_path / "evil.db").exists()
+    assert not (tmp_path / "evil.db").exists() and not (tmp_path / "copy.db").exists()
     assert sha(chinook_db) == before
 
 
@@ -501,6 +563,9 @@ def test_results_compare_as_spider_and_bird_do() -> None:
     assert not same_result([(3.01,)], [(3.0,)], ordered=True)
     assert same_result([("a", None)], [("a", None)], ordered=False)
     assert not same_result([("a", 1)], [("a",)], ordered=False)
+    inf = float("inf")  # sqlite returns it for 1e999: sorts beside finite numbers
+    assert same_result([(inf,), (1,)], [(1,), (inf,)], ordered=False)
+    assert not same_result([(inf,), (1,)], [(1,), (2,)], ordered=False)
 
 
 def test_exact_match_normalises_through_a_sql_parser() -> None:
