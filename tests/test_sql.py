@@ -607,3 +607,14 @@ def test_sft_refuses_an_example_longer_than_max_len_and_draws_by_weight() -> Non
     )
     x, _, _ = uniform.batch_at(0)
     assert 0.4 < float((x[:, 1] == 7).float().mean()) < 0.6
+
+
+def test_user_pair_weights_reach_the_finetuning_examples(tmp_path: Path, tok) -> None:
+    from tasks.training import sft_examples
+
+    mine = SqlPair("q1", "SELECT 1", "d.sqlite", "t(a)", weight=3.0, origin="mine.jsonl, line 1")
+    generated = SqlPair("q2", "SELECT 2", "d.sqlite", "t(a)", origin="generated")
+    path = tmp_path / "domain_train.jsonl"
+    path.write_text(mine.to_json() + "\n" + generated.to_json() + "\n")
+
+    assert [ex.weight for ex in sft_examples(path, tok)] == [3.0, 1.0]
