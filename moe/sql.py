@@ -826,11 +826,12 @@ def _fit(
     members: list[tuple[str, Record]],
     style: SchemaStyle,
     limits: Limits,
-) -> tuple[str, str | None, int, int]:
+) -> tuple[str, str | None, int, int, set[int]]:
     """The schema text for one database: the fullest `style` under which every example on it
-    fits (sample values are dropped first, then column types), a note counting what was left
-    out, the longest example and the schema's tokens. Refused with the numbers when even keys
-    and names do not fit."""
+    fits (sample values are dropped first, then column types), a note saying what was left
+    out, the longest example kept, the schema's tokens, and the ids of generated records that
+    do not fit even then (left out, counted by the caller). A pair of the user's or of an
+    outside corpus that does not fit is refused with the numbers."""
     first = style
     while True:
         text = schema_of(style)
@@ -841,26 +842,16 @@ def _fit(
             for (name, r), p, a in zip(members, prompts, answers, strict=True)
             if p > limits.prompt_max
             or p + a + 1 > limits.total_max[name] + 1
-            or (name != "train" and a > limits.response_max)
+            or (name not in ("train", "train_domain") and a > limits.response_max)
         ]
         schema_tokens = limits.count([text])[0]
-        longest = max((p + a + 1 for p, a in zip(prompts, answers, strict=True)), default=0)
-        if not over:
-            note = None
-            if style != first:
-                left = []
-                if first.values and not style.values:
-                    left.append("sample values")
-                if first.types and not style.types:
-                    left.append("column types")
-                note = (
-                    f"{db.name}: {' and '.join(left)} left out of the schema so that every"
-                    f" example fits (longest example {longest} tokens)"
-                )
-            return text, note, longest, schema_tokens
         nxt = style.shorter()
-        if nxt is None:
-            total, p, a, name, r = max(over, key=lambda t: t[0])
+        if over and nxt is not None:
+            style = nxt
+            continue
+        theirs = [o for o in over if o[4].where != "generated"]
+        if theirs:
+            total, p, a, name, r = max(theirs, key=lambda t: t[0])
             raise InputError(
                 f"{r.where} on {db.name}: the example does not fit the model: prompt {p}"
                 f" tokens (the schema alone {schema_tokens}) + SQL {a} tokens + end = {total};"
@@ -870,7 +861,34 @@ def _fit(
                 f" Raise model.seq_len and the finetune stages' max_len (to at least {total}),"
                 f" or shorten the schema (fewer tables or columns)"
             )
-        style = nxt
+        dropped = {id(o[4]) for o in over}
+        longest = max(
+            (
+                p + a + 1
+                for (_, r), p, a in zip(members, prompts, answers, strict=True)
+                if id(r) not in dropped
+            ),
+            default=0,
+        )
+        left = []
+        if first.values and not style.values:
+            left.append("sample values")
+        if first.types and not style.types:
+            left.append("column types")
+        notes = []
+        if left:
+            notes.append(
+                f"{' and '.join(left)} left out of the schema so that the examples fit"
+                f" (longest example {longest} tokens)"
+            )
+        if dropped:
+            notes.append(
+                f"{len(dropped)} generated pair(s) longer than the model's lengths left out"
+                f" (longest {max(o[0] for o in over)} tokens; raise model.seq_len and the"
+                " finetune stages' max_len to keep them)"
+            )
+        note = f"{db.name}: {'; '.join(notes)}" if notes else None
+        return text, note, longest, schema_tokens, dropped
 
 
 # --------------------------------------------------------------------------- building
@@ -939,13 +957,14 @@ def build_sql_sets(d: Any, out_dir: Path, limits: Limits) -> SqlSets:
                         copy_database(r.db, dbs_dir / name)
                         names[r.db] = name
         texts: dict[Path, str] = {}
+        too_long: set[int] = set()  # generated records that do not fit the model
         by_db: dict[Path, list[tuple[str, Record]]] = {}
         for set_name, recs in raw.items():
             for r in recs:
                 by_db.setdefault(r.db, []).append((SET_ROLE[set_name], r))
         for db_path, members in by_db.items():
             schema = dbs.get(db_path).schema()
-            text, note, longest, stoks = _fit(
+            text, note, longest, stoks, dropped = _fit(
                 db_path,
                 lambda style, s=schema: serialize_schema(s, style),
                 members,
@@ -953,10 +972,19 @@ def build_sql_sets(d: Any, out_dir: Path, limits: Limits) -> SqlSets:
                 limits,
             )
             texts[db_path] = text
+            too_long |= dropped
             result.schema_tokens[names[db_path]] = stoks
             if note:
                 result.notes.append(note.replace(db_path.name, names[db_path], 1))
         for set_name, recs in raw.items():
+            recs = [r for r in recs if id(r) not in too_long]
+            if not recs and set_name in ("generic", "domain_train", "domain_test"):
+                raise InputError(
+                    f"no {set_name} pair fits the model's lengths ({limits.keys['prompt']} ="
+                    f" {limits.prompt_max}, {limits.keys['response']} = {limits.response_max},"
+                    f" the finetune max_len {max(limits.total_max.values())}): raise"
+                    " model.seq_len and the finetune stages' max_len"
+                )
             pairs = [
                 SqlPair(
                     r.question, r.sql, names[r.db], texts[r.db], "", r.evidence, r.weight, r.where

@@ -139,6 +139,52 @@ def test_prepare_with_a_bad_corpus_exits_2_and_keeps_old_outputs(
     assert not (tmp_path / "data" / "prepared.tmp").exists()
 
 
+def test_prepare_with_bad_sql_pairs_exits_2_naming_each_and_keeps_old_outputs(
+    tmp_path: Path, prefect_server: dict[str, str]
+) -> None:
+    import sqlite3
+
+    db = tmp_path / "shop.sqlite"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE item (id INTEGER PRIMARY KEY, kind TEXT, price INT)")
+    con.executemany("INSERT INTO item VALUES (?, ?, ?)", [(i, "ab"[i % 2], i) for i in range(40)])
+    con.commit()
+    con.close()
+    before = db.read_bytes()
+    (tmp_path / "pairs.jsonl").write_text(
+        '{"question": "How many items?", "sql": "SELECT count(*) FROM item"}\n'
+        '{"question": "Cheap ones?", "sql": "SELECT id FROM items WHERE price < 3"}\n'
+        '{"question": "Kinds?", "sql": "SELECT DISTINCT kind FROM item"}\n'
+        '{"question": "", "sql": "SELECT 1"}\n'
+    )
+    old = tmp_path / "data" / "prepared"
+    old.mkdir(parents=True)
+    (old / "meta.json").write_text('{"old": true}')
+    sets = ["data.max_bytes=200000", "tokenizer.vocab_size=512"]
+    sets += [f"data.sql_domain_database={db}", "data.sql_domain_pairs=pairs.jsonl"]
+    r = _cli(["stage", "prepare", *sum((["--set", x] for x in sets), [])], tmp_path, prefect_server)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    assert "2 bad SQL pair(s) in the domain's pairs" in out
+    assert "pairs.jsonl, line 2: the SQL does not run on domain.sqlite" in out
+    assert "no such table: items" in out
+    assert "pairs.jsonl, line 4: missing or empty field(s) question" in out
+    assert "Traceback" not in out
+    assert (old / "meta.json").read_text() == '{"old": true}'
+    assert not (tmp_path / "data" / "prepared.tmp").exists()
+    # skipped and counted instead, and the user's database is only read
+    r = _cli(
+        ["stage", "prepare", *sum((["--set", x] for x in [*sets, "data.on_bad_record=skip"]), [])],
+        tmp_path,
+        prefect_server,
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    meta = json.loads((old / "meta.json").read_text())["sql"]
+    assert meta["skipped_records"] == 2 and meta["counts"]["domain_test"] == 1
+    assert meta["sources"]["domain_database"] == str(db)
+    assert db.read_bytes() == before
+
+
 # ------------------------------------------------- bad input before any flow: one line, exit 2
 
 

@@ -481,16 +481,34 @@ def test_databases_that_cannot_be_used_are_refused_saying_why(tmp_path: Path, to
 def test_a_schema_that_does_not_fit_is_refused_with_its_numbers(
     tmp_path: Path, tok, chinook_db
 ) -> None:
+    mine = _pairs_file(tmp_path / "mine.jsonl", HANDWRITTEN)
     d = small(
-        sql_domain_database=str(chinook_db), sql_domain_train_pairs=40, sql_domain_test_pairs=10
+        sql_domain_database=str(chinook_db),
+        sql_domain_pairs=str(mine),
+        sql_domain_train_pairs=40,
+        sql_domain_test_pairs=10,
     )
     with pytest.raises(InputError) as e:
         build_sql_sets(d, tmp_path / "out", limits(tok, total=128, prompt=100, response=64))
     msg = str(e.value)
-    assert "does not fit the model: prompt" in msg and "the schema alone" in msg
-    assert "finetune_sql.max_len = 128" in msg or "finetune_domain.max_len = 128" in msg
+    assert "mine.jsonl, line " in msg and "on domain.sqlite: the example does not fit" in msg
+    assert "the schema alone" in msg and "finetune_domain.max_len = 128" in msg
     assert "Raise model.seq_len" in msg
     assert not list((tmp_path / "out").glob("*.jsonl"))
+    # Generated pairs that do not fit are the pipeline's own: left out, counted, named.
+    full = build_sql_sets(small(), tmp_path / "full", limits(tok))
+    lengths = sorted(
+        limits(tok).count([prompt_text(p) + p.sql + "\n" for p in full.sets["domain_train"]])
+    )
+    cap = lengths[len(lengths) // 2]  # the median example, with the full schema
+    fits = build_sql_sets(
+        small(), tmp_path / "gen", limits(tok, total=cap, prompt=cap, response=cap)
+    )
+    note = next(n for n in fits.notes if n.startswith("domain.sqlite"))
+    assert "column types left out" in note and "generated pair(s) longer than" in note
+    kept = fits.sets["domain_train"]
+    assert 0 < len(kept) < len(full.sets["domain_train"])
+    assert max(limits(tok).count([prompt_text(p) + p.sql + "\n" for p in kept])) + 1 <= cap + 1
 
 
 def test_the_schema_is_shortened_by_the_stated_rule_with_a_note(tmp_path: Path, tok) -> None:
