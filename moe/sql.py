@@ -816,8 +816,7 @@ def _is_fraction(s: str) -> bool:
 
 
 def _prompt(schema: str, r: Record) -> str:
-    ev = f"-- evidence: {r.evidence}\n" if r.evidence else ""
-    return f"-- schema: {schema}\n{ev}-- question: {r.question}\n"
+    return prompt_text(SqlPair(r.question, r.sql, "", schema, evidence=r.evidence))
 
 
 def _fit(
