@@ -87,7 +87,9 @@ def test_a_new_stage_is_a_declaration_and_a_body(
         return r.stdout + r.stderr
 
     run("dvc", "repro", "toy")
-    assert (root / "reports/toy/hello.txt").read_text() == "hello from 40"
+    assert (
+        root / "reports/toy/hello.txt"
+    ).read_text() == "hello from 72"  # evaluate.max_new_tokens, the default
     record = json.loads((root / "reports/toy/lineage.json").read_text())
     assert record["stage"] == "toy" and record["pool"] == "cpu" and record["flow_run_id"]
     assert "hello" in record["outputs"] and record["metrics"] == {"greeting": "hello"}
