@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from moe.config import EvaluateConfig
 from tests.conftest import ROOT
 from tests.test_e2e import _copy_repo
 
@@ -87,9 +88,8 @@ def test_a_new_stage_is_a_declaration_and_a_body(
         return r.stdout + r.stderr
 
     run("dvc", "repro", "toy")
-    assert (
-        root / "reports/toy/hello.txt"
-    ).read_text() == "hello from 72"  # evaluate.max_new_tokens, the default
+    default = EvaluateConfig().max_new_tokens  # what the toy body writes when unset
+    assert (root / "reports/toy/hello.txt").read_text() == f"hello from {default}"
     record = json.loads((root / "reports/toy/lineage.json").read_text())
     assert record["stage"] == "toy" and record["pool"] == "cpu" and record["flow_run_id"]
     assert "hello" in record["outputs"] and record["metrics"] == {"greeting": "hello"}
