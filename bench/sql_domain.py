@@ -74,7 +74,7 @@ def schema_tokens(project: Path) -> dict[str, dict[str, int]]:
     out = {}
     dbs = project / "data/prepared/sql/dbs"
     for name in ("domain.sqlite", "generic_00_0.sqlite"):
-        path = dbs / name if name != "domain.sqlite" else dbs / name
+        path = dbs / name
         if not path.is_file():
             continue
         schema = inspect_database(open_checked(path))
@@ -87,7 +87,7 @@ def schema_tokens(project: Path) -> dict[str, dict[str, int]]:
     return out
 
 
-def timing(project: Path, db: Path, sets: list[str]) -> dict[str, float]:
+def timing(project: Path, sets: list[str]) -> dict[str, float]:
     """Scoring 200 generated Chinook questions with the finetune_domain model, limits on;
     and the execution alone, ReadOnlyDb against a plain connection (A B A B, medians)."""
     import dataclasses
@@ -216,7 +216,7 @@ def main() -> None:
         print(seed, json.dumps(per_seed[seed]), flush=True)
     meta = json.loads((project / "data/prepared/meta.json").read_text())["sql"]
     tokens = schema_tokens(project)
-    times = timing(project, db, base)
+    times = timing(project, base)
 
     def spread(xs: list[float]) -> str:
         if len(xs) < 2:

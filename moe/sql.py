@@ -752,10 +752,7 @@ def _domain(
     src: dict[str, str] = {}
     if d.sql_domain_database:
         user_db = Path(d.sql_domain_database).expanduser()
-        try:
-            open_checked(user_db, "data.sql_domain_database").close()
-        except InputError as e:
-            raise InputError(str(e)) from None
+        open_checked(user_db, "data.sql_domain_database").close()  # says what is wrong
         copy_database(user_db, path)
         src["domain_database"] = str(user_db)
     else:
