@@ -290,31 +290,73 @@ class TokenizerConfig:
 
 @dataclass
 class ModelConfig:
+    # The model to start from: "" = our architecture from random weights (the embedded
+    # default); a local Hugging Face folder (config.json, safetensors, tokenizer.json) or a
+    # folder written by `moe-pipeline model import`. The architecture fields below are then
+    # read from it (moe/hf.py) and what params.yaml says about them is not used.
+    init: str = ""
     n_layer: int = knob(2, ge=1)
     n_head: int = knob(4, ge=1)
+    # Key/value heads (grouped-query attention): n_head must be a multiple (0 = n_head).
+    n_kv_head: int = knob(0, ge=0, note=" (0 = n_head)")
+    # Width of one attention head (0 = d_model / n_head); Qwen3 sets it explicitly.
+    head_dim: int = knob(0, ge=0, note=" (0 = d_model / n_head)")
     d_model: int = knob(128, ge=1)
     # 192: the longest generated example (a join: schema, question and SQL) is ~180 tokens
     seq_len: int = knob(192, ge=1)
     moe_every: int = knob(1, ge=1)  # an MoE feed-forward in every Nth block (1 = every block)
+    # Blocks (0-based) that stay dense whatever moe_every says (Hugging Face's mlp_only_layers)
+    dense_layers: list[int] = field(default_factory=list)
     dense_hidden: int = knob(512, ge=1)  # feed-forward width of the non-MoE blocks
     tie_embeddings: bool = True
+    # RMSNorm on queries and keys before the rotation: per head (Qwen3), over the whole
+    # projection (OLMoE), or none.
+    qk_norm: Literal["none", "head", "full"] = "none"
+    attn_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     rope_theta: float = knob(10_000.0, gt=0)
     norm_eps: float = knob(1e-5, gt=0)
     init_std: float = knob(0.02, gt=0)
 
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_width(self) -> int:
+        return self.head_dim or self.d_model // max(self.n_head, 1)
+
+    def is_moe_block(self, i: int) -> bool:
+        """Blocks moe_every-1, 2*moe_every-1, ... are MoE, except the listed dense ones."""
+        return i % self.moe_every == self.moe_every - 1 and i not in self.dense_layers
+
     def check(self, p: Problems) -> None:
-        if self.n_head >= 1 and self.d_model >= 1:
+        if self.n_head >= 1 and self.d_model >= 1 and not self.head_dim:
             p.require(
                 self.d_model % self.n_head == 0,
                 "d_model",
                 self.d_model,
-                f"must be divisible by n_head ({self.n_head})",
+                f"must be divisible by n_head ({self.n_head}) unless model.head_dim is set",
             )
+        if self.n_head >= 1 and self.d_model >= 1:
             p.require(
-                (self.d_model // self.n_head) % 2 == 0,
-                "d_model",
-                self.d_model,
-                "d_model / n_head must be even (rotary positions)",
+                self.head_width % 2 == 0,
+                "head_dim" if self.head_dim else "d_model",
+                self.head_dim or self.d_model,
+                "the head width must be even (rotary positions)",
+            )
+        if self.n_kv_head:
+            p.require(
+                self.n_head % self.n_kv_head == 0,
+                "n_kv_head",
+                self.n_kv_head,
+                f"must divide n_head ({self.n_head})",
+            )
+        for i, layer in enumerate(self.dense_layers):
+            p.require(
+                0 <= layer < self.n_layer,
+                f"dense_layers[{i}]",
+                layer,
+                f"must be a block index in [0, {self.n_layer - 1}]",
             )
 
 
@@ -397,6 +439,9 @@ class MoEConfig:
     )  # ...then the router's choice blended in over this many
     router_lr_mult: float = knob(3.0, gt=0)  # routers learn 3-5x faster than the base rate
     shared_expert: bool = False
+    shared_expert_hidden: int = knob(0, ge=0, note=" (0 = expert_hidden)")
+    # The shared expert's output scaled by sigmoid(a learned gate) per token (Qwen2-MoE).
+    shared_expert_gate: bool = False
     force_balanced: bool = False  # debug: round-robin routing, for throughput/memory tests
     growth: GrowthConfig = field(default_factory=GrowthConfig)
 

@@ -59,11 +59,26 @@ def apply_rotary(x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tens
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head attention with grouped-query heads (n_kv_head key/value heads shared by
+    n_head / n_kv_head query heads each), optional q/k RMSNorm and q/k/v biases. The q, k and
+    v projections are one fused weight: rows [0, H*Dh) queries, then keys, then values."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_width
+        q_width, kv_width = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        self.widths = (q_width, kv_width, kv_width)
+        self.qkv = nn.Linear(cfg.d_model, q_width + 2 * kv_width, bias=cfg.attn_bias)
+        self.proj = nn.Linear(q_width, cfg.d_model, bias=False)
+        self.qk_norm = cfg.qk_norm
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        elif cfg.qk_norm == "full":
+            self.q_norm = RMSNorm(q_width, cfg.norm_eps)
+            self.k_norm = RMSNorm(kv_width, cfg.norm_eps)
 
     def forward(
         self,
@@ -73,19 +88,26 @@ class CausalSelfAttention(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
     ) -> torch.Tensor:
-        B, S, D = x_BSD.shape
-        q, k, v = self.qkv(x_BSD).split(D, dim=-1)
-        q, k, v = (
-            t.view(B, S, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v)
-        )  # (B, H, S, Dh)
+        B, S, _ = x_BSD.shape
+        Dh = self.head_dim
+        q, k, v = self.qkv(x_BSD).split(self.widths, dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
+        q = q.view(B, S, self.n_head, Dh)
+        k = k.view(B, S, self.n_kv_head, Dh)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, S, Dh), (B, Hkv, S, Dh)
+        v = v.view(B, S, self.n_kv_head, Dh).transpose(1, 2)
+        gqa = self.n_kv_head != self.n_head
         if cache is None:  # training and scoring: positions 0..S-1, causal
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:  # decoding: each row's own positions, keys and values appended to the cache
             q, k = cache.rotate(q, cos, sin), cache.rotate(k, cos, sin)
             k, v = cache.append(layer, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask)
-        return self.proj(y.transpose(1, 2).reshape(B, S, D))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=gqa)
+        return self.proj(y.transpose(1, 2).reshape(B, S, self.n_head * Dh))
 
 
 class KVCache:
@@ -97,9 +119,9 @@ class KVCache:
 
     def __init__(self, model: MoETransformer, pads_B: torch.Tensor, total: int) -> None:
         c, device = model.cfg, pads_B.device
-        B, H = pads_B.numel(), c.n_head
+        B = pads_B.numel()
         dtype = model.embed.weight.dtype
-        shape = (B, H, total, c.d_model // H)
+        shape = (B, c.kv_heads, total, c.head_width)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.n_layer)]
         self.pads_B = pads_B
@@ -151,7 +173,14 @@ class MoELayer(nn.Module):
         super().__init__()
         self.router = Router(d_model, mcfg)
         self.experts = GroupedExperts(mcfg.num_experts, d_model, mcfg.expert_hidden)
-        self.shared = SwiGLU(d_model, mcfg.expert_hidden) if mcfg.shared_expert else None
+        shared_hidden = mcfg.shared_expert_hidden or mcfg.expert_hidden
+        self.shared = SwiGLU(d_model, shared_hidden) if mcfg.shared_expert else None
+        # Qwen2-MoE: the shared expert's output times sigmoid(x . g), one scalar per token.
+        self.shared_gate = (
+            nn.Linear(d_model, 1, bias=False)
+            if mcfg.shared_expert and mcfg.shared_expert_gate
+            else None
+        )
 
     def forward(self, x_BSD: torch.Tensor, aux: MoEAux) -> torch.Tensor:
         B, S, D = x_BSD.shape
@@ -159,7 +188,10 @@ class MoELayer(nn.Module):
         r = self.router(x_TD)
         y_TD = self.experts(x_TD, r.experts_TK, r.weights_TK, r.keep_TK)
         if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
+            shared_TD = self.shared(x_TD)
+            if self.shared_gate is not None:
+                shared_TD = torch.sigmoid(self.shared_gate(x_TD)) * shared_TD
+            y_TD = y_TD + shared_TD
         aux.balance_loss = aux.balance_loss + r.balance_loss
         aux.aux_loss = aux.aux_loss + r.aux_loss
         aux.z_loss = aux.z_loss + r.z_loss
@@ -197,16 +229,14 @@ class MoETransformer(nn.Module):
         super().__init__()
         self.cfg, self.mcfg, self.vocab_size = cfg, mcfg, vocab_size
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
-        # Blocks moe_every-1, 2*moe_every-1, ... are MoE (every block when moe_every == 1).
         self.blocks = nn.ModuleList(
-            Block(cfg, mcfg, use_moe=(i % cfg.moe_every == cfg.moe_every - 1))
-            for i in range(cfg.n_layer)
+            Block(cfg, mcfg, use_moe=cfg.is_moe_block(i)) for i in range(cfg.n_layer)
         )
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        cos, sin = rotary_tables(cfg.seq_len, cfg.d_model // cfg.n_head, cfg.rope_theta)
+        cos, sin = rotary_tables(cfg.seq_len, cfg.head_width, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
@@ -234,7 +264,9 @@ class MoETransformer(nn.Module):
         std = self.cfg.init_std
         for name, p in self.named_parameters():
             if p.dim() == 1:
-                continue  # norms
+                if name.endswith(".bias"):
+                    nn.init.zeros_(p)
+                continue  # norms (ones)
             nn.init.normal_(p, mean=0.0, std=std)
             # GPT-2: scale the residual-output projections by 1/sqrt(2 * n_layer).
             if name.endswith(("proj.weight", "w2.weight", "w2_EFD")):
@@ -285,7 +317,8 @@ class MoETransformer(nn.Module):
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 * active params + attention (PaLM appendix B)."""
         c = self.cfg
-        return 6.0 * self.num_params(active_only=True) + 12.0 * c.n_layer * c.d_model * c.seq_len
+        attn_width = c.n_head * c.head_width
+        return 6.0 * self.num_params(active_only=True) + 12.0 * c.n_layer * attn_width * c.seq_len
 
     @torch.no_grad()
     def generate_batch(
