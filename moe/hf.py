@@ -263,6 +263,12 @@ def read_architecture(folder: Path, moe_defaults: MoEConfig, seq_len: int) -> Ar
     upcycled = mtype in DENSE_TYPES
     if upcycled:
         E, K = moe_defaults.num_experts, moe_defaults.top_k
+        if K < 2:
+            raise InputError(
+                f"moe.top_k = {K}: upcycling {mtype} needs top_k >= 2. The upcycled model equals"
+                " the dense one because the renormalised weights of its K copies sum to 1; at"
+                " K = 1 that weight would be a constant 1 and the router would never learn"
+            )
         expert_hidden, renorm = int(hf["intermediate_size"]), True
     elif mtype == "ernie4_5_moe":
         E, K = int(hf["moe_num_experts"]), int(hf["moe_k"])
@@ -774,7 +780,7 @@ def hf_tensors(model: MoETransformer, plan: ExportPlan) -> Iterator[tuple[str, t
         if ernie:
             q = _interleave_rows(q, c.n_head, c.head_width, inverse=False)
             k = _interleave_rows(k, c.kv_heads, c.head_width, inverse=False)
-        for name, w in zip("qkv", (q, k, v)):
+        for name, w in zip("qkv", (q, k, v), strict=True):
             yield p + f"self_attn.{name}_proj.weight", w
         bias_needed = c.attn_bias or t == "qwen2_moe"
         if bias_needed:
@@ -785,7 +791,7 @@ def hf_tensors(model: MoETransformer, plan: ExportPlan) -> Iterator[tuple[str, t
                     kb = _interleave_rows(kb, c.kv_heads, c.head_width, inverse=False)
             else:
                 qb, kb, vb = (torch.zeros(w, dtype=a.qkv.weight.dtype) for w in a.widths)
-            for name, b in zip("qkv", (qb, kb, vb)):
+            for name, b in zip("qkv", (qb, kb, vb), strict=True):
                 yield p + f"self_attn.{name}_proj.bias", b
         yield p + "self_attn.o_proj.weight", a.proj.weight
         zeros = ernie and c.attn_bias

@@ -1,0 +1,338 @@
+"""Hugging Face checkpoints in and out (moe/hf.py), against transformers itself.
+
+Nothing is downloaded: transformers builds tiny random models of each architecture from a
+config (`from_config`, `save_pretrained`), and reads back what we export (`from_pretrained`
+with `output_loading_info`). Norm weights and ERNIE's selection bias are perturbed away from
+their defaults so that a tensor put in the wrong place shows in the logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from moe.config import ModelConfig, MoEConfig
+from moe.errors import InputError
+from moe.hf import export_hf, export_plan, import_model, load_hf_model, load_model_dir
+from moe.model import MoETransformer
+
+transformers = pytest.importorskip("transformers")
+
+V = 96
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+# model_type: (config class, extra fields). Three layers, so the dense/MoE patterns show.
+ARCHS = {
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            head_dim=16,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_experts=4,
+            num_experts_per_tok=2,
+        ),
+    ),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2, eos_token_id=1)),
+    "ernie4_5_moe": (
+        "Ernie4_5_MoeConfig",
+        dict(
+            moe_intermediate_size=16,
+            moe_num_experts=4,
+            moe_k=2,
+            moe_layer_start_index=1,
+            moe_num_shared_experts=1,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", dict(head_dim=8)),
+}
+MOE = MoEConfig(num_experts=4, top_k=2, balancing=["aux_free", "z_loss"])
+
+
+def hf_model(model_type: str, folder: Path, seed: int = 0) -> torch.nn.Module:
+    cls_name, extra = ARCHS[model_type]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cls_name)(**COMMON, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or "e_score_correction_bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+def hf_logits(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(idx).logits
+
+
+@pytest.mark.parametrize("model_type", list(ARCHS))
+def test_import_computes_what_transformers_computes(model_type: str, tmp_path: Path) -> None:
+    hf = hf_model(model_type, tmp_path / "hf")
+    ours, arch = load_hf_model(tmp_path / "hf", MOE, seq_len=64, dtype=torch.float32)
+    ours.eval()
+    assert arch.model_type == model_type
+    assert arch.upcycled == (model_type in ("llama", "qwen2", "qwen3"))
+    idx = torch.randint(0, V, (3, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (ours(idx)[0] - hf_logits(hf, idx)).abs().max()
+    assert float(diff) < 1e-5, f"{model_type}: logits differ by {float(diff)}"
+    # Greedy tokens on left-padded prompts of different lengths: our batched KV-cache decode
+    # against transformers' generate with an attention mask.
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    ours_out = ours.generate_batch(prompts, 8)
+    batch = torch.tensor([[0] * 0 + prompts[0], [0, 0, 0] + prompts[1]])
+    mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
+    gen = hf.generate(
+        batch,
+        attention_mask=mask,
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    assert ours_out == [gen[0, 6:].tolist(), gen[1, 6:].tolist()]
+
+
+def test_an_upcycled_dense_model_computes_the_dense_function_at_step_0(tmp_path: Path) -> None:
+    hf = hf_model("llama", tmp_path / "hf")
+    for experts, k in ((4, 2), (8, 3)):
+        mcfg = MoEConfig(num_experts=experts, top_k=k, balancing=["aux_free"])
+        ours, arch = load_hf_model(tmp_path / "hf", mcfg, seq_len=64, dtype=torch.float32)
+        assert arch.upcycled and ours.experts_per_layer() == [experts] * 3
+        assert ours.mcfg.renormalize  # the combine weights sum to 1: the dense output
+        idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            diff = (ours.eval()(idx)[0] - hf_logits(hf, idx)).abs().max()
+        assert float(diff) < 1e-5
+        # The experts are copies; the router is not (it must learn to tell them apart).
+        w13 = ours.moe_layers[0].experts.w13_EDG
+        assert torch.equal(w13[0], w13[-1])
+        assert float(ours.moe_layers[0].router.gate.weight.detach().std()) > 0
+    with pytest.raises(InputError, match="top_k >= 2"):
+        load_hf_model(tmp_path / "hf", MoEConfig(num_experts=4, top_k=1), seq_len=64)
+
+
+def perturbed(model: MoETransformer) -> MoETransformer:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+        for layer in model.moe_layers:
+            layer.router.expert_bias_E.normal_(0, 0.05)  # as aux-free training leaves it
+    return model.eval()
+
+
+def tokenizer_dir(tmp: Path) -> Path:
+    from moe.tokenizer import train_tokenizer
+
+    folder = tmp / "tok"
+    folder.mkdir()
+    text = [Path(__file__).read_text()] * 2
+    train_tokenizer(text, V + 200).save(str(folder / "tokenizer.json"))
+    return folder
+
+
+NATIVE = {
+    # The embedded default's shape: tied, no q/k norm, aux-free bias -> ERNIE-4.5-MoE.
+    "default": (ModelConfig(seq_len=64), MoEConfig(), "ernie4_5_moe"),
+    "qk-norm, no bias": (
+        ModelConfig(
+            seq_len=64,
+            qk_norm="head",
+            n_kv_head=2,
+            tie_embeddings=False,
+            n_layer=3,
+            dense_layers=[1],
+        ),
+        MoEConfig(balancing=["z_loss"]),
+        "qwen3_moe",
+    ),
+    "gated shared expert": (
+        ModelConfig(seq_len=64, attn_bias=True),
+        MoEConfig(shared_expert=True, shared_expert_gate=True, balancing=[], renormalize=False),
+        "qwen2_moe",
+    ),
+    "full q/k norm": (
+        ModelConfig(seq_len=64, qk_norm="full"),
+        MoEConfig(balancing=["aux_loss"], renormalize=False),
+        "olmoe",
+    ),
+    "plain": (ModelConfig(seq_len=64, tie_embeddings=False), MoEConfig(balancing=[]), "qwen3_moe"),
+}
+
+
+@pytest.mark.parametrize("case", list(NATIVE))
+def test_export_loads_in_transformers_with_equal_logits_and_generations(
+    case: str, tmp_path: Path
+) -> None:
+    mcfg_model, mcfg_moe, expected = NATIVE[case]
+    torch.manual_seed(0)
+    model = perturbed(MoETransformer(mcfg_model, mcfg_moe, V + 200))
+    if case == "plain":  # no q/k norm, no bias: Mixtral when preferred
+        expected = "mixtral"
+        plan = export_hf(
+            model,
+            tmp_path / "out",
+            tokenizer_dir(tmp_path),
+            {"eos": 0, "pad": 1, "bos": None},
+            "card",
+            prefer="mixtral",
+        )
+    else:
+        plan = export_hf(
+            model,
+            tmp_path / "out",
+            tokenizer_dir(tmp_path),
+            {"eos": 0, "pad": 1, "bos": None},
+            "# card\n",
+        )
+    assert plan.model_type == expected
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    hf.eval()
+    idx = torch.randint(0, V + 200, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert float((model(idx)[0] - hf(idx).logits).abs().max()) < 1e-5
+    prompts = [[3, 4, 5, 6, 7], [8, 9]]
+    gen = hf.generate(
+        torch.tensor([prompts[0], [1, 1, 1, *prompts[1]]]),
+        attention_mask=torch.tensor([[1] * 5, [0, 0, 0, 1, 1]]),
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=1,
+        eos_token_id=None,
+    )
+    assert model.generate_batch(prompts, 6) == [gen[0, 5:].tolist(), gen[1, 5:].tolist()]
+    # Per-expert tensors, as transformers saves them and vLLM reads them.
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert any(".experts.3." in k for k in keys)
+    assert not any("w13_EDG" in k for k in keys)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert tok("SELECT 1").input_ids
+
+
+def test_export_then_import_is_bit_identical(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = perturbed(MoETransformer(*NATIVE["default"][:2], V + 200))
+    export_hf(model, tmp_path / "out", tokenizer_dir(tmp_path), {"eos": 0, "pad": 1}, "card")
+    back, arch = load_hf_model(tmp_path / "out", MoEConfig(), seq_len=64, dtype=torch.float32)
+    assert arch.model_type == "ernie4_5_moe"
+    a, b = model.state_dict(), back.state_dict()
+    assert set(a) == set(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_an_expert_perturbed_after_export_changes_the_logits(tmp_path: Path) -> None:
+    """The control: the parity above would catch one wrong expert."""
+    torch.manual_seed(0)
+    model = perturbed(MoETransformer(ModelConfig(seq_len=64), MoEConfig(top_k=2), V + 200))
+    export_hf(model, tmp_path / "out", tokenizer_dir(tmp_path), {"eos": 0}, "card")
+    idx = torch.randint(0, V + 200, (4, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        aux = model(idx)[2]
+    busiest = int(aux.tokens_per_expert[1].argmax())  # an expert these tokens reach
+    path = tmp_path / "out" / "model.safetensors"
+    tensors = load_file(str(path))
+    key = f"model.layers.1.mlp.experts.{busiest}.down_proj.weight"
+    tensors[key] = tensors[key] * 1.5
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    with torch.no_grad():
+        assert float((model(idx)[0] - hf.eval()(idx).logits).abs().max()) > 1e-3
+
+
+def test_what_no_architecture_represents_is_refused_with_the_reason() -> None:
+    base = ModelConfig(seq_len=64)
+    util = MoETransformer(base, MoEConfig(balancing=["util_aware"]), V)
+    with pytest.raises(InputError, match="utilisation-aware"):
+        export_plan(util)
+    ramp = MoETransformer(base, MoEConfig(balancing=[]), V)
+    ramp.moe_layers[0].router.logit_offset_E[3] = -5.0
+    with pytest.raises(InputError, match="ramping in"):
+        export_plan(ramp)
+    # An aux-free bias with q/k norm: only ERNIE has the bias, and ERNIE has no q/k norm.
+    biased = perturbed(MoETransformer(ModelConfig(seq_len=64, qk_norm="head"), MoEConfig(), V))
+    with pytest.raises(InputError, match="no selection bias"):
+        export_plan(biased)
+    # The same model with its bias at zero is plain Qwen3-MoE.
+    for layer in biased.moe_layers:
+        layer.router.expert_bias_E.zero_()
+    assert export_plan(biased).model_type == "qwen3_moe"
+
+
+def test_unsupported_configs_are_refused_by_name(tmp_path: Path) -> None:
+    hf_model("qwen3", tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    original = json.loads(path.read_text())
+    for change, message in (
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"use_sliding_window": True}, "sliding-window"),
+        ({"some_new_feature": 3}, "some_new_feature"),
+        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+    ):
+        path.write_text(json.dumps({**original, **change}))
+        with pytest.raises(InputError, match=message):
+            load_hf_model(tmp_path / "hf", MOE, seq_len=64)
+    with pytest.raises(InputError, match="cannot download from the Hub"):
+        load_hf_model(Path("Qwen/Qwen3-30B-A3B"), MOE, seq_len=64)
+
+
+def test_sharded_checkpoints_are_read_through_their_index(tmp_path: Path) -> None:
+    hf = hf_model("mixtral", tmp_path / "hf")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    ours, _ = load_hf_model(tmp_path / "sharded", MOE, seq_len=64, dtype=torch.float32)
+    idx = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert float((ours.eval()(idx)[0] - hf_logits(hf, idx)).abs().max()) < 1e-5
+    # A shard removed: named, not a traceback from deep inside safetensors.
+    first = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[0]
+    first.unlink()
+    with pytest.raises(InputError, match=first.name):
+        load_hf_model(tmp_path / "sharded", MOE, seq_len=64)
+
+
+def test_import_writes_a_model_folder_with_the_sources_hashes(tmp_path: Path) -> None:
+    hf = hf_model("qwen2_moe", tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")  # copied as it is
+    source = import_model(tmp_path / "hf", tmp_path / "model", MOE, seq_len=64)
+    assert set(source["files"]) >= {"config.json", "model.safetensors", "tokenizer.json"}
+    assert (tmp_path / "model" / "tokenizer.json").read_text() == "{}"
+    ours = load_model_dir(tmp_path / "model", dtype=torch.float32).eval()
+    idx = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert float((ours(idx)[0] - hf_logits(hf, idx)).abs().max()) < 1e-5
