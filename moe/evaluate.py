@@ -43,6 +43,7 @@ def sql_accuracy(
     batch_size: int = 32,
     time_limit_s: float = 2.0,
     row_limit: int = 10_000,
+    prefix: list[int] | tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """Greedy-generate SQL for each pair (in batches, with a KV cache) and score it: valid
     (it runs on the pair's database), execution match (the same rows as the reference, as
@@ -51,7 +52,7 @@ def sql_accuracy(
     Predicted SQL runs on a read-only connection that refuses writes, ATTACH, pragmas and
     extensions, within `time_limit_s` and `row_limit`; what exceeds them counts as wrong
     and is counted (`timeouts`, `row_limits`, `denied`). `progress(n)` hears how many are
-    done."""
+    done. `prefix` (the model's bos, when it wants one) goes before every prompt."""
     model.eval()
     # The response is one line: stop at the end token or at any token that holds a newline.
     stop_ids = {eot_id} | {i for i in range(tok.get_vocab_size()) if "\n" in tok.decode([i])}
@@ -63,7 +64,9 @@ def sql_accuracy(
     try:
         for lo in range(0, len(pairs), batch_size):
             chunk = pairs[lo : lo + batch_size]
-            prompts = [tok.encode(prompt_text(p)).ids for p in chunk]
+            prompts = [
+                [*prefix, *tok.encode(prompt_text(p), add_special_tokens=False).ids] for p in chunk
+            ]
             too_long = [
                 (len(ids), p) for ids, p in zip(prompts, chunk, strict=True) if len(ids) > keep
             ]

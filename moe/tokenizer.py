@@ -1,9 +1,18 @@
-"""Byte-level BPE tokenizer: trained locally with `tokenizers` (no hub download), or loaded."""
+"""Byte-level BPE tokenizer: trained locally with `tokenizers` (no hub download), or loaded.
+
+A tokenizer we trained has two special tokens, EOT and PAD. A model's own tokenizer (an
+imported Hugging Face model: tokenizer.json beside tokenizer_config.json) names its special
+tokens in tokenizer_config.json; `specials` reads them from there, never assumes literals.
+Every text is encoded without the tokenizer's post-processor (no BOS or EOS added inside an
+example); where a model wants a BOS, the caller puts `Specials.prefix` in front.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -44,9 +53,75 @@ def batch_encoder(tok: Tokenizer) -> Callable[[list[str]], list[list[int]]]:
     the same ids (tests/test_data.py)."""
 
     def encode(texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in tok.encode_batch_fast(texts)]
+        return [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
 
     return encode
+
+
+def encode_ids(tok: Tokenizer, text: str) -> list[int]:
+    """The ids of one text, without the post-processor's special tokens."""
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+@dataclass(frozen=True)
+class Specials:
+    eos: int  # ends a document and an answer; generation stops at it
+    pad: int  # fills batches (the eos id when the tokenizer has no pad token)
+    bos: int | None = None
+    add_bos: bool = False  # the model expects bos in front of every sequence
+
+    @property
+    def prefix(self) -> list[int]:
+        return [self.bos] if self.add_bos and self.bos is not None else []
+
+
+def _token_text(value: object) -> str | None:
+    if isinstance(value, dict):  # {"content": "<|im_end|>", ...} (AddedToken)
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def specials(tok: Tokenizer, path: str | Path) -> Specials:
+    """The special ids of the tokenizer at `path`: from tokenizer_config.json beside it when
+    there is one (a model's own tokenizer), else our EOT and PAD."""
+    path = Path(path)
+    config = path.with_name("tokenizer_config.json")
+    if not config.is_file():
+        return Specials(eos=_require(tok, EOT, path), pad=_require(tok, PAD, path))
+    try:
+        c = json.loads(config.read_text())
+    except json.JSONDecodeError as e:
+        raise InputError(f"{config}: not JSON (line {e.lineno}: {e.msg})") from e
+    ids: dict[str, int | None] = {}
+    for role in ("eos", "pad", "bos"):
+        text = _token_text(c.get(f"{role}_token"))
+        ids[role] = None
+        if text is not None:
+            ids[role] = tok.token_to_id(text)
+            if ids[role] is None:
+                raise InputError(
+                    f"{config}: {role}_token {text!r} is not in the vocabulary of {path.name}"
+                )
+    if ids["eos"] is None:
+        raise InputError(
+            f"{config}: no eos_token; the pipeline needs one to end documents and answers"
+        )
+    return Specials(
+        eos=ids["eos"],  # type: ignore[arg-type]
+        pad=ids["pad"] if ids["pad"] is not None else ids["eos"],  # type: ignore[arg-type]
+        bos=ids["bos"],
+        add_bos=bool(c.get("add_bos_token", False)) and ids["bos"] is not None,
+    )
+
+
+def _require(tok: Tokenizer, special: str, path: Path) -> int:
+    i = tok.token_to_id(special)
+    if i is None:
+        raise InputError(
+            f"{path}: tokenizer lacks the special token {special!r} (and there is no"
+            " tokenizer_config.json beside it naming its own): add it or train one"
+        )
+    return i
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -57,6 +132,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
         raise InputError(f"{path}: not a tokenizers JSON file ({e})") from e
+    if path.with_name("tokenizer_config.json").is_file():
+        specials(tok, path)  # its own special tokens must be in its vocabulary
+        return tok
     for special in SPECIAL_TOKENS:
         if tok.token_to_id(special) is None:
             raise InputError(

@@ -23,7 +23,13 @@ from moe.data import CorpusStats, iter_documents, write_token_store
 from moe.errors import InputError
 from moe.sql import Limits
 from moe.sql import build_sql_sets as build_sets
-from moe.tokenizer import EOT, batch_encoder, load_tokenizer, tokenizer_hash, train_tokenizer
+from moe.tokenizer import (
+    batch_encoder,
+    load_tokenizer,
+    specials,
+    tokenizer_hash,
+    train_tokenizer,
+)
 from tasks import retry_unless_input_error
 from tasks.config import Config
 
@@ -54,6 +60,12 @@ def build_tokenizer(cfg: Config, work: Path) -> Path:
     if cfg.tokenizer.path:
         load_tokenizer(cfg.tokenizer.path)  # validates special tokens
         shutil.copyfile(cfg.tokenizer.path, out)
+        # A model's own tokenizer names its special tokens here (moe/tokenizer.py `specials`).
+        config = Path(cfg.tokenizer.path).with_name("tokenizer_config.json")
+        if config.is_file():
+            shutil.copyfile(config, work / "tokenizer_config.json")
+        else:
+            (work / "tokenizer_config.json").unlink(missing_ok=True)
         return out
     stats = CorpusStats()
     t0 = time.perf_counter()
@@ -81,7 +93,7 @@ def build_tokenizer(cfg: Config, work: Path) -> Path:
 )
 def tokenize_corpus(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, Any]:
     tok = load_tokenizer(tokenizer_path)
-    eot = tok.token_to_id(EOT)
+    eot = specials(tok, tokenizer_path).eos
     stats = CorpusStats()
     t0 = time.perf_counter()
     docs = corpus_documents(cfg, cfg.data.max_bytes, stats)
@@ -154,6 +166,7 @@ def build_sql_sets(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, A
     meta.json records under `sql`: counts per set and kind, sources, skipped records,
     schema notes and token lengths."""
     tok = load_tokenizer(tokenizer_path)
+    prefix = len(specials(tok, tokenizer_path).prefix)  # a bos the model wants in front
     budget = cfg.model.seq_len - cfg.evaluate.max_new_tokens
     if budget < 1:
         raise InputError(
@@ -161,7 +174,11 @@ def build_sql_sets(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, A
             f" in model.seq_len={cfg.model.seq_len}: lower it"
         )
     limits = Limits(
-        count=lambda texts: [len(e.ids) for e in tok.encode_batch(texts)] if texts else [],
+        count=lambda texts: (
+            [prefix + len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)]
+            if texts
+            else []
+        ),
         prompt_max=budget,
         response_max=cfg.evaluate.max_new_tokens,
         total_max={

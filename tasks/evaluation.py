@@ -12,7 +12,7 @@ from prefect.cache_policies import NONE
 from moe.data import BatchSampler, TokenStore
 from moe.evaluate import perplexity, sql_accuracy
 from moe.sql import load_pairs
-from moe.tokenizer import EOT, load_tokenizer
+from moe.tokenizer import load_tokenizer, specials
 from moe.train import resolve_device
 from tasks import retry_unless_input_error
 from tasks.config import Config
@@ -56,6 +56,7 @@ def evaluate_sql(cfg: Config, data_dir: Path, model_dir: Path) -> dict[str, Any]
     held-out SQL set that the prepared data has."""
     model = load_model(model_dir).to(resolve_device(cfg.evaluate.device, "evaluate.device"))
     tok = load_tokenizer(data_dir / "tokenizer.json")
+    sp = specials(tok, data_dir / "tokenizer.json")
     n = cfg.evaluate.max_examples or None
     sets = {
         name: load_pairs(data_dir / "sql" / f)[:n]
@@ -73,11 +74,12 @@ def evaluate_sql(cfg: Config, data_dir: Path, model_dir: Path) -> dict[str, Any]
                 pairs,
                 data_dir / "sql" / "dbs",
                 cfg.evaluate.max_new_tokens,
-                tok.token_to_id(EOT),
+                sp.eos,
                 progress=lambda k, base=done: update(base + k),
                 batch_size=cfg.evaluate.batch_size,
                 time_limit_s=cfg.data.sql_time_limit_s,
                 row_limit=cfg.data.sql_row_limit,
+                prefix=sp.prefix,
             )
             done += len(pairs)
             log.info(

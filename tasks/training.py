@@ -31,7 +31,7 @@ from moe.hashing import sha256_file
 from moe.model import MoETransformer
 from moe.resilience import AttemptJournal
 from moe.sql import load_pairs, prompt_text, response_text
-from moe.tokenizer import EOT, PAD, load_tokenizer
+from moe.tokenizer import Specials, encode_ids, load_tokenizer, specials
 from moe.train import Budget, Resilience, Trainer, TrainResult, Validation
 from tasks import retry_unless_input_error
 from tasks.checkpoints import checkpoint_store, offload_checkpoints
@@ -319,11 +319,14 @@ def pretrain_model(
     return _fit_and_save(cfg, trainer, out_dir, run_key)
 
 
-def sft_examples(path: Path, tok: Any) -> list[SFTExample]:
-    eot = tok.token_to_id(EOT)
+def sft_examples(path: Path, tok: Any, sp: Specials) -> list[SFTExample]:
+    """Prompt (after the model's bos, if it wants one) and answer ending in eos; nothing the
+    tokenizer's post-processor would add in the middle."""
     return [
         SFTExample(
-            tok.encode(prompt_text(p)).ids, [*tok.encode(response_text(p)).ids, eot], p.weight
+            [*sp.prefix, *encode_ids(tok, prompt_text(p))],
+            [*encode_ids(tok, response_text(p)), sp.eos],
+            p.weight,
         )
         for p in load_pairs(path)
     ]
@@ -335,7 +338,7 @@ def focus_token_ids(tok: Any, words: list[str]) -> set[int]:
     ids: set[int] = set()
     for w in words:
         for variant in (w, " " + w):
-            ids.update(tok.encode(variant).ids)
+            ids.update(encode_ids(tok, variant))
     return ids
 
 
@@ -361,7 +364,8 @@ def finetune_model(
     if _processes(cfg, stage) > 1 and not torch.distributed.is_initialized():
         return launch(cfg, stage, data_dir, out_dir, log_fn, init_dir, pairs_file, budget_left)
     tok = load_tokenizer(data_dir / "tokenizer.json")
-    examples = sft_examples(data_dir / "sql" / pairs_file, tok)
+    sp = specials(tok, data_dir / "tokenizer.json")
+    examples = sft_examples(data_dir / "sql" / pairs_file, tok, sp)
     model = load_model(init_dir)
     if f.max_len > model.cfg.seq_len:
         raise InputError(
@@ -372,7 +376,7 @@ def finetune_model(
         f.batch_size,
         f.max_len,
         f.seed,
-        tok.token_to_id(PAD),
+        sp.pad,
         focus_token_ids(tok, f.focus_tokens),
         f.focus_weight,
     )

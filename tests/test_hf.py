@@ -143,7 +143,7 @@ def test_an_upcycled_dense_model_computes_the_dense_function_at_step_0(tmp_path:
 
 def perturbed(model: MoETransformer) -> MoETransformer:
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
         for layer in model.moe_layers:

@@ -635,4 +635,7 @@ def test_user_pair_weights_reach_the_finetuning_examples(tmp_path: Path, tok) ->
     path = tmp_path / "domain_train.jsonl"
     path.write_text(mine.to_json() + "\n" + generated.to_json() + "\n")
 
-    assert [ex.weight for ex in sft_examples(path, tok)] == [3.0, 1.0]
+    from moe.tokenizer import Specials
+
+    examples = sft_examples(path, tok, Specials(eos=0, pad=1))
+    assert [ex.weight for ex in examples] == [3.0, 1.0]
