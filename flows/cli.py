@@ -159,6 +159,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("dir", type=Path)
     export.add_argument("--out", type=Path, required=True)
+
+    model = sub.add_parser("model", help="Hugging Face models in and out")
+    msub = model.add_subparsers(dest="model_command", required=True)
+    mimport = msub.add_parser(
+        "import",
+        help="a local Hugging Face folder (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, ERNIE-4.5-MoE;"
+        " Llama, Qwen2, Qwen3 upcycled to moe.num_experts) as a model folder model.init takes",
+    )
+    mimport.add_argument("dir", type=Path)
+    mimport.add_argument("--out", type=Path, required=True)
+    _add_params(mimport)
+    mexport = msub.add_parser(
+        "export",
+        help="a model folder (a stage's or an import) as a folder transformers and vLLM load",
+    )
+    mexport.add_argument("dir", type=Path)
+    mexport.add_argument("--out", type=Path, required=True)
+    mexport.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="the prepared data (its tokenizer); default data.out_dir",
+    )
+    mexport.add_argument(
+        "--arch",
+        default="",
+        help="prefer this architecture (qwen3_moe, qwen2_moe, mixtral, olmoe, ernie4_5_moe)"
+        " when it represents the model exactly",
+    )
+    _add_params(mexport)
+
+    ask = sub.add_parser("ask", help="the SQL a model writes for a question, and its rows")
+    ask.add_argument("dir", type=Path, help="a model folder (e.g. models/finetune_domain)")
+    ask.add_argument("question")
+    ask.add_argument("--db", type=Path, required=True, help="the sqlite database to ask")
+    ask.add_argument("--data", type=Path, default=None, help="the prepared data (its tokenizer)")
+    ask.add_argument("--rows", type=int, default=20, help="rows to print (default 20)")
+    _add_params(ask)
     return parser
 
 
@@ -187,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             return _pools(args, load_config(args.params, args.overrides))
         if args.command == "recovery":
             return _recovery(load_config(args.params, args.overrides))
+        if args.command in ("model", "ask"):
+            return _model(args, load_config(args.params, args.overrides))
         # Validate the params and what the stages need before importing Prefect or touching
         # anything: bad input is one message and exit 2, never a flow run's traceback.
         cfg = load_config(args.params, args.overrides)
@@ -451,6 +491,54 @@ def _lineage(args: argparse.Namespace) -> int:
             print(
                 f"{pad}   corpus: {c['source']} ({c['bytes']} bytes, sha256 {str(c['sha256'])[:12]})"
             )
+    return 0
+
+
+def _model(args: argparse.Namespace, cfg: Config) -> int:
+    """model import / model export / ask: library calls (moe/hf.py, tasks/publish.py)."""
+    import time
+
+    data_dir = args.data or Path(cfg.data.out_dir) if hasattr(args, "data") else None
+    if args.command == "ask":
+        from tasks.publish import ask
+
+        got = ask(
+            args.dir,
+            args.question,
+            args.db,
+            data_dir,
+            cfg.evaluate.max_new_tokens,
+            cfg.data.sql_time_limit_s,
+            cfg.data.sql_row_limit,
+            cfg.data.sql_schema_values,
+        )
+        print(got["sql"])
+        outcome = got["outcome"]
+        if not outcome.ok:
+            print(f"-- {outcome.status}: {outcome.message}")
+            return 1
+        for row in outcome.rows[: args.rows]:
+            print(" | ".join(str(v) for v in row))
+        more = len(outcome.rows) - args.rows
+        print(f"-- {len(outcome.rows)} row(s)" + (f", {more} not shown" if more > 0 else ""))
+        return 0
+    t0 = time.perf_counter()
+    if args.model_command == "import":
+        from moe.hf import import_model
+
+        source = import_model(args.dir, args.out, cfg.moe, cfg.model.seq_len)
+        how = " (dense, upcycled)" if source["upcycled"] else ""
+        print(
+            f"{source['model_type']}{how}: {args.dir} -> {args.out} in"
+            f" {time.perf_counter() - t0:.1f}s; start from it with --set model.init={args.out}"
+        )
+        return 0
+    from tasks.publish import export_model_dir
+
+    plan = export_model_dir(args.dir, args.out, data_dir, Path("reports"), args.arch)
+    print(f"{plan.architecture}: {args.dir} -> {args.out} in {time.perf_counter() - t0:.1f}s")
+    for note in plan.notes:
+        print(f"  {note}")
     return 0
 
 

@@ -295,6 +295,9 @@ class ModelConfig:
     # folder written by `moe-pipeline model import`. The architecture fields below are then
     # read from it (moe/hf.py) and what params.yaml says about them is not used.
     init: str = ""
+    # With model.init: "continue" = the pretrain stage continues pretraining the imported
+    # model on the corpus (set a small pretrain.lr); "skip" = it passes the model on as it is.
+    init_pretrain: Literal["continue", "skip"] = "continue"
     n_layer: int = knob(2, ge=1)
     n_head: int = knob(4, ge=1)
     # Key/value heads (grouped-query attention): n_head must be a multiple (0 = n_head).

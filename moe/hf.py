@@ -1004,3 +1004,70 @@ def export_hf(
         shutil.rmtree(out_dir)
     tmp.replace(out_dir)
     return plan
+
+
+# --------------------------------------------------------------------------- model.init
+
+# The MoE fields a checkpoint fixes; the others (balancing, capacity, ...) say how to train.
+MOE_SHAPE = (
+    "num_experts",
+    "top_k",
+    "expert_hidden",
+    "renormalize",
+    "shared_expert",
+    "shared_expert_hidden",
+    "shared_expert_gate",
+)
+
+
+def init_architecture(model: ModelConfig, moe: MoEConfig) -> tuple[ModelConfig, MoEConfig]:
+    """The configuration with `model.init`'s architecture in place of the model section's
+    shape fields and the MoE shape fields; the training length (seq_len), the routing and
+    balancing knobs stay the user's. A dense model is upcycled to moe.num_experts, top_k."""
+    folder = Path(model.init)
+    if (folder / "model.json").is_file():  # a folder written by `model import` or a stage
+        spec = read_model_spec(folder)
+        counts = spec.get("experts_per_layer") or []
+        if len(set(counts)) > 1:
+            raise InputError(
+                f"{folder}: its MoE layers have unequal expert counts {counts} (after growth);"
+                " start from it with the checkpoint tools, not model.init"
+            )
+        arch_model = ModelConfig(**spec["model"])
+        shape = {k: spec["moe"][k] for k in MOE_SHAPE if k in spec["moe"]}
+    else:
+        arch = read_architecture(folder, moe, model.seq_len)
+        arch_model = arch.model
+        shape = {k: getattr(arch.moe, k) for k in MOE_SHAPE}
+    if not (folder / "tokenizer.json").is_file():
+        raise InputError(
+            f"model.init = {model.init!r}: no tokenizer.json in it; the model must be trained"
+            " with its own tokenizer"
+        )
+    arch_model.init = model.init
+    arch_model.init_pretrain = model.init_pretrain
+    arch_model.seq_len = model.seq_len
+    arch_model.init_std = model.init_std
+    new_moe = MoEConfig(**{**asdict(moe), "growth": moe.growth, **shape})
+    return arch_model, new_moe
+
+
+def build_init_model(model: ModelConfig, moe: MoEConfig) -> MoETransformer:
+    """The model `model.init` names, in fp32 for training, built with the pipeline's
+    (resolved) configuration: the checkpoint's weights under the pipeline's training knobs."""
+    from moe.checkpoint import load_model_tensors
+
+    folder = Path(model.init)
+    if not (folder / "model.json").is_file():
+        hf_model, _ = load_hf_model(folder, moe, model.seq_len, torch.float32)
+        hf_model.cfg.init, hf_model.cfg.init_pretrain = model.init, model.init_pretrain
+        hf_model.cfg.init_std = model.init_std
+        return hf_model
+    spec = read_model_spec(folder)
+    with torch.device("meta"):
+        out = MoETransformer(model, moe, int(spec["vocab_size"]))
+    out = out.to_empty(device="cpu")
+    init_buffers(out)
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        load_model_tensors(out, {k: f.get_tensor(k).float() for k in f.keys()})
+    return out

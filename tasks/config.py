@@ -43,6 +43,7 @@ from moe.config import (
     knob,
     validate,
 )
+from moe.errors import InputError
 
 # The stages in pipeline order, each with the pool it runs on by default: preparing and
 # publishing data on a cheap CPU box, pretraining on the fastest GPU (the most FLOPs), the
@@ -490,15 +491,32 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def from_dict(
-    raw: dict[str, Any], lines: dict[str, int] | None = None, source: str = "params"
+    raw: dict[str, Any],
+    lines: dict[str, int] | None = None,
+    source: str = "params",
+    resolve_init: bool = True,
 ) -> Config:
     """Build and validate a Config from a nested mapping (missing keys take their defaults):
-    every section's own checks, then those across sections; every problem at once."""
+    every section's own checks, then those across sections; every problem at once.
+
+    With model.init set (and `resolve_init`), the model's architecture replaces the model
+    section's shape fields and its tokenizer becomes tokenizer.path (moe/hf.py
+    `init_architecture`). A resolved configuration sent to another machine is not resolved
+    again: that machine need not hold the imported folder."""
     p = Problems(lines, source)
     raw = _renamed(dict(raw), p)
     # Layer what the user wrote over the defaults, so that `--set pools.stages.pretrain=cpu`
     # changes one entry of a mapping instead of replacing the whole mapping.
     cfg = build(Config, _deep_merge(Config().to_dict(), raw), p)
+    if resolve_init and cfg.model.init and not p.items:
+        from moe.hf import init_architecture
+
+        try:
+            cfg.model, cfg.moe = init_architecture(cfg.model, cfg.moe)
+            if not cfg.tokenizer.path:
+                cfg.tokenizer.path = str(Path(cfg.model.init) / "tokenizer.json")
+        except InputError as e:
+            p.add("model.init", cfg.model.init, str(e))
     validate(cfg, p)
     for stage in cfg.training_stages():
         _check_training_stage(cfg, stage, p)
@@ -640,7 +658,7 @@ def load_config(
         keys, value = parse_override(item)
         _apply_override(raw, keys, value)
         lines[".".join(keys)] = FROM_SET
-    return from_dict(raw, lines, source)
+    return from_dict(raw, lines, source, resolve_init=params is None)
 
 
 def default_yaml() -> str:

@@ -10,8 +10,8 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +19,14 @@ import torch
 from prefect import task
 from prefect.cache_policies import NONE
 from prefect.tasks import exponential_backoff
-from safetensors.torch import load_file, save_file
 
 from moe import distributed as D
 from moe.checkpoint import load_model_tensors, model_tensors
-from moe.config import FinetuneConfig, GrowthConfig, ModelConfig, MoEConfig
+from moe.config import FinetuneConfig
 from moe.data import BatchSampler, MixedBatches, SFTBatches, SFTExample, TokenStore
 from moe.errors import InputError
-from moe.growth import resize_model
 from moe.hashing import sha256_file
+from moe.hf import build_init_model, load_model_dir, save_model_dir
 from moe.model import MoETransformer
 from moe.resilience import AttemptJournal
 from moe.sql import load_pairs, prompt_text, response_text
@@ -49,32 +48,27 @@ TRAIN_RETRIES = dict(
 
 
 def save_model(model: MoETransformer, out_dir: Path) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(model_tensors(model), str(out_dir / "model.safetensors"))
-    spec = {
-        "model": asdict(model.cfg),
-        "moe": asdict(model.mcfg),
-        "vocab_size": model.vocab_size,
-        "experts_per_layer": model.experts_per_layer(),  # after growth / pruning
-    }
-    (out_dir / "model.json").write_text(json.dumps(spec, indent=1))
-    return out_dir / "model.safetensors"
+    """The stage's model folder (moe/hf.py): what the next stage, `model export` and
+    `ask` read. A model started from model.init keeps the import's source record."""
+    extra = {}
+    if model.cfg.init and (Path(model.cfg.init) / "model.json").is_file():
+        source = json.loads((Path(model.cfg.init) / "model.json").read_text()).get("source")
+        extra = {"source": source} if source else {}
+    elif model.cfg.init:
+        extra = {"source": {"path": model.cfg.init, "model_type": _init_type(model.cfg.init)}}
+    return save_model_dir(model, out_dir, extra)
+
+
+def _init_type(init: str) -> str:
+    try:
+        return json.loads((Path(init) / "config.json").read_text()).get("model_type", "")
+    except (OSError, json.JSONDecodeError):
+        return ""
 
 
 def load_model(model_dir: Path) -> MoETransformer:
-    spec_path = model_dir / "model.json"
-    if not spec_path.is_file():
-        raise InputError(f"{spec_path} is missing: run the stage that writes {model_dir} first")
-    spec = json.loads(spec_path.read_text())
-    moe_spec = dict(spec["moe"])
-    growth = GrowthConfig(**moe_spec.pop("growth", {}))
-    model = MoETransformer(
-        ModelConfig(**spec["model"]), MoEConfig(**moe_spec, growth=growth), spec["vocab_size"]
-    )
-    if spec.get("experts_per_layer"):
-        resize_model(model, spec["experts_per_layer"])
-    load_model_tensors(model, load_file(str(model_dir / "model.safetensors")))
-    return model
+    """A stage's model folder, in fp32 (what training updates)."""
+    return load_model_dir(model_dir, dtype=torch.float32)
 
 
 def write_metrics_csv(out_dir: Path) -> Path:
@@ -289,13 +283,29 @@ def pretrain_model(
         return launch(cfg, "pretrain", data_dir, out_dir, log_fn, budget_left=budget_left)
     train_store, val_store = TokenStore(data_dir, "train"), TokenStore(data_dir, "val")
     torch.manual_seed(cfg.pretrain.seed)
-    model = MoETransformer(cfg.model, cfg.moe, train_store.vocab_size)
+    t = cfg.pretrain
+    if cfg.model.init:  # continued pretraining of an imported model (seed 000, section 7.1)
+        model = build_init_model(cfg.model, cfg.moe)
+        if model.vocab_size < train_store.vocab_size:
+            raise InputError(
+                f"model.init: the model's embedding has {model.vocab_size} rows, its tokenizer"
+                f" {train_store.vocab_size} tokens"
+            )
+        log.info("model.init: %s (%s)", cfg.model.init, cfg.model.init_pretrain)
+        if cfg.model.init_pretrain == "skip":
+            return _pass_on(
+                model,
+                BatchSampler(val_store, t.batch_size, cfg.model.seq_len, t.seed + 1),
+                t.eval_batches,
+                out_dir,
+            )
+    else:
+        model = MoETransformer(cfg.model, cfg.moe, train_store.vocab_size)
     log.info(
         "model: %.2fM parameters, %.2fM active per token",
         model.num_params() / 1e6,
         model.num_params(active_only=True) / 1e6,
     )
-    t = cfg.pretrain
     fingerprint = training_fingerprint(cfg, "pretrain", data_dir)
     trainer = Trainer(
         model,
@@ -317,6 +327,34 @@ def pretrain_model(
         resilience=_resilience(cfg, "pretrain", out_dir / "checkpoints", fingerprint),
     )
     return _fit_and_save(cfg, trainer, out_dir, run_key)
+
+
+def _pass_on(model: MoETransformer, val: BatchSampler, batches: int, out_dir: Path) -> TrainResult:
+    """model.init_pretrain: skip. The imported model becomes the pretrain stage's model as it
+    is; its held-out loss is measured so the stage still reports one."""
+    t0 = time.perf_counter()
+    model.eval()
+    losses = []
+    with torch.no_grad():
+        for i in range(batches):
+            x, y, _ = val.batch_at(i)
+            losses.append(float(model(x, y)[1]))
+    loss = sum(losses) / len(losses)
+    save_model(model, out_dir)
+    write_metrics_csv(out_dir)
+    log.info("model.init_pretrain: skip; held-out loss of the imported model %.4f", loss)
+    return TrainResult(
+        steps=0,
+        resumed_from=None,
+        train_loss=loss,
+        val_loss=loss,
+        tokens=0,
+        wall_s=time.perf_counter() - t0,
+        stop_reason="skipped (model.init_pretrain: skip)",
+        checkpoint="",
+        tokens_per_s=0.0,
+        experts_per_layer=model.experts_per_layer(),
+    )
 
 
 def sft_examples(path: Path, tok: Any, sp: Specials) -> list[SFTExample]:

@@ -1,0 +1,204 @@
+"""A stage's model as a Hugging Face folder with its model card, and asking it a question.
+
+`export_model_dir` is what `moe-pipeline model export` runs: the model folder a training stage
+wrote (or an import) becomes what `AutoModelForCausalLM.from_pretrained` and vLLM load
+(moe/hf.py), with the tokenizer the model was trained with and a README.md that says where it
+came from: the lineage's input and code hashes, the evaluation table and the bill, when the
+pipeline's reports are there.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from moe.errors import InputError
+from moe.hf import ExportPlan, export_hf, export_plan, load_model_dir, native_tokenizer_config
+from moe.model import MoETransformer
+from moe.tokenizer import load_tokenizer, specials
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def find_tokenizer(model_dir: Path, data_dir: Path) -> Path:
+    """The tokenizer.json a model was trained with: in its folder (an import), else the
+    prepared data's (a stage's model)."""
+    for folder in (model_dir, data_dir):
+        if (folder / "tokenizer.json").is_file():
+            return folder / "tokenizer.json"
+    raise InputError(
+        f"no tokenizer.json in {model_dir} nor in {data_dir}: name the prepared data with"
+        " --data (the folder the prepare stage wrote)"
+    )
+
+
+def model_card(model_dir: Path, plan: ExportPlan, model: MoETransformer, reports: Path) -> str:
+    spec = _read(model_dir / "model.json")
+    lineage = _read(model_dir / "lineage.json")
+    summary = _read(reports / "summary.json")
+    metrics = _read(reports / "metrics.json")
+    cost = _read(reports / "cost.json")
+    c, m = model.cfg, model.mcfg
+    lines = [
+        "---",
+        "library_name: transformers",
+        "tags: [moe, text-to-sql, moe-pipeline]",
+        "---",
+        f"# {model_dir.name} ({plan.architecture})",
+        "",
+        f"A Mixture-of-Experts model trained by moe-pipeline: {c.n_layer} blocks, d_model"
+        f" {c.d_model}, {m.num_experts} experts per MoE layer, top-{m.top_k};"
+        f" {model.num_params() / 1e6:.2f}M parameters, {model.num_params(True) / 1e6:.2f}M"
+        " active per token.",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        'model = AutoModelForCausalLM.from_pretrained("PATH")',
+        'tokenizer = AutoTokenizer.from_pretrained("PATH")',
+        "```",
+        "",
+        *[f"- {n}" for n in plan.notes],
+    ]
+    source = spec.get("source")
+    if source:
+        lines += [
+            "",
+            "## Started from",
+            f"{source.get('model_type')} at `{source.get('path')}`"
+            + (" (dense, upcycled to MoE)" if source.get("upcycled") else ""),
+        ]
+        for name, digest in sorted((source.get("files") or {}).items()):
+            lines.append(f"- `{name}` sha256 `{digest}`")
+    if lineage:
+        lines += [
+            "",
+            "## Lineage",
+            f"Stage `{lineage.get('stage')}`, code `{lineage.get('code')}`.",
+        ]
+        for key, entry in sorted((lineage.get("inputs") or {}).items()):
+            lines.append(f"- input `{key}`: `{entry.get('path')}` sha256 `{entry.get('sha256')}`")
+    if summary or metrics:
+        lines += [
+            "",
+            "## Evaluation",
+            "| stage | perplexity | execution accuracy (domain) | generic |",
+            "|---|---|---|---|",
+        ]
+        for stage, row in summary.items():
+            if isinstance(row, dict) and "ppl" in row:
+                lines.append(
+                    f"| {stage} | {row['ppl']} | {row['exec_acc']} |"
+                    f" {row.get('generic_exec_acc', '')} |"
+                )
+        kinds = ((metrics.get(model_dir.name) or {}).get("sql") or {}).get("by_kind") or {}
+        if kinds:
+            lines += [
+                "",
+                "Per kind of question (domain test set): "
+                + ", ".join(
+                    f"{k} {v.get('execution_accuracy', v) if isinstance(v, dict) else v}"
+                    for k, v in sorted(kinds.items())
+                ),
+            ]
+    if cost:
+        cur = cost.get("currency", "")
+        lines += ["", "## The bill", "| stage | pool | cost |", "|---|---|---|"]
+        for stage, row in (cost.get("stages") or {}).items():
+            if isinstance(row, dict):
+                lines.append(f"| {stage} | {row.get('pool', '')} | {row.get('cost', '')} {cur} |")
+        lines.append(
+            f"\nTotal {cost.get('total')} {cur}; saving against one pool"
+            f" {cost.get('saving')} {cur}."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def export_model_dir(
+    model_dir: Path, out: Path, data_dir: Path, reports: Path, prefer: str = ""
+) -> ExportPlan:
+    """`moe-pipeline model export`: refuses before writing anything when no architecture
+    represents the model exactly; `out` is replaced only when the new folder is complete."""
+    model_dir = Path(model_dir)
+    model = load_model_dir(model_dir)
+    spec = _read(model_dir / "model.json")
+    source = spec.get("source") or {}
+    prefer = prefer or source.get("model_type", "")
+    plan = export_plan(model, prefer)  # the refusal comes before any file is written
+    tok_path = find_tokenizer(model_dir, data_dir)
+    tok = load_tokenizer(tok_path)
+    sp = specials(tok, tok_path)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok_dir = Path(tmp)
+        (tok_dir / "tokenizer.json").write_bytes(tok_path.read_bytes())
+        beside = tok_path.parent
+        if (beside / "tokenizer_config.json").is_file():
+            from moe.hf import copy_tokenizer
+
+            copy_tokenizer(beside, tok_dir)
+        else:  # our own tokenizer: say which tokens are special, for AutoTokenizer
+            names = {sp.eos: tok.id_to_token(sp.eos), sp.pad: tok.id_to_token(sp.pad)}
+            config = native_tokenizer_config(names[sp.eos], names[sp.pad], model.cfg.seq_len)
+            (tok_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+        ids = {"eos": sp.eos, "pad": sp.pad, "bos": sp.bos}
+        card = model_card(model_dir, plan, model, reports)
+        return export_hf(
+            model,
+            out,
+            tok_dir,
+            ids,
+            card,
+            prefer=prefer,
+            max_positions=int(source.get("max_position_embeddings") or 0),
+        )
+
+
+def ask(
+    model_dir: Path,
+    question: str,
+    db: Path,
+    data_dir: Path,
+    max_new_tokens: int = 128,
+    time_limit_s: float = 2.0,
+    row_limit: int = 10_000,
+    schema_values: int = 0,
+) -> dict[str, Any]:
+    """The SQL the model writes for `question` over the database `db` (its schema read from
+    the file as prepare reads it), and the rows that SQL returns on a read-only,
+    time-limited connection."""
+    import torch
+
+    from moe.sql import SqlPair, prompt_text
+    from moe.sqldb import ReadOnlyDb, SchemaStyle, inspect_database, open_checked, serialize_schema
+
+    con = open_checked(db)
+    try:
+        schema = serialize_schema(inspect_database(con), SchemaStyle(values=schema_values))
+    finally:
+        con.close()
+    model = load_model_dir(Path(model_dir), dtype=torch.float32).eval()
+    tok_path = find_tokenizer(Path(model_dir), data_dir)
+    tok = load_tokenizer(tok_path)
+    sp = specials(tok, tok_path)
+    pair = SqlPair(question, "", str(db), schema)
+    prompt = [*sp.prefix, *tok.encode(prompt_text(pair), add_special_tokens=False).ids]
+    room = model.cfg.seq_len - len(prompt)
+    if room < 1:
+        raise InputError(
+            f"the question with the schema of {db} is {len(prompt)} tokens; the model reads"
+            f" {model.cfg.seq_len}: ask about a smaller database"
+        )
+    stop = {sp.eos} | {i for i in range(tok.get_vocab_size()) if "\n" in tok.decode([i])}
+    out = model.generate_batch([prompt], min(max_new_tokens, room), stop)[0]
+    sql = tok.decode(out).strip()
+    ro = ReadOnlyDb(db, time_limit_s=time_limit_s, row_limit=row_limit)
+    try:
+        return {"sql": sql, "outcome": ro.run(sql)}
+    finally:
+        ro.close()
