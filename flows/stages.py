@@ -126,6 +126,7 @@ def _corpus(cfg: Config) -> dict[str, Path]:
         "sql_domain_database": d.sql_domain_database,
         "sql_domain_pairs": d.sql_domain_pairs,
         "sql_domain_test": d.sql_domain_test,
+        "tokenizer": cfg.tokenizer.path,  # model.init's own tokenizer, or one the user named
     }
     out = {}
     for key, value in named.items():
@@ -219,6 +220,15 @@ def _train_summary(stage: str, result: Any, extra: dict[str, Any] | None = None)
 def _published(cfg: Config) -> dict[str, Path]:
     _receipt()  # a missing receipt says which stage to run
     return {"receipt": PUBLISHED / "receipt.json"}
+
+
+def _pretrain_inputs(cfg: Config) -> dict[str, Path]:
+    """The published data and, with model.init, the imported checkpoint (every file of the
+    folder content-hashed: the lineage names the weights it started from)."""
+    out = _published(cfg)
+    if cfg.model.init:
+        out["init"] = Path(cfg.model.init)
+    return out
 
 
 def _pretrain(cfg: Config, record: StageRecord) -> Done:
@@ -426,7 +436,7 @@ STAGE_LIST: list[Stage] = [
         "pretrain",
         "Download and verify the published data, then pretrain the MoE model (GPU).",
         out=lambda cfg: MODELS / "pretrain",
-        inputs=_published,
+        inputs=_pretrain_inputs,
         handoff=_model_handoff("pretrain"),
         body=_pretrain,
         done="models/pretrain/ (metrics: reports/pretrain.json)",

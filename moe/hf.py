@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -158,6 +159,8 @@ TOKENIZER_FILES = (
     "added_tokens.json",
 )
 FORMAT = "moe-pipeline-model/1"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -1044,12 +1047,41 @@ def init_architecture(model: ModelConfig, moe: MoEConfig) -> tuple[ModelConfig, 
             f"model.init = {model.init!r}: no tokenizer.json in it; the model must be trained"
             " with its own tokenizer"
         )
+    source_type = _source_type(folder)
+    balancing = list(moe.balancing)
+    # ERNIE-4.5-MoE is the one architecture with a selection bias (export_plan); it has no
+    # q/k norm, no gated shared expert and always renormalises.
+    ernie_fits = (
+        arch_model.qk_norm == "none" and not shape["shared_expert_gate"] and shape["renormalize"]
+    )
+    from_moe = source_type in MOE_TYPES and source_type != "ernie4_5_moe"
+    if "aux_free" in balancing and (from_moe or not ernie_fits):
+        # The imported architecture has no selection bias: a model trained with one could
+        # not be exported back to it (export_plan refuses). Train it as it was made instead.
+        balancing = [m for m in balancing if m != "aux_free"]
+        if "aux_loss" not in balancing:
+            balancing.insert(0, "aux_loss")
+        log.warning(
+            "model.init is %s, whose router has no selection bias: moe.balancing aux_free"
+            " replaced by aux_loss (%s), so the trained model exports back to %s exactly",
+            source_type,
+            balancing,
+            source_type,
+        )
+    shape["balancing"] = balancing
     arch_model.init = model.init
     arch_model.init_pretrain = model.init_pretrain
     arch_model.seq_len = model.seq_len
     arch_model.init_std = model.init_std
     new_moe = MoEConfig(**{**asdict(moe), "growth": moe.growth, **shape})
     return arch_model, new_moe
+
+
+def _source_type(folder: Path) -> str:
+    """The Hugging Face model_type a model.init folder came from ("" if none)."""
+    if (folder / "model.json").is_file():
+        return (read_model_spec(folder).get("source") or {}).get("model_type", "")
+    return str(read_config(folder).get("model_type", ""))
 
 
 def build_init_model(model: ModelConfig, moe: MoEConfig) -> MoETransformer:

@@ -40,7 +40,7 @@ def make_tokenizer(folder: Path, vocab: int = 1024) -> int:
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
                 "bos_token": "<s>",
-                "eos_token": {"content": "</s>", "special": True},
+                "eos_token": "</s>",
                 "add_bos_token": True,
                 "model_max_length": 4096,
             }

@@ -1,0 +1,160 @@
+"""The whole pipeline from a model a user brings (model.init): transformers' own Qwen3-MoE with
+a tokenizer that is not ours (tests/hf_fixture.py), prepared with that tokenizer into uint32
+token files, continued-pretrained, finetuned twice, evaluated, then exported with
+`moe-pipeline model export` and loaded back by transformers, and asked a question."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.conftest import merge, tiny_params
+from tests.hf_fixture import make_qwen3_moe, make_tokenizer
+from tests.test_e2e import _copy_repo
+
+pytestmark = pytest.mark.slow
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def ran(
+    tmp_path_factory: pytest.TempPathFactory, prefect_server: dict[str, str]
+) -> tuple[Path, dict[str, str]]:
+    root = tmp_path_factory.mktemp("hfrepo")
+    _copy_repo(root)
+    vocab = make_tokenizer(root / "hf_model")
+    make_qwen3_moe(root / "hf_model", vocab)
+    params = merge(yaml.safe_load((root / "params.yaml").read_text()), tiny_params())
+    params["model"]["init"] = "hf_model"
+    params["pretrain"]["lr"] = 3e-4  # continued pretraining: a small rate
+    for stage in ("pretrain", "finetune_sql", "finetune_domain"):
+        params[stage]["batch_size"] = 4  # 71k-entry logits
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    env = {
+        **os.environ,
+        **prefect_server,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PYTHONPATH": str(root),
+    }
+    cli(root, env, "run")
+    return root, env
+
+
+def cli(
+    root: Path, env: dict[str, str], *args: str, ok: bool = True
+) -> subprocess.CompletedProcess:
+    r = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if ok:
+        assert r.returncode == 0, f"{args}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+def test_prepare_uses_the_models_own_tokenizer(ran: tuple[Path, dict[str, str]]) -> None:
+    root, _ = ran
+    meta = json.loads((root / "data/prepared/meta.json").read_text())
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] > 65_535
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(root / "hf_model/tokenizer.json"))
+    assert meta["eot_id"] == tok.token_to_id("</s>")  # read from tokenizer_config.json
+    # An SFT example: bos once, in front; the tokenizer's post-processor adds none inside.
+    from moe.tokenizer import specials
+    from tasks.training import sft_examples
+
+    sp = specials(tok, root / "data/prepared/tokenizer.json")
+    ex = sft_examples(root / "data/prepared/sql/domain_train.jsonl", tok, sp)[0]
+    bos = tok.token_to_id("<s>")
+    assert ex.prompt[0] == bos and bos not in ex.prompt[1:] and bos not in ex.response
+    assert ex.response[-1] == sp.eos
+
+
+def test_training_started_from_the_imported_weights(ran: tuple[Path, dict[str, str]]) -> None:
+    root, _ = ran
+    spec = json.loads((root / "models/pretrain/model.json").read_text())
+    assert spec["model"]["qk_norm"] == "head" and spec["model"]["n_kv_head"] == 2
+    assert "aux_free" not in spec["moe"]["balancing"]  # Qwen3-MoE has no selection bias
+    record = json.loads((root / "models/pretrain/lineage.json").read_text())
+    assert record["inputs"]["init"]["path"] == "hf_model" and record["inputs"]["init"]["sha256"]
+    # The pretrain loss started near the imported model's (random weights over 71k tokens:
+    # ln 71032 = 11.2), not where a fresh init of another shape would.
+    rows = [
+        json.loads(x)
+        for x in (root / "models/pretrain/metrics.jsonl").read_text().splitlines()
+        if x
+    ]
+    first = next(r for r in rows if "loss" in r)
+    assert 10.0 < first["loss"] < 12.5
+
+
+def test_the_finetuned_model_exports_to_what_transformers_loads(
+    ran: tuple[Path, dict[str, str]],
+) -> None:
+    root, env = ran
+    out = cli(root, env, "model", "export", "models/finetune_domain", "--out", "export")
+    assert "Qwen3MoeForCausalLM" in out.stdout
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        root / "export", dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.values()), info
+    from moe.hf import load_model_dir
+
+    ours = load_model_dir(root / "models/finetune_domain", dtype=torch.float32).eval()
+    idx = torch.randint(0, 70_000, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert float((ours(idx)[0] - hf.eval()(idx).logits).abs().max()) < 1e-4
+    tok = transformers.AutoTokenizer.from_pretrained(root / "export")
+    assert tok.eos_token == "</s>"
+    card = (root / "export/README.md").read_text()
+    for section in ("## Started from", "## Lineage", "## Evaluation", "## The bill"):
+        assert section in card
+    assert "model.safetensors" in card  # the imported checkpoint's hash is named
+    # The folder it replaced is only replaced when an export is complete: a refused export
+    # (unequal expert counts after a growth edit here) leaves the last one in place.
+    before = (root / "export/config.json").read_text()
+    bad = root / "models/bad"
+    bad.mkdir()
+    spec = json.loads((root / "models/finetune_domain/model.json").read_text())
+    spec["moe"]["balancing"] = ["util_aware"]
+    (bad / "model.json").write_text(json.dumps(spec))
+    (bad / "model.safetensors").write_bytes(
+        (root / "models/finetune_domain/model.safetensors").read_bytes()
+    )
+    r = cli(root, env, "model", "export", "models/bad", "--out", "export", ok=False)
+    assert r.returncode == 2 and "utilisation-aware" in r.stderr
+    assert (root / "export/config.json").read_text() == before
+
+
+def test_ask_prints_the_sql_and_what_it_returns(ran: tuple[Path, dict[str, str]]) -> None:
+    root, env = ran
+    db = sorted((root / "data/prepared/sql/dbs").glob("*.sqlite"))[0]
+    r = cli(
+        root,
+        env,
+        "ask",
+        "models/finetune_domain",
+        "How many rows are there?",
+        "--db",
+        str(db),
+        ok=False,
+    )
+    # Six finetuning steps do not make a SQL writer: the answer may not run. Either way the
+    # SQL comes first, then its rows or why it did not run, on a read-only connection.
+    assert r.returncode in (0, 1), r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines and (lines[-1].startswith("-- ") or r.returncode == 0)
+    missing = cli(root, env, "ask", "models/finetune_domain", "q", "--db", "nope.sqlite", ok=False)
+    assert missing.returncode == 2 and "nope.sqlite" in missing.stderr
