@@ -50,6 +50,7 @@ from tasks.presentation import (
     publish_cost_table,
     run_report,
 )
+from tasks.publish import export_final
 from tasks.storage import download_dataset, open_store, publish_dataset
 from tasks.tracking import wandb_run
 from tasks.training import finetune_model, pretrain_model
@@ -62,6 +63,7 @@ tasks.offline_defaults()
 PUBLISHED = Path("data/published")
 MODELS = Path("models")
 REPORTS = Path("reports")
+EXPORT = MODELS / "export"  # the final model as a Hugging Face folder (evaluate.export_model)
 
 
 # ------------------------------------------------------------------------- declarations
@@ -348,13 +350,17 @@ def _evaluate(cfg: Config, record: StageRecord) -> Done:
     write_json(REPORTS / "metrics.json", metrics)
     write_json(REPORTS / "summary.json", headline(metrics, ledger))
     run_report(out / "report.md", receipt, commit, metrics, ledger, cost_png, plot, heatmaps)
+    outputs = {
+        "metrics": REPORTS / "metrics.json",
+        "cost": REPORTS / "cost.json",
+        "summary": REPORTS / "summary.json",
+    }
+    if cfg.evaluate.export_model and trained:  # the final model, as transformers loads it
+        metrics["export"] = export_final(cfg, MODELS / trained[-1], EXPORT, data_dir, REPORTS)
+        outputs["export"] = EXPORT
     return Done(
         metrics,
-        {
-            "metrics": REPORTS / "metrics.json",
-            "cost": REPORTS / "cost.json",
-            "summary": REPORTS / "summary.json",
-        },
+        outputs,
         summary={
             "cost_total": ledger["total"],
             **{f"{s}_ppl": round(metrics[s]["val"]["perplexity"], 3) for s in trained},
@@ -466,9 +472,10 @@ STAGE_LIST: list[Stage] = [
             REPORTS / "cost.json",
             REPORTS / "summary.json",
             *_files(REPORTS / "evaluate"),
+            *_files(EXPORT),
         ],
         body=_evaluate,
-        done="reports/metrics.json, reports/cost.json, reports/evaluate/report.md",
+        done="reports/metrics.json, reports/cost.json, reports/evaluate/report.md, models/export/",
         reads=lambda cfg: [
             (PUBLISHED / "receipt.json", "publish"),
             *((MODELS / s / "model.safetensors", s) for s in _trained()),

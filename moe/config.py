@@ -625,6 +625,11 @@ class EvaluateConfig:
     batch_size: int = knob(64, ge=1)  # questions decoded together
     # auto: the GPU when the evaluating machine has one, else the CPU
     device: str = knob("auto", pattern=DEVICE, note="auto, cpu, cuda or cuda:N")
+    # Last: the final model as a Hugging Face folder (models/export, with its model card),
+    # and that folder published where the data is (storage; storage.hf_model_repo for a Hub
+    # model repo), read back and checked by hash.
+    export_model: bool = True
+    publish_model: bool = True
 
 
 # --------------------------------------------------------------------------- building

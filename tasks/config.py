@@ -75,6 +75,10 @@ class StorageConfig:
     hf_repo: str = ""  # hf backend: a dataset repo id, e.g. "me/moe-data" (token from HF_TOKEN)
     hf_revision: str = ""  # hf backend: branch to publish to (empty = main)
     dataset_name: str = "stdlib-code"
+    model_name: str = "moe-sql"  # the exported model is published under this name
+    # hf backend: a *model* repo (owner/name) the exported model goes to, files at its root
+    # (empty = under models/ in storage.hf_repo)
+    hf_model_repo: str = ""
     zstd_level: int = knob(10, ge=1, le=22)
     zstd_threads: int = knob(-1, ge=-1)  # -1 = all cores
     cache_dir: str = ".cache/datasets"  # where training stages download published data
@@ -96,6 +100,19 @@ class StorageConfig:
                 "hf_repo",
                 self.hf_repo,
                 "the hf backend needs a dataset repo id like owner/name",
+            )
+        p.require(
+            bool(self.model_name) and "/" not in self.model_name,
+            "model_name",
+            self.model_name,
+            "must be a non-empty name without '/'",
+        )
+        if self.hf_model_repo:
+            p.require(
+                self.hf_model_repo.count("/") == 1 and all(self.hf_model_repo.split("/")),
+                "hf_model_repo",
+                self.hf_model_repo,
+                "must be a model repo id like owner/name",
             )
         p.require(
             bool(self.dataset_name) and "/" not in self.dataset_name,

@@ -202,3 +202,77 @@ def ask(
         return {"sql": sql, "outcome": ro.run(sql)}
     finally:
         ro.close()
+
+
+def publish_model(cfg: Any, folder: Path, name: str) -> dict[str, Any]:
+    """Upload an exported folder where the data is published, then read it back and check
+    every file's sha256 (what the lineage records is what the store holds).
+
+    - backend hf with storage.hf_model_repo: the files at the root of that *model* repo (what
+      `from_pretrained("owner/name", revision=TAG)` reads), tagged `NAME-VERSION`;
+    - otherwise (local, s3, hf datasets): `models/NAME/VERSION/` with a sha256 beside each
+      file and a manifest written last (tasks/storage.py `push_files`).
+
+    VERSION is the first 16 hex digits of the folder's content hash: the same model always
+    lands at the same address, a changed one never overwrites an old one."""
+    from moe.hashing import sha256_file
+    from tasks.lineage import content_hash
+    from tasks.storage import HfObjectStore, open_store, pull_files, push_files, put_text
+
+    folder = Path(folder)
+    files = {str(p.relative_to(folder)): p for p in sorted(folder.rglob("*")) if p.is_file()}
+    digests = {rel: sha256_file(p) for rel, p in files.items()}
+    version = content_hash(folder)[:16]
+    s = cfg.storage
+    with tempfile.TemporaryDirectory() as tmp:
+        back = Path(tmp)
+        if s.backend == "hf" and s.hf_model_repo:
+            store = HfObjectStore(s, repo=s.hf_model_repo, repo_type="model", prefix="")
+            for rel, path in files.items():
+                store.put(path, rel)
+            manifest = {"name": name, "version": version, "files": digests}
+            put_text(store, "moe-pipeline-manifest.json", json.dumps(manifest, indent=1))
+            tag = f"{name}-{version}"
+            store.tag(tag)
+            for rel in files:
+                (back / rel).parent.mkdir(parents=True, exist_ok=True)
+                store.get(rel, back / rel)
+            got = {rel: sha256_file(back / rel) for rel in files}
+            where = f"{store.uri}@{tag}"
+        else:
+            store = open_store(s)
+            prefix = f"models/{name}/{version}"
+            push_files(store, prefix, files, extra={"name": name, "version": version})
+            pull_files(store, prefix, back, "the upload did not complete")  # checks sha256
+            got = {rel: sha256_file(back / rel) for rel in files}
+            where = f"{store.uri}/{prefix}"
+    bad = sorted(rel for rel in files if got.get(rel) != digests[rel])
+    if bad:
+        raise ValueError(f"{where}: {bad[0]} read back does not match what was uploaded")
+    return {"uri": where, "version": version, "files": digests}
+
+
+def export_final(
+    cfg: Any, model_dir: Path, out: Path, data_dir: Path, reports: Path
+) -> dict[str, Any]:
+    """What the evaluate stage does last: export the final model (`evaluate.export_model`)
+    and publish it (`evaluate.publish_model`). A model that no architecture represents
+    exactly is not exported: `out` then holds EXPORT_REFUSED.md saying why, and the stage
+    goes on (the reason is in its metrics and lineage)."""
+    import logging
+    import shutil
+
+    log = logging.getLogger(__name__)
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        plan = export_model_dir(model_dir, out, data_dir, reports)
+    except InputError as e:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "EXPORT_REFUSED.md").write_text(f"# {model_dir} was not exported\n\n{e}\n")
+        log.warning("the final model was not exported: %s", e)
+        return {"exported": False, "reason": str(e)}
+    result: dict[str, Any] = {"exported": True, "architecture": plan.architecture}
+    if cfg.evaluate.publish_model:
+        result["published"] = publish_model(cfg, out, cfg.storage.model_name)
+        log.info("published the exported model to %s", result["published"]["uri"])
+    return result

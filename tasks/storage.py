@@ -137,52 +137,63 @@ class HfObjectStore:
     Published versions are also tagged (`tag()`), so a dataset version is a Hub revision too.
     """
 
-    def __init__(self, cfg: StorageConfig, api: Any = None) -> None:
+    def __init__(
+        self,
+        cfg: StorageConfig,
+        api: Any = None,
+        repo: str = "",
+        repo_type: str = "dataset",
+        prefix: str | None = None,
+    ) -> None:
+        """`repo`, `repo_type`, `prefix`: another repo than storage.hf_repo, e.g. the model
+        repo a published model goes to (files at its root, as from_pretrained reads them)."""
         from huggingface_hub import HfApi
 
         self.api = api if api is not None else HfApi()
-        self.repo, self.revision = cfg.hf_repo, cfg.hf_revision or None
-        self.prefix = cfg.prefix.strip("/")
-        self.uri = f"hf://datasets/{self.repo}" + (f"/{self.prefix}" if self.prefix else "")
+        self.repo, self.revision = repo or cfg.hf_repo, cfg.hf_revision or None
+        self.repo_type = repo_type
+        self.prefix = (cfg.prefix if prefix is None else prefix).strip("/")
+        kind = "datasets/" if repo_type == "dataset" else ""
+        self.uri = f"hf://{kind}{self.repo}" + (f"/{self.prefix}" if self.prefix else "")
 
     def _key(self, key: str) -> str:
         _check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def put(self, local: Path, key: str, storage_class: str = "") -> None:
-        self.api.create_repo(self.repo, repo_type="dataset", exist_ok=True, private=True)
+        self.api.create_repo(self.repo, repo_type=self.repo_type, exist_ok=True, private=True)
         self.api.upload_file(
             path_or_fileobj=str(local),
             path_in_repo=self._key(key),
             repo_id=self.repo,
-            repo_type="dataset",
+            repo_type=self.repo_type,
             revision=self.revision,
             commit_message=f"moe-pipeline: {key}",
         )
 
     def get(self, key: str, local: Path) -> None:
         cached = self.api.hf_hub_download(
-            self.repo, self._key(key), repo_type="dataset", revision=self.revision
+            self.repo, self._key(key), repo_type=self.repo_type, revision=self.revision
         )
         shutil.copyfile(cached, local)
 
     def exists(self, key: str) -> bool:
         return bool(
             self.api.file_exists(
-                self.repo, self._key(key), repo_type="dataset", revision=self.revision
+                self.repo, self._key(key), repo_type=self.repo_type, revision=self.revision
             )
         )
 
     def read_text(self, key: str) -> str:
         return Path(
             self.api.hf_hub_download(
-                self.repo, self._key(key), repo_type="dataset", revision=self.revision
+                self.repo, self._key(key), repo_type=self.repo_type, revision=self.revision
             )
         ).read_text()
 
     def tag(self, tag: str) -> None:
         self.api.create_tag(
-            self.repo, tag=tag, repo_type="dataset", revision=self.revision, exist_ok=True
+            self.repo, tag=tag, repo_type=self.repo_type, revision=self.revision, exist_ok=True
         )
 
 

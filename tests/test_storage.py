@@ -173,8 +173,8 @@ class FakeHfApi:
         return self.root / repo_id / (revision or "main") / filename
 
     def create_repo(self, repo_id: str, *, repo_type: str, exist_ok: bool, private: bool) -> None:
-        assert repo_type == "dataset" and exist_ok
-        self.calls.append(("create_repo", repo_id))
+        assert repo_type in ("dataset", "model") and exist_ok
+        self.calls.append(("create_repo", repo_id, repo_type))
 
     def upload_file(
         self,
@@ -186,7 +186,7 @@ class FakeHfApi:
         revision: str | None,
         commit_message: str,
     ) -> None:
-        assert repo_type == "dataset"
+        assert repo_type in ("dataset", "model")
         dest = self._path(repo_id, path_in_repo, revision)
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_bytes(Path(path_or_fileobj).read_bytes())
