@@ -356,8 +356,14 @@ def _evaluate(cfg: Config, record: StageRecord) -> Done:
         "summary": REPORTS / "summary.json",
     }
     if cfg.evaluate.export_model and trained:  # the final model, as transformers loads it
-        metrics["export"] = export_final(cfg, MODELS / trained[-1], EXPORT, data_dir, REPORTS)
+        export = export_final(cfg, MODELS / trained[-1], EXPORT, data_dir, REPORTS)
+        metrics["export"] = export
         outputs["export"] = EXPORT
+        # flat, for the lineage record: what the final model became and where it lives
+        metrics["model_export"] = export.get("architecture") or f"refused: {export['reason']}"
+        if "published" in export:
+            metrics["model_uri"] = export["published"]["uri"]
+        write_json(REPORTS / "metrics.json", metrics)  # the card read it; now with the export
     return Done(
         metrics,
         outputs,

@@ -158,3 +158,21 @@ def test_ask_prints_the_sql_and_what_it_returns(ran: tuple[Path, dict[str, str]]
     assert lines and (lines[-1].startswith("-- ") or r.returncode == 0)
     missing = cli(root, env, "ask", "models/finetune_domain", "q", "--db", "nope.sqlite", ok=False)
     assert missing.returncode == 2 and "nope.sqlite" in missing.stderr
+
+
+def test_the_evaluate_stage_exports_and_publishes_the_final_model(
+    ran: tuple[Path, dict[str, str]],
+) -> None:
+    root, _ = ran
+    config = json.loads((root / "models/export/config.json").read_text())
+    assert config["model_type"] == "qwen3_moe"  # back to the architecture it came from
+    export = json.loads((root / "reports/metrics.json").read_text())["export"]
+    assert export["exported"] and export["architecture"] == "Qwen3MoeForCausalLM"
+    pub = export["published"]
+    stored = root / "store" / "models" / "moe-sql" / pub["version"] / "manifest.json"
+    manifest = json.loads(stored.read_text())
+    assert manifest["files"]["model.safetensors"]["sha256"] == pub["files"]["model.safetensors"]
+    record = json.loads((root / "reports/evaluate/lineage.json").read_text())
+    assert record["outputs"]["export"]["path"] == "models/export"
+    assert record["metrics"]["model_uri"] == pub["uri"]
+    assert record["metrics"]["model_export"] == "Qwen3MoeForCausalLM"
