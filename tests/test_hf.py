@@ -336,3 +336,43 @@ def test_import_writes_a_model_folder_with_the_sources_hashes(tmp_path: Path) ->
     idx = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         assert float((ours(idx)[0] - hf_logits(hf, idx)).abs().max()) < 1e-5
+
+
+def test_qwen3s_own_tokenizer_prepares_into_uint32_token_files(tmp_path: Path) -> None:
+    """A real outside tokenizer: Qwen3's tokenizer.json (151,669 tokens) and its
+    tokenizer_config.json (eos <|im_end|>, pad <|endoftext|>, no bos)."""
+    from tokenizers import Tokenizer
+
+    from moe.data import TokenStore
+    from moe.tokenizer import specials
+    from tasks.config import Config
+    from tasks.data import build_tokenizer, tokenize_corpus
+    from tests.qwen3_tokenizer import qwen3_tokenizer
+
+    folder = qwen3_tokenizer()
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = "SELECT name FROM 歌手 WHERE 国家 = '中国'; -- 查询所有中国歌手的名字\n"
+    for i in range(40):
+        (corpus / f"doc{i}.txt").write_text(text * (i % 3 + 1) + f"第{i}篇文档。\n")
+    cfg = Config()
+    cfg.data.source, cfg.data.out_dir = str(corpus), str(tmp_path / "out")
+    cfg.tokenizer.path = str(folder / "tokenizer.json")
+    work = tmp_path / "work"
+    work.mkdir()
+    path = build_tokenizer.fn(cfg, work)
+    assert (work / "tokenizer_config.json").is_file()  # its special tokens travel with it
+    tok = Tokenizer.from_file(str(path))
+    sp = specials(tok, path)
+    assert (sp.eos, sp.pad, sp.bos) == (
+        tok.token_to_id("<|im_end|>"),
+        tok.token_to_id("<|endoftext|>"),
+        None,
+    )
+    meta = tokenize_corpus.fn(cfg, work, path)
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] > 150_000
+    assert meta["eot_id"] == sp.eos
+    store = TokenStore(work, "train")
+    ids = store.tokens[: len(store.tokens)].astype("int64").tolist()
+    assert max(ids) > 65_535  # ids a uint16 file would have wrapped
+    assert "中国歌手" in tok.decode([i for i in ids if i != sp.eos])
