@@ -471,11 +471,16 @@ class BatchSampler:
             )
         self.store, self.batch_size, self.seq_len, self.seed = store, batch_size, seq_len, seed
 
-    def batch_at(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def batch_at(
+        self, step: int, micro: int = 0, seq_len: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """Windows of `seq_len` tokens (default: the sampler's own; shorter ones come from the
+        same starts, so a batch is still a function of the step alone)."""
+        S = min(seq_len or self.seq_len, self.seq_len)
         rng = np.random.default_rng([self.seed, micro, step])
         starts = rng.integers(0, len(self.store) - self.seq_len - 1, size=self.batch_size)
-        # One vectorised gather of the (B, seq_len + 1) windows.
-        rows = self.store.tokens[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int64)
+        # One vectorised gather of the (B, S + 1) windows.
+        rows = self.store.tokens[starts[:, None] + np.arange(S + 1)].astype(np.int64)
         t = torch.from_numpy(rows)
         return t[:, :-1], t[:, 1:], None
 
@@ -555,8 +560,10 @@ class SFTBatches:
 
 
 class MixedBatches:
-    """SFT batches plus `replay.batch_size` rows of pretraining windows (replay),
-    padded to one width: the replay rows carry loss on every token."""
+    """SFT batches plus `replay.batch_size` rows of pretraining windows (replay), the
+    windows as wide as that step's SFT rows: the replay rows carry loss on every token and
+    never widen the batch (at the replay sampler's full width, a quarter of the rows held
+    ~40% of a finetune batch's tokens in the demo; bench/RESULTS.md)."""
 
     def __init__(self, sft: SFTBatches, replay: BatchSampler) -> None:
         self.sft, self.replay = sft, replay
@@ -565,7 +572,7 @@ class MixedBatches:
         self, step: int, micro: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x, y, w = self.sft.batch_at(step, micro)
-        rx, ry, _ = self.replay.batch_at(step, micro)
+        rx, ry, _ = self.replay.batch_at(step, micro, seq_len=x.shape[1])
         width = max(x.shape[1], rx.shape[1])
 
         def pad(t: torch.Tensor, value: float) -> torch.Tensor:

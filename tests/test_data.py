@@ -240,9 +240,16 @@ def test_mixed_batches_add_replay_rows_with_full_loss(tmp_path: Path) -> None:
     sft = SFTBatches([SFTExample([5, 6], [7, 1])], batch_size=3, max_len=8, seed=0, pad_id=2)
     mixed = MixedBatches(sft, BatchSampler(TokenStore(tmp_path, "train"), 2, 8, seed=0))
     x, y, w = mixed.batch_at(0)
-    assert x.shape == (5, 8) and y.shape == (5, 8) and w.shape == (5, 8)
+    # The replay windows are as wide as the step's SFT rows (3 tokens), never wider...
+    assert x.shape == (5, 3) and y.shape == (5, 3) and w.shape == (5, 3)
     assert (y[3:] != -100).all()  # replay rows: loss on every token
-    assert (y[:3, 3:] == -100).all()  # SFT rows: padded beyond their response
+    # ...and they are the starts of the windows the sampler draws at full width.
+    full_x, _, _ = BatchSampler(TokenStore(tmp_path, "train"), 2, 8, seed=0).batch_at(0)
+    assert torch.equal(x[3:], full_x[:, :3])
+    # A wider SFT batch (an 8-token example) gets replay windows of 7.
+    sft = SFTBatches([SFTExample([5, 6, 7, 8], [9, 10, 11, 1])], 3, max_len=8, seed=0, pad_id=2)
+    x, y, _ = MixedBatches(sft, BatchSampler(TokenStore(tmp_path, "train"), 2, 8, 0)).batch_at(0)
+    assert x.shape == (5, 7) and (y[3:] != -100).all()
 
 
 def test_fast_batch_encoder_gives_the_same_ids_as_encode_batch() -> None:
