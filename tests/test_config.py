@@ -128,38 +128,50 @@ def _bounded_fields(section: object, path: str) -> list[tuple[str, tuple, str]]:
     return out
 
 
-def _just_outside(ge: float | None, gt: float | None, le: float | None, lt: float | None) -> float:
-    if ge is not None:
-        return ge - 1
-    if gt is not None:
-        return gt
-    return le + 1 if le is not None else lt
+def _just_outside(
+    ge: float | None, gt: float | None, le: float | None, lt: float | None
+) -> dict[str, float]:
+    """A value just outside each side the range declares: {"low": ..., "high": ...}."""
+    out = {}
+    if ge is not None or gt is not None:
+        out["low"] = ge - 1 if ge is not None else gt
+    if le is not None or lt is not None:
+        out["high"] = le + 1 if le is not None else lt
+    return out
 
 
 def test_every_declared_range_is_enforced_with_its_key_and_file_line(tmp_path: Path) -> None:
     """Each knob's range or pattern (declared on the field, checked by one path) refuses a
-    value just outside it, naming the key path, the range and the line, in one report for all."""
+    value just outside it, on each side it declares (one report for all the lower sides,
+    one for all the upper), naming the key path, the range and the line."""
     fields = _bounded_fields(Config(), "")
     keys = [k for k, _, _ in fields]
     assert len(keys) > 100 and "pools.definitions.gpu-h100.price_per_hour" in keys
     assert {"pretrain.device", "evaluate.device", "multinode.namespace"} <= set(keys)
-    raw: dict = {}
-    expected = {}
+    probes: dict[str, dict[str, object]] = {"low": {}, "high": {}}
     for key, bounds, _ in fields:
         # a pattern field (device, namespace) gets a string no pattern matches
-        bad = "Not A/Match" if bounds is None else _just_outside(*bounds)
-        node = raw
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = bad
-        expected[key] = bad
-    with pytest.raises(ConfigError) as err:
-        load_config(write(tmp_path, raw))
-    problems = {p.split(" = ")[0]: p for p in err.value.problems}
-    for key in expected:
-        assert key in problems, key
-        assert " must be " in problems[key] and "params.yaml, line" in problems[key], problems[key]
+        sides = {"low": "Not A/Match"} if bounds is None else _just_outside(*bounds)
+        for side, bad in sides.items():
+            probes[side][key] = bad
+    assert "checkpoint.hot_level" in probes["high"]  # level 30 must not pass
+    assert len(probes["high"]) > 15
+    for side, expected in probes.items():
+        raw: dict = {}
+        for key, bad in expected.items():
+            node = raw
+            *parents, leaf = key.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = bad
+        with pytest.raises(ConfigError) as err:
+            load_config(write(tmp_path, raw))
+        problems = {p.split(" = ")[0]: p for p in err.value.problems}
+        for key in expected:
+            assert key in problems, f"{key} = {expected[key]} ({side} side) was accepted"
+            assert " must be " in problems[key] and "params.yaml, line" in problems[key], (
+                problems[key]
+            )
 
 
 def test_not_a_mapping_and_missing_file(tmp_path: Path) -> None:
