@@ -169,9 +169,9 @@ def test_every_declared_range_is_enforced_with_its_key_and_file_line(tmp_path: P
         problems = {p.split(" = ")[0]: p for p in err.value.problems}
         for key in expected:
             assert key in problems, f"{key} = {expected[key]} ({side} side) was accepted"
-            assert " must be " in problems[key] and "params.yaml, line" in problems[key], (
-                problems[key]
-            )
+            assert " must be " in problems[key] and "params.yaml, line" in problems[key], problems[
+                key
+            ]
 
 
 def test_not_a_mapping_and_missing_file(tmp_path: Path) -> None:

@@ -40,17 +40,45 @@ def test_budget_alert_on_a_tiny_budget() -> None:
     assert ledger["budget_alert"] is True and ledger["budget_used"] > 1
 
 
-def test_phases_sum_to_the_stage_cost() -> None:
+def test_each_phase_is_billed_by_value_on_a_known_schedule() -> None:
+    """Loss falls 0.05 a step to step 60 then sits at 5.00-5.02; cost is 0.01 a step. Warm-up
+    is steps 0-20 (0.20), convergence 20-60 (0.40), plateau 60-100 (0.40): each phase by its
+    own value, not by a sum that holds whatever the split."""
     rows = [
         {"step": s, "loss": 8 - s * 0.05 if s < 60 else 5.0 + (s % 3) * 0.01, "cost": s * 0.01}
         for s in range(10, 101, 10)
     ]
     phases = phase_costs(rows, warmup_steps=20)
-    assert phases["warm-up"] == pytest.approx(0.2)
     assert phases["plateau_from_step"] == 60
-    total = phases["warm-up"] + phases["convergence"] + phases["plateau"]
-    assert total == pytest.approx(rows[-1]["cost"])
+    assert phases["warm-up"] == pytest.approx(0.2)
+    assert phases["convergence"] == pytest.approx(0.4)
+    assert phases["plateau"] == pytest.approx(0.4)
+    # A schedule still falling at the end: no plateau, all after warm-up is convergence.
+    falling = [{"step": s, "loss": 8 - s * 0.05, "cost": s * 0.01} for s in range(10, 101, 10)]
+    phases = phase_costs(falling, warmup_steps=20)
+    assert phases["convergence"] == pytest.approx(0.8) and phases["plateau"] == 0.0
     assert phase_costs([], 10) == {}
+
+
+def test_a_multi_node_stage_is_billed_for_every_machine(tmp_path: Path) -> None:
+    """The lineage price, the trainer's budget and reports/cost.json all count each of the
+    stage's machines."""
+    from tasks.lineage import StageRecord
+    from tasks.training import _price
+
+    cfg = Config()
+    cfg.pretrain.nodes = 4
+    pool = cfg.pools.definitions[cfg.pools.stages["pretrain"]]
+    assert pool.rate > 0
+    assert _price(cfg, "pretrain") == pytest.approx(4 * pool.rate)  # the trainer's Budget
+    record = StageRecord(cfg, "pretrain", tmp_path).build({}, {}, compute_s=3600.0)
+    assert record["machines"] == 4 and record["price_per_hour"] == pytest.approx(4 * pool.rate)
+    assert record["cost"] == pytest.approx(4 * pool.rate, rel=1e-4)  # one hour of 4 machines
+    ledger = cost_ledger(cfg, [record])
+    assert ledger["by_stage"]["pretrain"]["cost"] == pytest.approx(4 * pool.rate, rel=1e-4)
+    top = max(p.rate for p in cfg.pools.definitions.values())
+    # the same hour on the dearest pool also rents 4 machines
+    assert ledger["all_on_pool"]["cost"] == pytest.approx(4 * top * record["wall_s"] / 3600)
 
 
 def test_storage_and_chart(tmp_path: Path) -> None:

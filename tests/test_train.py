@@ -270,6 +270,32 @@ def test_early_stop_in_training_is_recorded_and_checkpointed(tmp_path: Path) -> 
     assert rows[-1]["step"] == 10 and set(rows[-1]) == {"step", "checkpoint_stall_s"}
 
 
+def test_a_multi_node_budget_stop_comes_when_the_machines_total_reaches_it(
+    tmp_path: Path,
+) -> None:
+    """The stage's price is its pool's rate times its machines (tasks/training.py `_price`):
+    on 2 machines at $1800/hour each, $0.5 is spent at step 8 (1/16 s a step), half the
+    steps one machine would take."""
+    from tasks.config import Config
+    from tasks.training import _price
+
+    data = _data(tmp_path / "data")
+    stops = {}
+    for nodes in (1, 2):
+        cfg = Config()
+        cfg.pools.definitions[cfg.pools.stages["pretrain"]].price_per_hour = 1800.0
+        cfg.pools.definitions[cfg.pools.stages["pretrain"]].pricing = "on_demand"
+        cfg.pretrain.nodes = nodes
+        t = _trainer(data, tmp_path / f"n{nodes}", 30)
+        ticks = iter(range(10**6))
+        t.clock = lambda ticks=ticks: next(ticks) / 16
+        t.budget = Budget(price_per_hour=_price(cfg, "pretrain"), left=0.5, alert=0.3)
+        result = t.fit()
+        assert result.stop_reason.startswith("budget")
+        stops[nodes] = result.steps
+    assert stops == {1: 16, 2: 8}
+
+
 def test_budget_warns_then_stops_with_a_checkpoint(tmp_path: Path) -> None:
     data = _data(tmp_path / "data")
     t = _trainer(data, tmp_path / "b", 30)
