@@ -125,6 +125,9 @@ class TrainResult:
     experts_per_layer: list[int] = field(default_factory=list)
     # Interruptions survived, their cost and goodput; the checkpoint interval and its inputs.
     resilience: dict[str, Any] = field(default_factory=dict)
+    # The process group it trained in: "nccl" or "gloo" and how many processes ("" and 1 alone)
+    backend: str = ""
+    world: int = 1
 
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -780,4 +783,6 @@ class Trainer:
             expert_events=self.expert_events,
             experts_per_layer=self.model.experts_per_layer(),
             resilience=resilience,
+            backend=str(dist.get_backend()) if dist.is_initialized() else "",
+            world=self.world,
         )

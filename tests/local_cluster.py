@@ -145,6 +145,23 @@ class LocalCluster:
         return self.root / name / f"pod-{index}"
 
 
+def reset() -> None:
+    """Forget every Job and stop the pods a test left running: the class-level lists and
+    the module's Jobs are per test, so tests pass alone and in any order in one process
+    (tests/test_multinode.py runs this around each test)."""
+    with _LOCK:
+        jobs = list(_JOBS.values())
+        _JOBS.clear()
+    for job in jobs:
+        for p, log in job.get("procs", []):
+            if p.poll() is None:
+                _signal(p, signal.SIGKILL)
+                p.wait()
+            log.close()
+    LocalCluster.created.clear()
+    LocalCluster.deleted.clear()
+
+
 def _signal(p: subprocess.Popen, sig: int) -> None:
     """Signal a pod: its whole process group (each pod is a session of its own)."""
     try:

@@ -72,4 +72,5 @@ def test_pretrain_under_torchrun_on_two_gpus_uses_nccl(tmp_path: Path) -> None:
     rows: list[dict] = []
     result = pretrain_model.fn(cfg, data, tmp_path / "model", rows.append)
     assert result.steps == 4 and json.dumps(rows)
+    assert (result.backend, result.world) == ("nccl", 2)  # not a silent gloo fallback
     assert load_model(tmp_path / "model").moe_layers[0].experts.w13_EDG.shape[0] == 4

@@ -148,6 +148,7 @@ def test_pretrain_stage_runs_under_torchrun_and_resumes(tmp_path: Path) -> None:
     out = tmp_path / "model"
     result = pretrain_model.fn(cfg, data, out, rows.append)
     assert result.steps == 4 and result.val_loss is not None
+    assert (result.backend, result.world) == ("gloo", 2)  # the CPU process group
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
     model = load_model(out)  # world size 1
     assert model.moe_layers[0].experts.w13_EDG.shape[0] == 4

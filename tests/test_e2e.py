@@ -476,4 +476,13 @@ def test_dvc_metrics_and_experiments_read_at_a_glance(scratch: tuple[Path, dict[
     assert found, exps
     rev = found[0]["revs"][0]["data"]
     assert rev["params"]["params.yaml"]["data"]["finetune_domain"]["lr"] == 3e-4
-    assert "finetune_domain" in rev["metrics"]["reports/summary.json"]["data"]
+    got = rev["metrics"]["reports/summary.json"]["data"]
+    # The changed param moved the stage it feeds, and only that one: finetune_domain's
+    # perplexity differs from the baseline's, pretrain's and finetune_sql's are the same.
+    assert got["finetune_domain"]["ppl"] != summary["finetune_domain"]["ppl"]
+    assert got["pretrain"]["ppl"] == summary["pretrain"]["ppl"]
+    assert got["finetune_sql"]["ppl"] == summary["finetune_sql"]["ppl"]
+    # The README's comparison command runs and shows the changed param beside the figures.
+    wide = {**env, "COLUMNS": "400"}  # a terminal wide enough that no column is cut
+    table = _run(["dvc", "exp", "show", "--only-changed", "--no-pager"], root, wide).stdout
+    assert "lr3e-4" in table and "finetune_domain.lr" in table and "0.0003" in table

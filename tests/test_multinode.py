@@ -33,6 +33,16 @@ from tests.local_cluster import LocalCluster
 from tests.test_distributed import torchrun_config
 
 
+@pytest.fixture(autouse=True)
+def _fresh_cluster() -> Any:
+    """Every test starts with no Job and leaves no pod running (tests/local_cluster.py)."""
+    from tests import local_cluster
+
+    local_cluster.reset()
+    yield
+    local_cluster.reset()
+
+
 def _spec(cfg: Any, nodes: int = 2) -> NodeJob:
     return NodeJob(
         job="moe-pretrain-abcdef12-0a1b2c",
@@ -245,10 +255,24 @@ def test_a_new_flow_run_follows_the_job_its_predecessor_launched(tmp_path: Path)
     cluster = LocalCluster(tmp_path / "cluster")
     config_map, _, job = manifests(cfg, spec, "img")
     pod = job["spec"]["template"]["spec"]["containers"][0]
-    pod["command"] = ["python", "-c", "import time; time.sleep(1)"]  # a Job still training
+    # A Job still training: its pods run until the launcher has found and followed it (the
+    # first job_state read releases them), so no sleep has to outlast the launcher's setup.
+    release = tmp_path / "release"
+    pod["command"] = [
+        "python",
+        "-c",
+        f"import os, time\nwhile not os.path.exists({str(release)!r}): time.sleep(0.02)",
+    ]
     cluster.create(config_map)
     cluster.create(job)
     LocalCluster.created.clear()
+    follow = cluster.job_state
+
+    def job_state(namespace: str, name: str) -> Any:
+        release.touch()
+        return follow(namespace, name)
+
+    cluster.job_state = job_state  # type: ignore[method-assign]
     with pytest.raises(InputError, match="Job moe-pretrain-orphan ended without its outputs"):
         run_on_cluster(cfg, "pretrain", {}, data, tmp_path / "out", lambda r: None, cluster=cluster)
     assert LocalCluster.created == []  # nothing launched
@@ -275,3 +299,150 @@ def test_a_job_whose_pods_never_start_fails_instead_of_waiting(tmp_path: Path) -
     state = _follow(Pending(), store, cfg.multinode, "moe-x", "pretrain/x", "pretrain", 2)
     assert not state.complete and "only 0 of 2 pods running" in state.reason
     assert Pending.deleted == ["Job"]
+
+
+class Scripted:
+    """A stand-in for the Kubernetes API server (none runs here) that answers job_state
+    from a script of states, one per poll, and records what is deleted."""
+
+    def __init__(self, states: list[Any]) -> None:
+        self.states, self.deleted = list(states), []
+
+    def job_state(self, namespace: str, name: str) -> Any:
+        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        self.deleted.append(kind)
+
+
+def test_a_job_whose_pods_all_run_outlives_the_join_timeout(tmp_path: Path) -> None:
+    """join_timeout_s is how long the pods may take to *start*; once all run, the Job
+    trains as long as it needs. The timeout here is 0 s: already past at every poll, so
+    only having seen every pod running keeps the Job alive (no wall-clock margin)."""
+    from tasks.multinode import JobState, _follow
+
+    running = JobState(active=2, ready=2)
+    cluster = Scripted([running] * 6 + [JobState(succeeded=2, complete=True)])
+    cfg = _h100_cfg()
+    cfg.multinode.join_timeout_s, cfg.multinode.poll_s = 0, 0.0
+    store = open_store(StorageConfig(backend="local", root=str(tmp_path)))
+    state = _follow(cluster, store, cfg.multinode, "moe-x", "pretrain/x", "pretrain", 2)
+    assert state.complete and cluster.deleted == []
+
+
+def _launch_config(tmp_path: Path) -> Any:
+    cfg = torchrun_config("cpu")
+    cfg.pretrain.nodes, cfg.pretrain.nproc = 2, 1
+    cfg.storage = StorageConfig(backend="local", root=str(tmp_path / "store"))
+    cfg.multinode.poll_s = 0.05
+    return cfg
+
+
+def _quick_job(cluster: LocalCluster, cfg: Any, job: str, run_key: str, seconds: float) -> None:
+    """A Job of two pods that sleep `seconds` and exit 0, as the launcher renders it."""
+    spec = NodeJob(job, run_key.split("/")[0], run_key, {}, {}, 2, 1, "x:1", 60)
+    config_map, _, manifest = manifests(cfg, spec, "img")
+    pod = manifest["spec"]["template"]["spec"]["containers"][0]
+    pod["command"] = ["python", "-c", f"import time; time.sleep({seconds})"]
+    cluster.create(config_map)
+    cluster.create(manifest)
+
+
+def test_a_cancelled_flow_run_deletes_its_job_and_an_ended_one_keeps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The follower stops (the flow run ends) while the Job trains. Cancelled by the user:
+    the Job goes, the machines bill. Otherwise (the flow run's machine went away) the Job
+    trains on, and after a Job ends, its Job object is kept for its logs."""
+    import tasks.multinode as mn
+    from moe.errors import InputError
+    from tasks.training import training_fingerprint
+    from tests.test_train import _data
+
+    cfg = _launch_config(tmp_path)
+    data = _data(tmp_path / "data")
+    run_key = f"pretrain/{training_fingerprint(cfg, 'pretrain', data)[:16]}"
+    for cancelled in (True, False):
+        cluster = LocalCluster(tmp_path / f"cluster-{cancelled}")
+        job = f"moe-pretrain-follow-{str(cancelled).lower()}"
+        _quick_job(cluster, cfg, job, run_key, 30)
+        monkeypatch.setattr(mn, "_cancelled", lambda c=cancelled: c)  # Prefect's answer
+
+        def stop(*a: Any, **k: Any) -> Any:  # the flow run ends while the Job trains
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(mn, "_follow", stop)
+        LocalCluster.deleted.clear()
+        with pytest.raises(KeyboardInterrupt):
+            run_on_cluster(
+                cfg, "pretrain", {}, data, tmp_path / "out", lambda r: None, cluster=cluster
+            )
+        kinds = {k for k, name in LocalCluster.deleted if name == job}
+        assert kinds == ({"Job", "Service", "ConfigMap"} if cancelled else set()), kinds
+        cluster.delete("Job", "default", job)  # tidy: stop the sleeping pods
+    # A Job that ended: its Service and ConfigMap go, the Job (its pods' logs) stays.
+    monkeypatch.undo()
+    cluster = LocalCluster(tmp_path / "cluster-ended")
+    _quick_job(cluster, cfg, "moe-pretrain-ended", run_key, 0)
+    LocalCluster.deleted.clear()
+    with pytest.raises(InputError, match="ended without its outputs"):
+        run_on_cluster(cfg, "pretrain", {}, data, tmp_path / "out", lambda r: None, cluster=cluster)
+    assert {k for k, _ in LocalCluster.deleted} == {"Service", "ConfigMap"}
+
+
+def test_a_recovered_flow_run_adopts_only_its_own_stages_job(tmp_path: Path) -> None:
+    """Another stage's Job (its own run key) trains in the same namespace: a flow run of
+    pretrain launches its own Job and leaves that one alone."""
+    from tasks.training import training_fingerprint
+    from tests.test_train import _data
+
+    cfg = _launch_config(tmp_path)
+    data = _data(tmp_path / "data")
+    cluster = LocalCluster(tmp_path / "cluster")
+    other_key = "finetune_sql/0123456789abcdef"
+    _quick_job(cluster, cfg, "moe-finetune-sql-other", other_key, 30)
+    assert cluster.running_jobs("default", {}) == ["moe-finetune-sql-other"]
+    LocalCluster.created.clear()
+    LocalCluster.deleted.clear()
+
+    def fail_fast(manifest: dict[str, Any]) -> None:  # stop right after the launch
+        LocalCluster.created.append(manifest)
+        raise RuntimeError("quota")
+
+    cluster.create = fail_fast  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="quota"):
+        run_on_cluster(cfg, "pretrain", {}, data, tmp_path / "out", lambda r: None, cluster=cluster)
+    own = f"pretrain/{training_fingerprint(cfg, 'pretrain', data)[:16]}"
+    launched = [m for m in LocalCluster.created if m["kind"] == "ConfigMap"]
+    assert launched and launched[0]["metadata"]["name"].startswith("moe-pretrain-")
+    assert own.replace("/", ".") in json.dumps(launched[0]["metadata"]["labels"])
+    assert not any(name == "moe-finetune-sql-other" for _, name in LocalCluster.deleted)
+
+
+def test_the_nodes_run_the_commits_image_from_the_image_repo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prefect.yaml builds `$MOE_IMAGE_REPO:<commit>-gpu`; the launcher puts that image in
+    the Job it creates (read back from the manifest the cluster received)."""
+    from tests.test_train import _data
+
+    cfg = _launch_config(tmp_path)
+    cfg.pools.definitions[cfg.pools.stages["pretrain"]].image = ""
+    monkeypatch.setenv("MOE_IMAGE_REPO", "registry.example.com/team/moe")
+    monkeypatch.setenv("MOE_CODE_COMMIT", "0a1b2c3d")
+    data = _data(tmp_path / "data")
+    cluster = LocalCluster(tmp_path / "cluster")
+    LocalCluster.created.clear()
+
+    def record_only(manifest: dict[str, Any]) -> None:
+        LocalCluster.created.append(manifest)
+        if manifest["kind"] == "Job":
+            raise RuntimeError("stop after the Job is rendered")
+
+    cluster.create = record_only  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="stop after"):
+        run_on_cluster(cfg, "pretrain", {}, data, tmp_path / "out", lambda r: None, cluster=cluster)
+    (job,) = [m for m in LocalCluster.created if m["kind"] == "Job"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    tier = "gpu" if cfg.pool_of("pretrain")[1].gpus else "cpu"
+    assert container["image"] == f"registry.example.com/team/moe:0a1b2c3d-{tier}"

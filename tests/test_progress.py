@@ -34,3 +34,49 @@ def test_training_rows_move_the_progress_and_reach_the_logger(
     assert seen == [{"step": 10, "loss": 3.0}, {"step": 10, "val_loss": 2.9}]  # W&B gets all
     # the trainer logs its own lines: the progress adds none
     assert not [r for r in caplog.records if r.name == "tasks.progress"]
+
+
+def test_on_a_terminal_the_bar_renders_and_without_one_plain_lines(tmp_path) -> None:
+    """The same progress call in a child process whose stderr is a pseudo-terminal draws
+    rich's bar (step counts and the bar's glyphs); with stderr a pipe it writes log lines."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    script = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stderr, format='%(message)s')\n"
+        "from tasks.progress import progress\n"
+        "with progress('evaluate-demo', 20, 'questions') as update:\n"
+        "    for i in range(1, 21):\n"
+        "        update(i)\n"
+    )
+    env = {**os.environ, "COLUMNS": "120", "TERM": "xterm", "PYTHONPATH": os.getcwd()}
+    primary, secondary = pty.openpty()
+    p = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=secondary,
+        env=env,
+    )
+    os.close(secondary)
+    chunks = []
+    while True:
+        try:
+            data = os.read(primary, 65536)
+        except OSError:  # the child closed its end
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert p.wait(timeout=120) == 0
+    os.close(primary)
+    tty_out = b"".join(chunks).decode("utf-8", "replace")
+    assert "20/20" in tty_out and "━" in tty_out, tty_out[-500:]
+    assert "evaluate-demo: 20 of 20 questions" not in tty_out  # the bar, not log lines
+    piped = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert "evaluate-demo: 20 of 20 questions" in piped.stderr and "━" not in piped.stderr

@@ -100,6 +100,10 @@ def test_the_training_fingerprint_covers_params_data_and_start_model(tmp_path: P
         assert fp("pretrain", changed) != pre, changed
     for same in ("pretrain.nproc=1", "finetune_sql.lr=0.01", "evaluate.batch_size=3"):
         assert fp("pretrain", same) == pre, same
+    # Machines come and go: a run moved to 2 nodes (or back) resumes its checkpoint.
+    multi = ("storage.backend=s3", "storage.bucket=bkt")
+    assert fp("pretrain", *multi, "pretrain.nodes=2") == fp("pretrain", *multi)
+    assert fp("finetune_sql", *multi, "finetune_sql.nodes=2") == fp("finetune_sql", *multi)
     assert fp("finetune_sql", "finetune_sql.lr=0.01") != sql
     assert fp("finetune_sql", "finetune_sql.replay_ratio=0") != sql
     assert fp("finetune_sql", "finetune_domain.lr=0.01", "finetune_sql.nproc=1") == sql
