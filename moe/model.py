@@ -278,9 +278,16 @@ class MoETransformer(nn.Module):
         idx_BS: torch.Tensor,
         targets_BS: torch.Tensor | None = None,
         loss_weight_BS: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, MoEAux]:
+        logits: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, MoEAux]:
         """Logits (B, S, V); the mean cross-entropy over targets != -100, weighted per token
-        when loss_weight_BS is given; and the MoE auxiliaries."""
+        when loss_weight_BS is given; and the MoE auxiliaries.
+
+        `logits=False` (training and scoring, which read only the loss) returns None for the
+        logits and runs the output head only where a target counts: in finetuning the prompt
+        carries no loss and is ~80% of the tokens, and the head over a 4096-token vocabulary is
+        about half of this small model's forward FLOPs (bench/RESULTS.md). The loss is the
+        same (tests/test_moe.py)."""
         B, S = idx_BS.shape
         if S > self.cfg.seq_len:
             raise ValueError(
@@ -291,18 +298,24 @@ class MoETransformer(nn.Module):
         x = self.embed(idx_BS)
         for block in self.blocks:
             x = block(x, self.rope_cos, self.rope_sin, aux)
-        logits_BSV = self.lm_head(self.norm(x))
-        loss = None
-        if targets_BS is not None:
-            ce = F.cross_entropy(
-                logits_BSV.float().view(-1, logits_BSV.size(-1)),
-                targets_BS.reshape(-1),
-                ignore_index=-100,
-                reduction="none",
-            )
-            mask = (targets_BS.reshape(-1) != -100).float()
-            w = mask if loss_weight_BS is None else mask * loss_weight_BS.reshape(-1).float()
-            loss = (ce * w).sum() / w.sum().clamp_min(1e-8)
+        h_BSD = self.norm(x)
+        if targets_BS is None:
+            return self.lm_head(h_BSD), None, aux
+        t_T = targets_BS.reshape(-1)
+        w_T = None if loss_weight_BS is None else loss_weight_BS.reshape(-1).float()
+        logits_BSV = None
+        if logits:
+            logits_BSV = self.lm_head(h_BSD)
+            logits_TV = logits_BSV.view(-1, logits_BSV.size(-1))
+        else:  # only the positions that carry loss go through the head
+            keep_T = (t_T != -100).nonzero().squeeze(1)
+            logits_TV = self.lm_head(h_BSD.reshape(B * S, -1)[keep_T])
+            t_T = t_T[keep_T]
+            w_T = None if w_T is None else w_T[keep_T]
+        ce = F.cross_entropy(logits_TV.float(), t_T, ignore_index=-100, reduction="none")
+        mask = (t_T != -100).float()
+        w = mask if w_T is None else mask * w_T
+        loss = (ce * w).sum() / w.sum().clamp_min(1e-8)
         return logits_BSV, loss, aux
 
     def num_params(self, active_only: bool = False) -> int:

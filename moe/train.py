@@ -399,7 +399,10 @@ class Trainer:
             x, y, w = self._rows(v.source.batch_at(0, i))
             with self._autocast():
                 _, loss, _ = self.model(
-                    x.to(self.device), y.to(self.device), None if w is None else w.to(self.device)
+                    x.to(self.device),
+                    y.to(self.device),
+                    None if w is None else w.to(self.device),
+                    logits=False,
                 )
             losses.append(float(self._mean_over_ranks(loss.detach().float())))
         self.model.train()
@@ -592,7 +595,9 @@ class Trainer:
             x, y, w = self._rows(self.batches.batch_at(self.step, micro))
             x, y = x.to(self.device), y.to(self.device)
             with self._autocast():
-                _, loss, aux = self.model(x, y, None if w is None else w.to(self.device))
+                _, loss, aux = self.model(
+                    x, y, None if w is None else w.to(self.device), logits=False
+                )
                 total = loss + aux.balance_loss
             (total / cfg.grad_accum).backward()
             counts = aux.tokens_per_expert

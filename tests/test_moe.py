@@ -355,3 +355,30 @@ def test_layer_matches_hugging_face_qwen3_moe_block() -> None:
     with torch.no_grad():
         hf.experts.down_proj[0].mul_(2)
     assert not torch.allclose(ours(x, MoEAux(zero, zero, zero)), hf(x))
+
+
+def test_the_loss_without_logits_equals_the_loss_with_them() -> None:
+    """logits=False runs the output head only where a target counts (finetuning's answer
+    tokens): the same loss and the same gradients as the full head, weights included."""
+    torch.manual_seed(0)
+    model = MoETransformer(
+        ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=24),
+        MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+        64,
+    )
+    x = torch.randint(0, 64, (3, 24))
+    y = x.clone()
+    y[:, :15] = -100  # the prompt carries no loss
+    y[2, 20:] = -100  # padding
+    w = torch.rand(3, 24) + 0.5
+    losses, grads = [], []
+    for logits in (True, False):
+        model.zero_grad()
+        out, loss, _ = model(x, y, w, logits=logits)
+        assert (out is None) == (not logits)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
