@@ -2,7 +2,7 @@
 
 A Qwen3-MoE built by transformers itself (`from_config`, random weights, saved in bf16 with
 `save_pretrained`, sharded) is imported, trained for a few AdamW steps and exported, each in
-its own process so that its peak resident memory (`ru_maxrss`) is its own. Memory is reported
+its own process so that its peak resident memory (VmHWM) is its own. Memory is reported
 as (peak - the process's resident memory before it touched the weights) over the bytes of
 the checkpoint's weights: an import that held the weights twice would show >= 2 there (the
 model is built in the checkpoint's dtype on the meta device and filled tensor by tensor).
@@ -42,6 +42,11 @@ def rss_mb() -> float:
 
 
 def peak_mb() -> float:
+    """This process's own peak RSS since exec (VmHWM). Not ru_maxrss: Linux carries into it
+    the RSS of the parent the child was forked from (here, the one that built the model)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

@@ -25,6 +25,13 @@ from pathlib import Path
 from moe.data import CorpusStats, iter_documents, write_token_store
 from moe.tokenizer import EOT, batch_encoder, train_tokenizer
 src, out = sys.argv[1], Path(sys.argv[2])
+def peak_mb():
+    # VmHWM: this process's own peak since exec. ru_maxrss is not: Linux carries into it the
+    # RSS of the parent it was forked from (a pytest worker that had loaded a large model).
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 tok = train_tokenizer(iter_documents(src, "text", 8_000_000, CorpusStats()), vocab_size=4096)
 stats = CorpusStats()
 t0 = time.time()
@@ -33,7 +40,7 @@ counts = write_token_store(
     tok.token_to_id(EOT), tok.get_vocab_size(), out, {"val": 0.01}, seed=0,
 )
 print(json.dumps({"bytes": stats.bytes, "documents": stats.documents, "counts": counts,
-                  "seconds": time.time() - t0, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "seconds": time.time() - t0, "peak_rss_mb": peak_mb()}))
 """
 
 

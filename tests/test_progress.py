@@ -37,8 +37,9 @@ def test_training_rows_move_the_progress_and_reach_the_logger(
 
 
 def test_on_a_terminal_the_bar_renders_and_without_one_plain_lines(tmp_path) -> None:
-    """The same progress call in a child process whose stderr is a pseudo-terminal draws
-    rich's bar (step counts and the bar's glyphs); with stderr a pipe it writes log lines."""
+    """The same progress call in a child process on a pseudo-terminal (stdout, where rich
+    draws, and stderr, which decides) draws the bar (counts and the bar's glyphs); with
+    stderr a pipe it writes log lines instead."""
     import os
     import pty
     import subprocess
@@ -57,7 +58,7 @@ def test_on_a_terminal_the_bar_renders_and_without_one_plain_lines(tmp_path) -> 
     p = subprocess.Popen(
         [sys.executable, "-c", script],
         stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
+        stdout=secondary,
         stderr=secondary,
         env=env,
     )
@@ -79,4 +80,5 @@ def test_on_a_terminal_the_bar_renders_and_without_one_plain_lines(tmp_path) -> 
     piped = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
     )
-    assert "evaluate-demo: 20 of 20 questions" in piped.stderr and "━" not in piped.stderr
+    assert "evaluate-demo: 20 of 20 questions" in piped.stderr
+    assert "━" not in piped.stderr + piped.stdout

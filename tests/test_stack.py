@@ -176,7 +176,8 @@ def test_pipeline_runs_every_stage_on_its_pools_worker(root: Path, pipeline: dic
     work = root / stack.STATE_DIR / "work"
     assert (work / "gpu-h100/models/pretrain/checkpoints/latest").is_file()
     assert not (work / "gpu-h100/data/prepared/train.bin").exists()
-    assert not (work / "cpu/models").exists()
+    # the user's side (cpu) gets the final model's export back, and no stage's own model
+    assert sorted(p.name for p in (work / "cpu/models").iterdir()) == ["export"]
     assert json.loads((work / "cpu/reports/metrics.json").read_text())["cost_total"] > 0
 
     keys = {a.key for a in pipeline["artifacts"]}
