@@ -1,7 +1,9 @@
 """A small Hugging Face model folder as a user brings one: transformers' own Qwen3-MoE (random
 weights, `from_config` + `save_pretrained`) with a tokenizer that is not ours: `</s>` ends a
-text, `<s>` begins one (its post-processor adds it, as Llama's does), no pad token, and a
-vocabulary over 65,535 entries (as Qwen3's 151k), so token files are uint32."""
+text, `<s>` begins one (its post-processor adds it, as Llama's does), no pad token, and an
+embedding larger than the vocabulary (as Qwen's). `extra` added tokens make the vocabulary
+as large as a test wants (uint32 token files past 65,535; tests/test_hf.py also prepares with
+Qwen3's real 151k-token tokenizer)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from moe.data import CorpusStats, iter_documents
 
-EXTRA = 70_000  # added tokens: vocabulary > 65,535
 
-
-def make_tokenizer(folder: Path, vocab: int = 1024) -> int:
-    """Train a BPE on the stdlib corpus, add EXTRA tokens, save tokenizer.json and
+def make_tokenizer(folder: Path, vocab: int = 1024, extra: int = 0) -> int:
+    """Train a BPE on the stdlib corpus, add `extra` tokens, save tokenizer.json and
     tokenizer_config.json in `folder`. Returns the vocabulary size."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -29,7 +29,7 @@ def make_tokenizer(folder: Path, vocab: int = 1024) -> int:
     )
     docs = iter_documents("stdlib", "text", 400_000, CorpusStats())
     tok.train_from_iterator(docs, trainer=trainer)
-    tok.add_tokens([f"<extra_{i}>" for i in range(EXTRA)])
+    tok.add_tokens([f"<extra_{i}>" for i in range(extra)])
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]
     )

@@ -1,6 +1,6 @@
 """The whole pipeline from a model a user brings (model.init): transformers' own Qwen3-MoE with
-a tokenizer that is not ours (tests/hf_fixture.py), prepared with that tokenizer into uint32
-token files, continued-pretrained, finetuned twice, evaluated, then exported with
+a tokenizer that is not ours (tests/hf_fixture.py; 66,000 tokens, so prepare writes uint32
+token files), continued-pretrained, finetuned twice, evaluated, then exported with
 `moe-pipeline model export` and loaded back by transformers, and asked a question."""
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ def ran(
 ) -> tuple[Path, dict[str, str]]:
     root = tmp_path_factory.mktemp("hfrepo")
     _copy_repo(root)
-    vocab = make_tokenizer(root / "hf_model")
+    vocab = make_tokenizer(root / "hf_model", extra=65_000)  # 66,024 > 65,535
     make_qwen3_moe(root / "hf_model", vocab)
     params = merge(yaml.safe_load((root / "params.yaml").read_text()), tiny_params())
     params["model"]["init"] = "hf_model"
     params["pretrain"]["lr"] = 3e-4  # continued pretraining: a small rate
     for stage in ("pretrain", "finetune_sql", "finetune_domain"):
-        params[stage]["batch_size"] = 4  # 71k-entry logits
+        params[stage]["batch_size"] = 4  # 66k-entry logits
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     env = {
         **os.environ,
@@ -89,8 +89,8 @@ def test_training_started_from_the_imported_weights(ran: tuple[Path, dict[str, s
     assert "aux_free" not in spec["moe"]["balancing"]  # Qwen3-MoE has no selection bias
     record = json.loads((root / "models/pretrain/lineage.json").read_text())
     assert record["inputs"]["init"]["path"] == "hf_model" and record["inputs"]["init"]["sha256"]
-    # The pretrain loss started near the imported model's (random weights over 71k tokens:
-    # ln 71032 = 11.2), not where a fresh init of another shape would.
+    # The pretrain loss started near the imported model's (random weights over 66k tokens:
+    # ln 66032 = 11.1), not where a fresh init of another shape would.
     rows = [
         json.loads(x)
         for x in (root / "models/pretrain/metrics.jsonl").read_text().splitlines()
@@ -113,7 +113,7 @@ def test_the_finetuned_model_exports_to_what_transformers_loads(
     from moe.hf import load_model_dir
 
     ours = load_model_dir(root / "models/finetune_domain", dtype=torch.float32).eval()
-    idx = torch.randint(0, 70_000, (2, 24), generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(0, 66_000, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert float((ours(idx)[0] - hf.eval()(idx).logits).abs().max()) < 1e-4
     tok = transformers.AutoTokenizer.from_pretrained(root / "export")
