@@ -77,10 +77,12 @@ def model_card(model_dir: Path, plan: ExportPlan, model: MoETransformer, reports
         for name, digest in sorted((source.get("files") or {}).items()):
             lines.append(f"- `{name}` sha256 `{digest}`")
     if lineage:
+        code = lineage.get("code") or {}
+        commit = str(code.get("commit", "unknown")) + (" (dirty)" if code.get("dirty") else "")
         lines += [
             "",
             "## Lineage",
-            f"Stage `{lineage.get('stage')}`, code `{lineage.get('code')}`.",
+            f"Stage `{lineage.get('stage')}`, code at commit `{commit}`.",
         ]
         for key, entry in sorted((lineage.get("inputs") or {}).items()):
             lines.append(f"- input `{key}`: `{entry.get('path')}` sha256 `{entry.get('sha256')}`")
@@ -97,20 +99,21 @@ def model_card(model_dir: Path, plan: ExportPlan, model: MoETransformer, reports
                     f"| {stage} | {row['ppl']} | {row['exec_acc']} |"
                     f" {row.get('generic_exec_acc', '')} |"
                 )
-        kinds = ((metrics.get(model_dir.name) or {}).get("sql") or {}).get("by_kind") or {}
+        kinds = ((metrics.get(model_dir.name) or {}).get("sql") or {}).get("by_template") or {}
         if kinds:
             lines += [
                 "",
-                "Per kind of question (domain test set): "
+                "Execution accuracy per kind of question (domain test set): "
                 + ", ".join(
-                    f"{k} {v.get('execution_accuracy', v) if isinstance(v, dict) else v}"
+                    f"{k} {v['execution_accuracy']:.2f} ({v['examples']})"
                     for k, v in sorted(kinds.items())
+                    if isinstance(v, dict) and "execution_accuracy" in v
                 ),
             ]
     if cost:
         cur = cost.get("currency", "")
         lines += ["", "## The bill", "| stage | pool | cost |", "|---|---|---|"]
-        for stage, row in (cost.get("stages") or {}).items():
+        for stage, row in (cost.get("by_stage") or {}).items():
             if isinstance(row, dict):
                 lines.append(f"| {stage} | {row.get('pool', '')} | {row.get('cost', '')} {cur} |")
         lines.append(

@@ -122,6 +122,8 @@ def test_the_finetuned_model_exports_to_what_transformers_loads(
     for section in ("## Started from", "## Lineage", "## Evaluation", "## The bill"):
         assert section in card
     assert "model.safetensors" in card  # the imported checkpoint's hash is named
+    assert "code at commit" in card and "| finetune_domain |" in card  # lineage; the bill
+    assert "Execution accuracy per kind of question" in card
     # The folder it replaced is only replaced when an export is complete: a refused export
     # (unequal expert counts after a growth edit here) leaves the last one in place.
     before = (root / "export/config.json").read_text()
