@@ -124,3 +124,33 @@ def test_training_resumes_from_a_checkpoint_that_lives_in_s3(
     assert weights_digest(model_tensors(resumed.model)) == weights_digest(
         model_tensors(straight.model)
     )
+
+
+def test_a_failing_after_save_hook_does_not_skip_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After each save the offload runs, then the multi-node mirror. The offload failing (the
+    object store refusing, here) is logged and the mirror still follows the save."""
+    import logging
+
+    import tasks.checkpoints as ck
+    from tasks.multinode import mirror_prefix
+    from tasks.storage import open_store
+
+    cfg = Config(
+        storage=StorageConfig(backend="local", root=str(tmp_path / "store")),
+        checkpoint=CheckpointConfig(offload=True),
+    )
+
+    def refuse(*a: object, **k: object) -> None:
+        raise ConnectionError("the object store refused the upload")
+
+    monkeypatch.setattr(ck, "offload", refuse)
+    monkeypatch.setenv("MOE_CHECKPOINT_MIRROR", "pretrain/abc")
+    store = checkpoint_store(cfg, tmp_path / "ckpt", "pretrain/abc")
+    store.background = False
+    model, opt, rng, state = _state(1)
+    with caplog.at_level(logging.WARNING, logger="tasks.checkpoints"):
+        store.save(1, model, opt, rng, state, param_names=NAMES, expert_load=LOAD)
+    assert "the object store refused the upload" in caplog.text
+    assert open_store(cfg.storage).exists(f"{mirror_prefix('pretrain/abc')}/manifest.json")
