@@ -112,3 +112,58 @@ def test_the_training_fingerprint_covers_params_data_and_start_model(tmp_path: P
     assert fp("finetune_sql") != sql and fp("pretrain") == pre
     (data / "meta.json").write_text('{"splits": {"train": {"sha256": "b"}}}')  # other data
     assert fp("pretrain") != pre and fp("finetune_sql") != sql
+
+
+def test_checkpoint_every_auto_reaches_the_trainer_from_the_stage_pool(tmp_path: Path) -> None:
+    """checkpoint.every: auto through the real pretrain task: the stage's pool's
+    mean_hours_between_interruptions is what the trainer's interval rule reads (not a field
+    set on the trainer by hand), and the chosen interval is in the stage's result."""
+    import numpy as np
+
+    from moe.data import token_dtype, write_token_store
+    from tasks.config import load_config
+    from tasks.training import pretrain_model
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 60, 300).tolist() for _ in range(20)]
+    counts = write_token_store(
+        iter(map(str, range(20))),
+        lambda b: [docs[int(i)] for i in b],
+        0,
+        64,
+        data,
+        {"val": 0.2},
+        1,
+    )
+    (data / "meta.json").write_text(
+        json.dumps({"dtype": str(token_dtype(64)), "vocab_size": 64, "splits": counts})
+    )
+    small = [
+        "model.n_layer=1",
+        "model.d_model=32",
+        "model.n_head=2",
+        "model.seq_len=16",
+        "model.dense_hidden=32",
+        "moe.num_experts=4",
+        "moe.expert_hidden=32",
+        "pretrain.max_steps=12",
+        "pretrain.batch_size=4",
+        "pretrain.device=cpu",
+        "pretrain.log_every=2",
+        "pretrain.eval_every=6",
+        "pretrain.eval_batches=1",
+        "finetune_sql.max_len=16",
+        "finetune_domain.max_len=16",
+        "checkpoint.every=auto",
+    ]
+    intervals = {}
+    for hours in (0.5, 4.0):
+        cfg = load_config(None, small)
+        pool = cfg.pools.definitions[cfg.pools.stages["pretrain"]]
+        pool.mean_hours_between_interruptions = hours
+        result = pretrain_model.fn(cfg, data, tmp_path / f"out-{hours}", lambda row: None)
+        intervals[hours] = result.resilience["checkpoint_interval"]
+        assert intervals[hours]["mtbi_s"] == hours * 3600
+    assert intervals[0.5]["rule"] == intervals[4.0]["rule"]
