@@ -388,7 +388,7 @@ def _interleave_rows(w: torch.Tensor, heads: int, head_dim: int, inverse: bool) 
     return w[idx]
 
 
-def _hf_names(mtype: str, i: int, moe_block: bool) -> dict[str, str]:
+def _hf_names(mtype: str, i: int) -> dict[str, str]:
     p = f"model.layers.{i}."
     mlp = p + ("block_sparse_moe." if mtype == "mixtral" else "mlp.")
     return {
@@ -417,7 +417,7 @@ def _our_tensors(
     ernie = mtype == "ernie4_5_moe"
     for i, block in enumerate(model.blocks):
         moe_block = isinstance(block.ffn, MoELayer)
-        n = _hf_names(mtype, i, moe_block)
+        n = _hf_names(mtype, i)
         p, ours = n["p"], f"blocks.{i}."
         yield ours + "norm1.weight", src.get(p + "input_layernorm.weight")
         yield ours + "norm2.weight", src.get(p + "post_attention_layernorm.weight")
@@ -775,7 +775,7 @@ def hf_tensors(model: MoETransformer, plan: ExportPlan) -> Iterator[tuple[str, t
     yield "model.norm.weight", model.norm.weight
     for i, block in enumerate(model.blocks):
         moe_block = isinstance(block.ffn, MoELayer)
-        n = _hf_names(t, i, moe_block)
+        n = _hf_names(t, i)
         p, a = n["p"], block.attn
         yield p + "input_layernorm.weight", block.norm1.weight
         yield p + "post_attention_layernorm.weight", block.norm2.weight
