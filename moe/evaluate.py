@@ -32,6 +32,12 @@ def perplexity(model: MoETransformer, sampler: BatchSampler, batches: int) -> di
 
 
 @torch.no_grad()
+def stop_ids(tok: Any, eos: int) -> set[int]:
+    """Where an answer ends: the end token, or any token that holds a newline (the SQL
+    answer is one line)."""
+    return {eos} | {i for i in range(tok.get_vocab_size()) if "\n" in tok.decode([i])}
+
+
 def sql_accuracy(
     model: MoETransformer,
     tok: Any,
@@ -54,8 +60,7 @@ def sql_accuracy(
     and is counted (`timeouts`, `row_limits`, `denied`). `progress(n)` hears how many are
     done. `prefix` (the model's bos, when it wants one) goes before every prompt."""
     model.eval()
-    # The response is one line: stop at the end token or at any token that holds a newline.
-    stop_ids = {eot_id} | {i for i in range(tok.get_vocab_size()) if "\n" in tok.decode([i])}
+    stop = stop_ids(tok, eot_id)
     keep = model.cfg.seq_len - max_new_tokens  # room for the prompt beside the answer
     if keep < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room in model.seq_len")
@@ -77,7 +82,7 @@ def sql_accuracy(
                     f" = {keep} tokens (the longest {n}, {p.origin or p.question!r}): raise"
                     " model.seq_len or lower evaluate.max_new_tokens, and prepare again"
                 )
-            outs = model.generate_batch(prompts, max_new_tokens, stop_ids)
+            outs = model.generate_batch(prompts, max_new_tokens, stop)
             for pair, out in zip(chunk, outs, strict=True):
                 if pair.db not in dbs:
                     dbs[pair.db] = ReadOnlyDb(db_dir / pair.db, time_limit_s, row_limit)

@@ -161,6 +161,8 @@ TOKENIZER_FILES = (
 FORMAT = "moe-pipeline-model/1"
 
 log = logging.getLogger(__name__)
+# safetensors' dtype names
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
 @dataclass
@@ -337,19 +339,26 @@ def read_architecture(folder: Path, moe_defaults: MoEConfig, seq_len: int) -> Ar
 # --------------------------------------------------------------------------- tensors
 
 
+def shard_files(folder: Path) -> tuple[list[str], dict[str, str]]:
+    """The safetensors files of a checkpoint folder (named by its index when it has one) and
+    the index's tensor -> file map ({} without an index)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+        weight_map = {}
+    if not files:
+        raise _refuse(folder, "no *.safetensors weights (a .bin checkpoint: convert it first)")
+    return files, weight_map
+
+
 class _Shards:
     """The tensors of a folder's safetensors files, read lazily through memory maps."""
 
     def __init__(self, folder: Path) -> None:
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(p.name for p in folder.glob("*.safetensors"))
-            weight_map = {}
-        if not files:
-            raise _refuse(folder, "no *.safetensors weights (a .bin checkpoint: convert it first)")
+        files, weight_map = shard_files(folder)
         self.folder = folder
         self.handles = {}
         for name in files:
@@ -371,11 +380,14 @@ class _Shards:
         self.used.add(key)
         return self.handles[self.where[key]].get_tensor(key)
 
+    def dtype(self, key: str) -> torch.dtype:
+        """A tensor's dtype from the file's header, without reading the tensor."""
+        if key not in self.where:
+            raise _refuse(self.folder, f"tensor {key!r} is missing from the checkpoint")
+        return _DTYPES[self.handles[self.where[key]].get_slice(key).get_dtype()]
+
     def unused(self) -> list[str]:
         return sorted(set(self.where) - self.used)
-
-    def files(self) -> list[str]:
-        return sorted(self.handles)
 
 
 def _interleave_rows(w: torch.Tensor, heads: int, head_dim: int, inverse: bool) -> torch.Tensor:
@@ -502,8 +514,7 @@ def load_hf_model(
     arch = read_architecture(folder, moe_defaults, seq_len)
     src = _Shards(folder)
     if dtype is None:
-        dtype = src.get("model.embed_tokens.weight").dtype
-        src.used.clear()
+        dtype = src.dtype("model.embed_tokens.weight")
     with torch.device("meta"):
         model = MoETransformer(arch.model, arch.moe, arch.vocab_size)
     model = model.to_empty(device="cpu").to(dtype)
@@ -912,15 +923,10 @@ def load_model_dir(model_dir: Path, dtype: torch.dtype | None = None) -> MoETran
         model = MoETransformer(cfg, MoEConfig(**moe_spec, growth=growth), spec["vocab_size"])
     if spec.get("experts_per_layer"):
         resize_model(model, spec["experts_per_layer"])
-    path = model_dir / "model.safetensors"
-    with safe_open(str(path), framework="pt") as f:
-        stored = f.get_slice("embed.weight").get_dtype()
-    dtype = dtype or {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(
-        stored, torch.float32
-    )
-    model = model.to_empty(device="cpu").to(dtype)
-    init_buffers(model)
-    with safe_open(str(path), framework="pt") as f:
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        dtype = dtype or _DTYPES[f.get_slice("embed.weight").get_dtype()]
+        model = model.to_empty(device="cpu").to(dtype)
+        init_buffers(model)
         load_model_tensors(model, {k: f.get_tensor(k) for k in f.keys()})
     return model
 
@@ -931,7 +937,7 @@ def import_model(src: Path, out_dir: Path, moe_defaults: MoEConfig, seq_len: int
     folder first: an interrupted import leaves `out_dir` as it was."""
     src, out_dir = Path(src), Path(out_dir)
     model, arch = load_hf_model(src, moe_defaults, seq_len)
-    weights = _Shards(src).files()
+    weights, _ = shard_files(src)
     inputs = ["config.json", *weights]
     if (src / "model.safetensors.index.json").is_file():
         inputs.append("model.safetensors.index.json")

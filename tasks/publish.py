@@ -197,7 +197,9 @@ def ask(
             f"the question with the schema of {db} is {len(prompt)} tokens; the model reads"
             f" {model.cfg.seq_len}: ask about a smaller database"
         )
-    stop = {sp.eos} | {i for i in range(tok.get_vocab_size()) if "\n" in tok.decode([i])}
+    from moe.evaluate import stop_ids
+
+    stop = stop_ids(tok, sp.eos)
     out = model.generate_batch([prompt], min(max_new_tokens, room), stop)[0]
     sql = tok.decode(out).strip()
     ro = ReadOnlyDb(db, time_limit_s=time_limit_s, row_limit=row_limit)
