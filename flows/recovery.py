@@ -162,6 +162,15 @@ def _progress(client: Any, flow_run_id: UUID) -> float | None:
     return max(figures) if figures else None
 
 
+def _recoveries(client: Any, flow_run_id: UUID) -> list[Any]:
+    """The recovery runs started for a crashed run (at most one: see the idempotency key)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    return client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[LINK + str(flow_run_id)]))
+    )
+
+
 def chain(client: Any, flow_run_id: UUID) -> list[Any]:
     """The crashed runs this one replaces, oldest first, ending with this one."""
     runs = [client.read_flow_run(flow_run_id)]
@@ -216,6 +225,10 @@ def recover(crashed: str) -> dict[str, Any]:
         if dep.name not in STAGES:
             return {"recovered": False, "why": f"deployment {dep.name} is not a stage"}
         params = dict(fr.parameters or {})
+        done = _recoveries(client, crashed_id)
+        if done:  # the automation fired again for the same crash: nothing more to start
+            log.info("flow run %s already has its recovery run %s", fr.name, done[0].name)
+            return {"recovered": True, "flow_run_id": str(done[0].id), "why": "already recovered"}
         rec = load_config(
             params.get("params_file"), params.get("overrides") or [], params.get("params")
         ).recovery
@@ -251,15 +264,11 @@ def follow(client: Any, fr: Any, wait_s: float, poll_s: float = 1.0) -> Any:
     starts one within seconds, unless the stage used up its attempts) and for that run's end;
     repeat. Returns the last run of the chain. Gives up on a run with no recovery after
     `wait_s` seconds, or at once when it is tagged as given up."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
-
     while fr.state is not None and fr.state.is_crashed():
         deadline = time.monotonic() + wait_s
         nxt = None
         while nxt is None:
-            found = client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[LINK + str(fr.id)]))
-            )
+            found = _recoveries(client, fr.id)
             if found:
                 nxt = found[0]
                 break

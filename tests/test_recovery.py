@@ -1,15 +1,23 @@
-"""flows/recovery.py without a server: when a crashed stage is run again and after how long,
-and the two automations as Prefect will evaluate them (the stack test runs them for real)."""
+"""flows/recovery.py: when a crashed stage is run again and after how long; the automations,
+the recover flow and the pipeline's `follow` against a real Prefect server (the test fixture's);
+the stack's watchdog with real worker processes. The stack test runs the whole loop with a
+machine lost twice."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from datetime import timedelta
-from uuid import uuid4
+from pathlib import Path
+from typing import Any
+from uuid import UUID
 
 import pytest
 
-from flows.recovery import STAGE_TAG, automations, decide
+from flows.recovery import GAVE_UP, LINK, RECOVERY_TAG, STAGE_TAG, decide, follow, recover
 from tasks.config import RecoveryConfig
+from tests.conftest import ROOT
 
 
 def test_a_run_that_made_progress_is_recovered_at_once_a_crash_loop_is_not() -> None:
@@ -28,28 +36,71 @@ def test_a_run_that_made_progress_is_recovered_at_once_a_crash_loop_is_not() -> 
     assert decide(rec, [None, None, None]) == (True, 10.0, "attempt 4, after 10 s")
 
 
-def test_the_automations_prefect_evaluates() -> None:
+FINAL = {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
+
+
+@pytest.fixture
+def client(prefect_server: dict[str, str]) -> Iterator[Any]:
+    """A client of the fixture's server; the recover flow's own `get_client` reaches it too."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: prefect_server["PREFECT_API_URL"]}):
+        with get_client(sync_client=True) as c:
+            yield c
+
+
+def _deployment(client: Any, flow: str, name: str, tags: list[str]) -> UUID:
+    return client.create_deployment(
+        flow_id=client.create_flow_from_name(flow),
+        name=name,
+        tags=tags,
+        entrypoint=f"flows/{flow}.py:{flow}",
+        enforce_parameter_schema=False,
+    )
+
+
+def test_the_automations_the_server_stores(client: Any) -> None:
+    """install() puts both automations on the server; read back, each trigger is whole."""
     from prefect.client.schemas.objects import StateType
     from prefect.events.schemas.automations import Posture
 
+    from flows.recovery import DETECT, RECOVER, install, remove
+
+    dep = _deployment(client, "recover", "recover", [])
     rec = RecoveryConfig(heartbeat_s=30, crashed_after_s=75)
-    dep = uuid4()
-    detect, recover = automations(rec, dep)
+    assert install(client, rec) == [DETECT, RECOVER]
+    assert install(client, rec) == [DETECT, RECOVER]  # again: replaced, not doubled
+    [detect] = client.read_automations_by_name(DETECT)
+    [recover] = client.read_automations_by_name(RECOVER)
     t = detect.trigger
     assert t.posture == Posture.Proactive and t.within == timedelta(seconds=75)
-    assert t.after == {"prefect.flow-run.heartbeat"} and "prefect.flow-run.Crashed" in t.expect
-    assert t.for_each == {"prefect.resource.id"}
+    assert t.threshold == 1
+    # armed by a heartbeat; disarmed by the next heartbeat or any final state, nothing else
+    assert t.after == {"prefect.flow-run.heartbeat"}
+    assert t.expect == {"prefect.flow-run.heartbeat", *FINAL}
+    assert t.match.get("prefect.resource.id") == ["prefect.flow-run.*"]
+    assert t.for_each == {"prefect.resource.id"}  # each run on its own clock
     # only the stage runs of this project: another project's runs on the same server (with
     # Prefect's default 180 s heartbeats) are never crashed by it
     assert t.match_related.get("prefect.resource.id") == [f"prefect.tag.{STAGE_TAG}"]
+    assert [a.type for a in detect.actions] == ["change-flow-run-state"]
     assert detect.actions[0].state == StateType.CRASHED
     r = recover.trigger
     assert r.expect == {"prefect.flow-run.Crashed"} and r.posture == Posture.Reactive
+    assert r.after == set() and r.threshold == 1
+    assert r.match.get("prefect.resource.id") == ["prefect.flow-run.*"]
     assert r.match_related.get("prefect.resource.id") == [f"prefect.tag.{STAGE_TAG}"]
-    action = recover.actions[0]
+    [action] = recover.actions
     assert action.deployment_id == dep and action.parameters == {
         "crashed": "{{ event.resource.id }}"
     }
+    assert detect.enabled and recover.enabled
+    remove(client)
+    assert not client.read_automations_by_name(DETECT)
+    assert not client.read_automations_by_name(RECOVER)
+    rec.enabled = False
+    assert install(client, rec) == [] and not client.read_automations_by_name(RECOVER)
 
 
 @pytest.mark.parametrize(
@@ -68,41 +119,195 @@ def test_settings_that_would_crash_live_runs_are_refused(key: str, value: int, w
         load_config(None, [f"recovery.{key}={value}"])
 
 
-class _Runs:
-    """The part of Prefect's client that `follow` reads, over runs held here."""
+def _crashed(
+    client: Any, dep: UUID, params: dict, tags: list[str] = (), progress: float | None = None
+) -> Any:
+    """A run of the stage deployment that crashed, having reached `progress` (its progress
+    artifact, as tasks/progress.py writes it)."""
+    from prefect.client.schemas.actions import ArtifactCreate
+    from prefect.states import Crashed
 
-    def __init__(self, *runs: object) -> None:
-        self.runs = {r.id: r for r in runs}
-
-    def read_flow_run(self, flow_run_id: object) -> object:
-        return self.runs[flow_run_id]
-
-    def read_flow_runs(self, flow_run_filter: object) -> list:
-        [tag] = flow_run_filter.tags.all_
-        return [r for r in self.runs.values() if tag in r.tags]
-
-
-def _run(name: str, state: object, tags: list[str] | None = None) -> object:
-    from types import SimpleNamespace
-
-    return SimpleNamespace(id=uuid4(), name=name, state=state, tags=tags or [])
+    fr = client.create_flow_run_from_deployment(dep, parameters=params, tags=list(tags))
+    if progress is not None:
+        client.create_artifact(ArtifactCreate(type="progress", data=progress, flow_run_id=fr.id))
+    client.set_flow_run_state(fr.id, Crashed(message="no heartbeat"), force=True)
+    return client.read_flow_run(fr.id)
 
 
-def test_follow_waits_through_the_chain_of_recovery_runs() -> None:
-    from prefect.states import Completed, Crashed
+def _recoveries_of(client: Any, fr: Any) -> list[Any]:
+    """Read here with the server's own tag filter, not through the code under test."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 
-    from flows.recovery import LINK, follow
+    return client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[LINK + str(fr.id)]))
+    )
 
-    a = _run("a", Crashed())
-    b = _run("b", Crashed(), [LINK + str(a.id)])
-    c = _run("c", Completed(), [LINK + str(b.id)])
-    assert follow(_Runs(a, b, c), a, wait_s=5, poll_s=0) is c
-    # no recovery run: after wait_s the crashed run is returned; one given up on: at once
-    assert follow(_Runs(a), a, wait_s=0, poll_s=0) is a
-    from flows.recovery import GAVE_UP
 
-    gave_up = _run("g", Crashed(), [GAVE_UP])
-    assert follow(_Runs(gave_up), gave_up, wait_s=3600, poll_s=0) is gave_up
-    # a run that did not crash is not followed
-    done = _run("d", Completed())
-    assert follow(_Runs(done), done, wait_s=3600) is done
+def test_a_crashed_stage_is_run_again_once_then_given_up_on(
+    client: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recover flow against the server: the crashed run's parameters and tags go to one
+    recovery run, however often the automation fires; when the attempts are used up the run
+    is tagged as given up, the log says why, and the pipeline's `follow` stops at it."""
+    from prefect.states import Completed
+
+    dep = _deployment(client, "pretrain", "pretrain", [STAGE_TAG])
+    params = {"overrides": ["recovery.max_attempts=1", "recovery.backoff_s=0"], "handoff": "k1"}
+    first = _crashed(client, dep, params, ["pool:gpu"])
+    assert STAGE_TAG in first.tags  # from the deployment: what the automations match on
+    got = recover.fn(crashed=f"prefect.flow-run.{first.id}")
+    assert got["recovered"] and got["delay_s"] == 0
+    again = recover.fn(crashed=f"prefect.flow-run.{first.id}")  # the automation fired twice
+    assert again == {
+        "recovered": True,
+        "flow_run_id": got["flow_run_id"],
+        "why": "already recovered",
+    }
+    # two recover runs that both looked before either had started its run (the automation
+    # fired twice at once): the server's idempotency key makes it one run
+    monkeypatch.setattr("flows.recovery._recoveries", lambda client, flow_run_id: [])
+    raced = recover.fn(crashed=f"prefect.flow-run.{first.id}")
+    monkeypatch.undo()
+    assert raced["flow_run_id"] == got["flow_run_id"]
+    [second] = _recoveries_of(client, first)
+    assert str(second.id) == got["flow_run_id"] and second.parameters == params
+    assert {RECOVERY_TAG, LINK + str(first.id), "pool:gpu"} <= set(second.tags)
+
+    # the recovery run crashes too: one recovery was allowed (max_attempts=1)
+    from prefect.states import Crashed
+
+    client.set_flow_run_state(second.id, Crashed(message="no heartbeat"), force=True)
+    with caplog.at_level(logging.ERROR, logger="flows.recovery"):
+        out = recover.fn(crashed=f"prefect.flow-run.{second.id}")
+    assert not out["recovered"] and "max_attempts" in out["why"]
+    assert GAVE_UP in client.read_flow_run(second.id).tags
+    assert not _recoveries_of(client, second)
+    [line] = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "flows.recovery" and r.levelno == logging.ERROR
+    ]
+    assert "is not recovered" in line and "max_attempts" in line and second.name in line
+    # the pipeline waiting on the first run follows the chain and stops at the given-up run
+    # at once (wait_s would otherwise hold it for an hour)
+    end = follow(client, client.read_flow_run(first.id), wait_s=3600, poll_s=0.1)
+    assert end.id == second.id
+
+    # a run that is not Crashed, or not a stage's, is left alone
+    done = client.create_flow_run_from_deployment(dep, parameters=params)
+    client.set_flow_run_state(done.id, Completed(), force=True)
+    assert "not Crashed" in recover.fn(crashed=f"prefect.flow-run.{done.id}")["why"]
+    other = _deployment(client, "pretrain", "nightly", [STAGE_TAG])
+    lone = _crashed(client, other, params)
+    assert "not a stage" in recover.fn(crashed=f"prefect.flow-run.{lone.id}")["why"]
+
+
+def test_a_crash_loop_is_read_from_the_runs_progress_artifacts(client: Any) -> None:
+    """Two attempts that crashed at the same progress (their artifacts on the server) are a
+    crash loop at max_stalled=1; one that got further is recovered, and `follow` waits for
+    its recovery run's end."""
+    from prefect.states import Completed
+
+    dep = _deployment(client, "finetune_sql", "finetune_sql", [STAGE_TAG])
+    params = {"overrides": ["recovery.max_stalled=1", "recovery.backoff_s=0"], "handoff": "k2"}
+    a = _crashed(client, dep, params, progress=30.0)
+    b = _crashed(client, dep, params, [LINK + str(a.id)], progress=30.0)
+    out = recover.fn(crashed=f"prefect.flow-run.{b.id}")
+    assert not out["recovered"] and "crash loop" in out["why"]
+
+    c = _crashed(client, dep, params, progress=30.0)
+    d = _crashed(client, dep, params, [LINK + str(c.id)], progress=55.0)
+    out = recover.fn(crashed=f"prefect.flow-run.{d.id}")
+    assert out["recovered"], out
+    [e] = _recoveries_of(client, d)
+    client.set_flow_run_state(e.id, Completed(), force=True)
+    assert follow(client, client.read_flow_run(c.id), wait_s=5, poll_s=0.1).id == e.id
+
+
+def test_the_watchdog_replaces_an_unhealthy_worker_and_spares_its_flow_runs(
+    tmp_path: Path, prefect_server: dict[str, str]
+) -> None:
+    """A worker process that lives but fails its health check: after `grace` seconds of
+    failing (a clock the test sets) the watchdog kills that process alone (a flow run it
+    started, in a session of its own, goes on) and starts a real worker in its place, which
+    answers its health check; a dead worker is started again at once."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from flows import stack
+
+    root = tmp_path
+    (root / stack.STATE_DIR / "work" / "cpu").mkdir(parents=True)
+    (root / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    # a hung worker: alive, its health port answers nothing; it started a flow run
+    hung = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],"
+            " start_new_session=True)\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    flow_run = psutil.Process(int(hung.stdout.readline()))
+    me = psutil.Process()
+    state = {
+        "api_url": prefect_server["PREFECT_API_URL"],
+        "params_file": str(root / "params.yaml"),
+        "procs": {
+            # the watchdog only asks whether the server's process lives: this one does
+            "prefect-server": {"pid": me.pid, "started": me.create_time()},
+            "worker-cpu": {
+                "pid": hung.pid,
+                "started": psutil.Process(hung.pid).create_time(),
+                "health_port": stack._free_port(),
+                "pool": "cpu",
+                "query_seconds": 1,
+                "log": str(root / "hung.log"),
+            },
+        },
+    }
+    stack._save(root, state)
+    said: list[str] = []
+    started: list[psutil.Process] = []
+    try:
+        failing: dict[str, float] = {}
+        stack._watch_once(root, state, failing, grace=60, say=said.append)
+        assert "worker-cpu" in failing and not said  # failing, not yet for `grace` seconds
+        assert hung.poll() is None
+        failing["worker-cpu"] = time.monotonic() - 61  # as if it had failed for 61 s
+        stack._watch_once(root, state, failing, grace=60, say=said.append)
+        assert said == ["worker-cpu failed its health check for 60 s: restarting it"]
+        assert hung.wait(10) is not None
+        assert flow_run.is_running()  # its flow run was not killed with it
+        new = stack.load_state(root)["procs"]["worker-cpu"]
+        worker = stack._proc(new)
+        assert worker is not None and worker.pid != hung.pid
+        started.append(worker)
+        deadline = time.monotonic() + 120  # a bound on the wait, not the verdict
+        while not stack.healthy(new):
+            assert stack._proc(new) is not None, Path(new["log"]).read_text()[-2000:]
+            assert time.monotonic() < deadline, "the new worker never answered its health check"
+            time.sleep(0.5)
+
+        # the machine dies: no grace for a worker that is gone
+        stack.kill_tree(worker, sig="kill")
+        said.clear()
+        stack._watch_once(root, stack.load_state(root), {}, grace=60, say=said.append)
+        assert said == ["worker-cpu is gone: starting it again"]
+        again = stack._proc(stack.load_state(root)["procs"]["worker-cpu"])
+        assert again is not None and again.pid != worker.pid
+        started.append(again)
+    finally:
+        stack.kill_trees([p for p in started if p.is_running()], timeout=10)
+        for p in (hung, flow_run):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
