@@ -241,12 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "stage":
             from flows.stages import STAGE_FLOWS
 
-            STAGE_FLOWS[args.name](args.params, args.overrides)
+            STAGE_FLOWS[args.name](params_file=args.params, overrides=args.overrides)
             _where(args.name)
         elif args.command == "run":
             from flows.pipeline import pipeline
 
-            pipeline(args.params, args.overrides, args.stages)
+            pipeline(stages=args.stages, params_file=args.params, overrides=args.overrides)
             _where("evaluate" if not args.stages or "evaluate" in args.stages else args.stages[-1])
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -17,28 +17,37 @@ from typing import Any, Literal
 from prefect import flow
 from prefect.runtime import flow_run
 
-from flows.stages import STAGE_FLOWS
+from flows.stages import STAGE_FLOWS, Params
 from moe.errors import InputError
 from tasks.config import STAGES, Config, load_config
+from tasks.form import StageName, as_params
 
 log = logging.getLogger("flows.pipeline")  # by name: a deployment loads this file as a script
 
 
-@flow(name="pipeline", log_prints=True)
+@flow(name="pipeline", log_prints=True, validate_parameters=False)
 def pipeline(
-    params_file: str | None = None,
-    overrides: list[str] | None = None,
-    stages: list[str] | None = None,
+    stages: list[StageName] | None = None,
+    params: Params | None = None,
     dispatch: Literal["local", "deployments"] = "local",
     handoff: str | None = None,
-    params: dict[str, Any] | None = None,
+    params_file: str | None = None,
+    overrides: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Run `stages` (default: all) in order; stops at the first failure.
+    """Run the stages in order; stops at the first failure.
 
-    With dispatch="deployments", `handoff` names the run whose hand-offs the stages share
-    (default: this flow run's id); give an earlier run's key to re-run its later stages.
-    `params` (a resolved configuration) takes the place of `params_file`.
+    Args:
+        stages: The stages to run, in pipeline order whatever the order chosen; empty: all.
+        params: The whole configuration, one group per params section; empty: the params
+            file's (params_file, else the project's params.yaml).
+        dispatch: local runs the stages in this process; deployments runs each as a run of
+            its deployment on its own pool's worker.
+        handoff: With dispatch deployments, the run whose hand-offs the stages share (empty:
+            this flow run's id); an earlier run's key re-runs its later stages.
+        params_file: A params file on the worker (when params is empty).
+        overrides: key=value changes on top of the params file, as `--set` takes them.
     """
+    params = as_params(params)
     cfg = load_config(params_file, overrides or [], params)  # validate once before any stage starts
     chosen = list(stages or STAGES)
     unknown = [s for s in chosen if s not in STAGE_FLOWS]
@@ -52,7 +61,9 @@ def pipeline(
     results: dict[str, Any] = {}
     for name in ordered:
         log.info("stage %s", name)
-        results[name] = STAGE_FLOWS[name](params_file, overrides or [], params)
+        results[name] = STAGE_FLOWS[name](
+            params=params, params_file=params_file, overrides=overrides or []
+        )
     return results
 
 

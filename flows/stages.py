@@ -40,6 +40,7 @@ from tasks.config import STAGES, Config, load_config
 from tasks.cost import cost_ledger, phase_costs, storage_costs
 from tasks.data import build_sql_sets, build_tokenizer, commit_folder, tokenize_corpus
 from tasks.evaluation import evaluate_perplexity, evaluate_sql
+from tasks.form import as_params, config_model
 from tasks.handoff import pull_inputs, push_outputs
 from tasks.lineage import StageRecord, up_to_date, write_json
 from tasks.presentation import (
@@ -599,23 +600,40 @@ def _lineage_files(cfg: Config, before: str, missing_ok: bool = False) -> list[P
 # ------------------------------------------------------------------------- the flows
 
 
+# The configuration as a typed parameter: the form the Prefect UI renders (tasks/form.py),
+# with the project's params.yaml as its defaults.
+Params = config_model()
+
+
 def _stage_flow(stage: Stage) -> Any:
-    """The Prefect flow of a stage. Every stage flow takes the same parameters: a params file
-    and `--set` overrides (the CLI and dvc.yaml), or `params`, a resolved configuration, and
-    `handoff`, the run key under which stages on different machines pass their outputs
-    through the object store (flows/pipeline.py)."""
+    """The Prefect flow of a stage. Every stage flow takes the same parameters: `params`, the
+    whole configuration (the UI's form; the pipeline sends its resolved one), or a params
+    file and `--set` overrides (the CLI and dvc.yaml); and `handoff`, the run key under which
+    stages on different machines pass their outputs through the object store
+    (flows/pipeline.py)."""
 
     def run(
+        params: Params | None = None,
+        handoff: str | None = None,
         params_file: str | None = None,
         overrides: list[str] | None = None,
-        params: dict[str, Any] | None = None,
-        handoff: str | None = None,
     ) -> dict[str, Any]:
-        return run_stage(stage, params_file, overrides, params, handoff)
+        return run_stage(stage, params_file, overrides, as_params(params), handoff)
 
     run.__name__ = run.__qualname__ = stage.name
-    run.__doc__ = stage.doc
-    return flow(name=stage.name, description=stage.doc, log_prints=True)(run)
+    run.__doc__ = f"""{stage.doc}
+
+    Args:
+        params: The whole configuration, one group per params section; empty: the
+            params file's (params_file, else the project's params.yaml).
+        handoff: The run key whose hand-offs in the object store this stage reads and
+            writes (the pipeline run's id; empty: a stage run on its own).
+        params_file: A params file on the worker (when params is empty).
+        overrides: key=value changes on top of the params file, as `--set` takes them.
+    """
+    return flow(name=stage.name, description=stage.doc, log_prints=True, validate_parameters=False)(
+        run
+    )
 
 
 if [s.name for s in STAGE_LIST] != list(STAGES):

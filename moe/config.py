@@ -19,8 +19,13 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import functools
+import inspect
+import io
 import math
 import re
+import textwrap
+import tokenize
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,6 +135,49 @@ def _allowed(ge: float | None, gt: float | None, le: float | None, lt: float | N
     return f"must be <= {_number(le)}" if le is not None else f"must be < {_number(lt)}"
 
 
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """What the source says about each field of the config dataclass `cls`: the comment
+    lines right above it and the comments on its own line(s), joined into one text (the
+    Prefect form's descriptions, tasks/form.py). One source of truth: the comment a reader of
+    this file sees is the description a user of the form sees."""
+    src = textwrap.dedent(inspect.getsource(cls))
+    docs: dict[str, str] = {}
+    above: list[str] = []
+    name: str | None = None
+    parts: list[str] = []
+    start = True  # at the start of a logical line of the class body
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            text = tok.string.lstrip("#").strip()
+            if name is not None:
+                parts.append(text)
+            elif start and tok.start[1] == 4:  # a comment line of the body, not a method's
+                above.append(text)
+            continue
+        if tok.type == tokenize.NL:
+            continue
+        if tok.type == tokenize.NEWLINE:
+            if name is not None:
+                docs[name] = " ".join([*above, *parts]).strip()
+            name, parts, above, start = None, [], [], True
+            continue
+        if tok.type in (tokenize.INDENT, tokenize.DEDENT):
+            continue
+        if start:
+            start = False
+            if tok.type == tokenize.NAME and tok.start[1] == 4:
+                name = tok.string  # kept below only if it names a field
+            else:
+                above = []
+    fields = {f.name for f in dataclasses.fields(cls)}
+    own = {k: v for k, v in docs.items() if k in fields}
+    for base in cls.__mro__[1:]:  # inherited fields keep their base's comments
+        if dataclasses.is_dataclass(base):
+            own = {**field_docs(base), **own}
+    return {k: v for k, v in own.items() if k in fields}
+
+
 def validate(section: Any, p: Problems) -> None:
     """The one validation path of every section: each field's declared range (`knob`), each
     nested section and mapping of sections under its key path, then the section's own
@@ -172,7 +220,7 @@ class DataConfig:
     # "stdlib" = the Python standard library's sources on this machine; otherwise a local
     # text/JSONL/Parquet file or folder.
     source: str = "stdlib"
-    text_field: str = "text"
+    text_field: str = "text"  # the field holding the text in a JSONL or Parquet source
     on_bad_record: Literal["error", "skip"] = (
         "error"  # a malformed JSONL line: stop, or skip and count
     )
@@ -190,7 +238,8 @@ class DataConfig:
     replay_fraction: float = knob(
         0.05, ge=0.0, lt=0.5, note=" (0 = no replay split)"
     )  # held back from pretraining for finetune replay
-    seed: int = 1337
+    seed: int = 1337  # shuffles the documents before the validation and replay splits
+    # Where prepare writes the token files, the tokenizer and the SQL pairs.
     out_dir: str = "data/prepared"
     # Stage one of finetuning: "generated" (the embedded default: databases built from ten
     # themes, questions generated from their schemas), a folder in Spider's or BIRD's layout,
@@ -219,6 +268,7 @@ class DataConfig:
     # Domain training pairs: the user's, then pairs generated from the database's own schema
     # and rows up to this many in all.
     sql_domain_train_pairs: int = knob(500, ge=1)
+    # Generated held-out domain questions (used when the user gives none).
     sql_domain_test_pairs: int = knob(
         200, ge=1, note=" (generated test questions, when the user gives none)"
     )
@@ -230,7 +280,9 @@ class DataConfig:
     sql_schema_values: int = knob(0, ge=0, le=30)
     # Every execution of SQL on the databases (prepare's checks, evaluation, `ask`): a
     # statement running longer or returning more rows counts as failed.
+    # Seconds a statement may run before it counts as failed.
     sql_time_limit_s: float = knob(2.0, gt=0)
+    # Rows a statement may return before it counts as failed.
     sql_row_limit: int = knob(10_000, ge=1)
 
     def check(self, p: Problems) -> None:
@@ -272,10 +324,11 @@ class DataConfig:
 
 @dataclass
 class TokenizerConfig:
+    # Byte-level BPE vocabulary trained on the corpus (ignored with tokenizer.path).
     vocab_size: int = knob(
         4096, ge=259, le=1048576, note=": 256 byte tokens + 2 special tokens + at least one merge"
     )
-    min_frequency: int = knob(2, ge=1)
+    min_frequency: int = knob(2, ge=1)  # a pair must occur this often to become a merge
     train_bytes: int = knob(
         50_000_000, ge=0, note=" (0 = all)"
     )  # train the BPE on at most this much of the corpus (0 = all)
@@ -298,27 +351,27 @@ class ModelConfig:
     # With model.init: "continue" = the pretrain stage continues pretraining the imported
     # model on the corpus (set a small pretrain.lr); "skip" = it passes the model on as it is.
     init_pretrain: Literal["continue", "skip"] = "continue"
-    n_layer: int = knob(2, ge=1)
-    n_head: int = knob(4, ge=1)
+    n_layer: int = knob(2, ge=1)  # transformer blocks
+    n_head: int = knob(4, ge=1)  # attention (query) heads per block
     # Key/value heads (grouped-query attention): n_head must be a multiple (0 = n_head).
     n_kv_head: int = knob(0, ge=0, note=" (0 = n_head)")
     # Width of one attention head (0 = d_model / n_head); Qwen3 sets it explicitly.
     head_dim: int = knob(0, ge=0, note=" (0 = d_model / n_head)")
-    d_model: int = knob(128, ge=1)
+    d_model: int = knob(128, ge=1)  # width of the residual stream
     # 192: the longest generated example (a join: schema, question and SQL) is ~180 tokens
     seq_len: int = knob(192, ge=1)
     moe_every: int = knob(1, ge=1)  # an MoE feed-forward in every Nth block (1 = every block)
     # Blocks (0-based) that stay dense whatever moe_every says (Hugging Face's mlp_only_layers)
     dense_layers: list[int] = field(default_factory=list)
     dense_hidden: int = knob(512, ge=1)  # feed-forward width of the non-MoE blocks
-    tie_embeddings: bool = True
+    tie_embeddings: bool = True  # the output head shares the token embedding's weights
     # RMSNorm on queries and keys before the rotation: per head (Qwen3), over the whole
     # projection (OLMoE), or none.
     qk_norm: Literal["none", "head", "full"] = "none"
     attn_bias: bool = False  # biases on the query, key and value projections (Qwen2)
-    rope_theta: float = knob(10_000.0, gt=0)
-    norm_eps: float = knob(1e-5, gt=0)
-    init_std: float = knob(0.02, gt=0)
+    rope_theta: float = knob(10_000.0, gt=0)  # base of the rotary position frequencies
+    norm_eps: float = knob(1e-5, gt=0)  # epsilon of every RMSNorm
+    init_std: float = knob(0.02, gt=0)  # std of the normal init of linear and embedding weights
 
     @property
     def kv_heads(self) -> int:
@@ -367,7 +420,7 @@ class ModelConfig:
 class GrowthConfig:
     """Expert growth and pruning (moe/growth.py). Off by default."""
 
-    enabled: bool = False
+    enabled: bool = False  # grow experts in skewed layers and prune dead ones while pretraining
     check_every: int = knob(10, ge=1)  # steps between trigger checks
     top_fraction: float = knob(0.2, gt=0, lt=1)  # grow when the top 20% of experts...
     top_load: float = knob(0.8, gt=0, le=1)  # ...carry more than 80% of the load,
@@ -386,7 +439,7 @@ class GrowthConfig:
     # split is the default: with aux_free balancing it ends more balanced and no worse in
     # loss than orthogonal (bench/RESULTS.md, expert growth, three seeds).
     init: Literal["orthogonal", "split"] = "split"
-    prune: bool = True
+    prune: bool = True  # merge an expert that stays under u_min into its nearest
     u_min: float = knob(
         0.05, ge=0, lt=1
     )  # prune an expert under 5% of its fair share of the load...
@@ -404,14 +457,14 @@ BALANCING_METHODS: tuple[str, ...] = get_args(BalancingMethod)
 
 @dataclass
 class MoEConfig:
-    num_experts: int = knob(8, ge=1)
-    top_k: int = knob(2, ge=1)
-    expert_hidden: int = knob(256, ge=1)
+    num_experts: int = knob(8, ge=1)  # routed experts per MoE layer
+    top_k: int = knob(2, ge=1)  # experts each token is sent to
+    expert_hidden: int = knob(256, ge=1)  # feed-forward width of one expert
     # Dropless: every routed token is computed. Otherwise an expert takes at most
     # capacity_factor * tokens * top_k / num_experts assignments per batch and the
     # lowest-scoring overflow is dropped (its residual passes through).
     dropless: bool = True
-    capacity_factor: float = 1.25
+    capacity_factor: float = 1.25  # with dropless off: an expert's capacity in fair shares
     # Typical: 1.2-1.5 early (routing still moves), 0.8-1.0 late. > 0: capacity_factor moves linearly to this
     # value over the training run; 0 = constant.
     capacity_factor_end: float = knob(0.0, ge=0, note=" (0 = constant capacity_factor)")
@@ -441,11 +494,12 @@ class MoEConfig:
         50, ge=0
     )  # ...then the router's choice blended in over this many
     router_lr_mult: float = knob(3.0, gt=0)  # routers learn 3-5x faster than the base rate
-    shared_expert: bool = False
-    shared_expert_hidden: int = knob(0, ge=0, note=" (0 = expert_hidden)")
+    shared_expert: bool = False  # an always-on expert beside the routed ones (DeepSeek/Qwen2-MoE)
+    shared_expert_hidden: int = knob(0, ge=0, note=" (0 = expert_hidden)")  # its feed-forward width
     # The shared expert's output scaled by sigmoid(a learned gate) per token (Qwen2-MoE).
     shared_expert_gate: bool = False
     force_balanced: bool = False  # debug: round-robin routing, for throughput/memory tests
+    # Expert growth and pruning while training (moe/growth.py); off by default.
     growth: GrowthConfig = field(default_factory=GrowthConfig)
 
     def check(self, p: Problems) -> None:
@@ -507,21 +561,24 @@ class OptimConfig:
     """What every training stage shares: steps and batches, the optimiser, where and how it
     runs, how often it logs and saves, and on how many processes and machines."""
 
-    max_steps: int = knob(300, ge=1)
-    batch_size: int = knob(16, ge=1)
-    grad_accum: int = knob(1, ge=1)
-    lr: float = knob(2e-3, gt=0)
-    warmup_steps: int = knob(30, ge=0)
-    weight_decay: float = knob(0.1, ge=0)
-    beta1: float = knob(0.9, ge=0, lt=1)
-    beta2: float = knob(0.95, ge=0, lt=1)
+    max_steps: int = knob(300, ge=1)  # optimizer steps of the stage
+    batch_size: int = knob(16, ge=1)  # sequences per step (over all processes)
+    grad_accum: int = knob(1, ge=1)  # micro-batches whose gradients make one step
+    lr: float = knob(2e-3, gt=0)  # peak learning rate (AdamW)
+    warmup_steps: int = knob(30, ge=0)  # linear warm-up to lr over this many steps
+    weight_decay: float = knob(0.1, ge=0)  # AdamW weight decay (not on norms, biases or embeddings)
+    beta1: float = knob(0.9, ge=0, lt=1)  # AdamW beta1
+    beta2: float = knob(0.95, ge=0, lt=1)  # AdamW beta2
     grad_clip: float = knob(
         1.0, ge=0, note=" (0 = no clipping)"
     )  # max_norm (2.0 is a common choice under bf16)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    # Where it trains: auto (a GPU when there is one), cpu, cuda or cuda:N.
     device: str = knob("auto", pattern=DEVICE, note="auto, cpu, cuda or cuda:N")
-    seed: int = 1337
+    seed: int = 1337  # model init, data order and dropout
+    # Steps between metrics rows (W&B, metrics.jsonl, the progress bar).
     log_every: int = knob(10, ge=1)
+    # Steps between checkpoints (with checkpoint.every: stage).
     checkpoint_every: int = knob(100, ge=1)
     # > 0: stop after this many seconds of training; the lr decay follows the time used when
     # that is ahead of the steps, so the run still ends annealed. 0 = max_steps only.
@@ -541,9 +598,10 @@ class OptimConfig:
 class PretrainConfig(OptimConfig):
     """Pretraining: warm-up + cosine decay to min_lr, validation, early stopping."""
 
-    min_lr: float = knob(2e-4, ge=0)
-    eval_every: int = knob(100, ge=1)
-    eval_batches: int = knob(8, ge=1)
+    min_lr: float = knob(2e-4, ge=0)  # the cosine decay ends here
+    eval_every: int = knob(100, ge=1)  # steps between validation losses
+    eval_batches: int = knob(8, ge=1)  # batches per validation
+    # Stop when the validation loss stops improving.
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
     def check(self, p: Problems) -> None:
@@ -554,10 +612,12 @@ class PretrainConfig(OptimConfig):
 class FinetuneConfig(OptimConfig):
     """Supervised finetuning on prompt -> SQL pairs: linear decay, loss on response tokens."""
 
-    max_steps: int = knob(900, ge=1)
-    lr: float = knob(2e-3, gt=0)  # finetune_sql; 3 seeds each: 2e-3 beat 3e-3 (bench/RESULTS.md)
-    warmup_steps: int = knob(10, ge=0)
-    weight_decay: float = knob(0.0, ge=0)
+    max_steps: int = knob(900, ge=1)  # optimizer steps of the stage
+    # Peak learning rate (AdamW); on finetune_sql 2e-3 beat 3e-3 over 3 seeds (bench/RESULTS.md).
+    lr: float = knob(2e-3, gt=0)
+    warmup_steps: int = knob(10, ge=0)  # linear warm-up to lr over this many steps
+    weight_decay: float = knob(0.0, ge=0)  # AdamW weight decay
+    # Steps between checkpoints (with checkpoint.every: stage).
     checkpoint_every: int = knob(50, ge=1)
     max_len: int = knob(
         192, ge=8
@@ -595,6 +655,7 @@ class CheckpointConfig:
     cold_threshold: float = knob(
         0.5, ge=0, le=1
     )  # an expert below this x its layer's mean load is cold
+    # Codec of the hot tiers L0/L1: byte-grouped zstd or raw.
     hot_codec: Literal["bg-zstd", "raw"] = "bg-zstd"
     hot_level: int = knob(1, ge=1, le=22, note=" (zstd levels)")  # fast (~220 MB/s here)
     # fp16-zstd is LOSSY (an option for the cold tier): marked in the manifest and on restore.
@@ -621,7 +682,7 @@ class EvaluateConfig:
     # 200 generic questions by default). Decoding is batched with a KV cache.
     max_examples: int = knob(0, ge=0, note=" (0 = all)")
     max_new_tokens: int = knob(72, ge=1)  # the longest test answer must fit (prepare checks)
-    val_batches: int = knob(16, ge=1)
+    val_batches: int = knob(16, ge=1)  # batches of held-out text per perplexity
     batch_size: int = knob(64, ge=1)  # questions decoded together
     # auto: the GPU when the evaluating machine has one, else the CPU
     device: str = knob("auto", pattern=DEVICE, note="auto, cpu, cuda or cuda:N")
@@ -629,7 +690,7 @@ class EvaluateConfig:
     # and that folder published where the data is (storage; storage.hf_model_repo for a Hub
     # model repo), read back and checked by hash.
     export_model: bool = True
-    publish_model: bool = True
+    publish_model: bool = True  # publish the export (needs export_model)
 
 
 # --------------------------------------------------------------------------- building

@@ -66,20 +66,21 @@ RENAMED_SECTIONS = {"train": "pretrain"}
 
 @dataclass
 class StorageConfig:
+    # Where data and models are published: a local folder, S3 or the Hugging Face Hub.
     backend: Literal["local", "s3", "hf"] = "local"
     root: str = "store"  # local backend: the object store folder
     bucket: str = ""  # s3 backend
-    prefix: str = "moe-pipeline"
+    prefix: str = "moe-pipeline"  # key prefix of everything this project writes in the store
     endpoint_url: str = ""  # s3 backend: e.g. a MinIO or moto server; empty = AWS
-    region: str = "us-east-1"
+    region: str = "us-east-1"  # S3 region
     hf_repo: str = ""  # hf backend: a dataset repo id, e.g. "me/moe-data" (token from HF_TOKEN)
     hf_revision: str = ""  # hf backend: branch to publish to (empty = main)
-    dataset_name: str = "stdlib-code"
+    dataset_name: str = "stdlib-code"  # the published dataset's name (its versions live under it)
     model_name: str = "moe-sql"  # the exported model is published under this name
     # hf backend: a *model* repo (owner/name) the exported model goes to, files at its root
     # (empty = under models/ in storage.hf_repo)
     hf_model_repo: str = ""
-    zstd_level: int = knob(10, ge=1, le=22)
+    zstd_level: int = knob(10, ge=1, le=22)  # compression level of the published archive
     zstd_threads: int = knob(-1, ge=-1)  # -1 = all cores
     cache_dir: str = ".cache/datasets"  # where training stages download published data
     # s3 backend: files above this size move in parts of this size, several at once (S3's
@@ -126,22 +127,24 @@ class StorageConfig:
 class PoolSpec:
     price_per_hour: float = knob(0.0, ge=0)  # USD per hour of one on-demand machine of this pool
     gpu: str = ""  # e.g. "H100"; empty = CPU only
+    # The Prefect work pool's worker type.
     type: Literal["process", "docker", "kubernetes"] = "process"
     # Spot / preemptible machines: cheaper, and they vanish. `pricing` says which the pool
     # rents (the bill uses that price); the mean time between interruptions drives
     # checkpoint.every: auto (0 = none expected, as on-demand machines are priced here).
     pricing: Literal["on_demand", "spot"] = "on_demand"
-    spot_price_per_hour: float = knob(0.0, ge=0)
+    spot_price_per_hour: float = knob(0.0, ge=0)  # USD per hour of one spot machine
+    # Mean hours between spot interruptions (checkpoint.every: auto).
     mean_hours_between_interruptions: float = knob(
         0.0, ge=0, note=" (0 = no interruptions expected)"
     )
     # One machine of the pool, as its job template requests it (flows/pools.py renders the
     # Docker and Kubernetes templates with these): GPUs, CPUs, memory, shared memory for
     # torch's data and NCCL, the GPU product label Kubernetes selects nodes by, the image.
-    gpus: int = knob(0, ge=0)
-    cpu: float = knob(4.0, gt=0)
-    memory_gib: int = knob(16, ge=1)
-    shm_gib: int = 2
+    gpus: int = knob(0, ge=0)  # GPUs of one machine
+    cpu: float = knob(4.0, gt=0)  # CPUs of one machine
+    memory_gib: int = knob(16, ge=1)  # memory of one machine
+    shm_gib: int = 2  # shared memory (/dev/shm) of one machine
     gpu_product: str = ""  # e.g. NVIDIA-H100-80GB-HBM3 (label nvidia.com/gpu.product)
     image: str = ""  # "" = moe-pipeline:gpu for a GPU pool, moe-pipeline:cpu otherwise
 
@@ -205,7 +208,9 @@ def _default_pools() -> dict[str, PoolSpec]:
 
 @dataclass
 class PoolsConfig:
+    # The machine pools by name: price, GPUs and job template of each.
     definitions: dict[str, PoolSpec] = field(default_factory=_default_pools)
+    # The pool each stage runs on.
     stages: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_STAGE_POOLS))
 
     def check(self, p: Problems) -> None:
@@ -233,15 +238,15 @@ class PoolsConfig:
 
 @dataclass
 class CostConfig:
-    currency: str = "USD"
+    currency: str = "USD"  # the currency of every price
     budget: float = knob(
         5.0, ge=0, note=" (0 = no budget)"
     )  # for the whole pipeline; 0 = no budget
     alert_fraction: float = knob(
         0.8, gt=0, le=1
     )  # warn when spend passes this fraction of the budget
-    storage_per_gb_month: float = knob(0.023, ge=0)
-    egress_per_gb: float = knob(0.09, ge=0)
+    storage_per_gb_month: float = knob(0.023, ge=0)  # object storage price (S3 standard)
+    egress_per_gb: float = knob(0.09, ge=0)  # price of data leaving the store
 
 
 @dataclass
@@ -250,6 +255,7 @@ class MultinodeConfig:
     Indexed Job of `nodes` pods of the stage's pool, a headless Service that gives pod 0 a
     name, and torchrun's c10d rendezvous at that name."""
 
+    # Kubernetes namespace of the multi-node Jobs.
     namespace: str = knob(
         "moe-pipeline",
         pattern=r"[a-z0-9]([-a-z0-9]*[a-z0-9])?",
@@ -259,11 +265,13 @@ class MultinodeConfig:
     # A Kubernetes Secret whose keys become every pod's environment: the object store's
     # credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, HF_TOKEN, WANDB_API_KEY).
     credentials_secret: str = "moe-credentials"
+    # Kubernetes secrets the nodes pull their image with.
     image_pull_secrets: list[str] = field(default_factory=list)
-    rdzv_port: int = knob(29400, ge=1024, le=65535)
+    rdzv_port: int = knob(29400, ge=1024, le=65535)  # the port of the nodes' rendezvous on node 0
     # How long the pods wait for each other at the rendezvous (nodes are scheduled and pull
     # the image at different times), and the Job's whole deadline (0 = none).
     join_timeout_s: int = knob(900, ge=30)
+    # Seconds a multi-node Job may run in all (0 = no limit).
     deadline_s: int = knob(0, ge=0, note=" (0 = none)")
     poll_s: float = knob(10.0, gt=0)  # how often the flow run reads the Job's status
 
@@ -273,7 +281,7 @@ class RecoveryConfig:
     """Automatic recovery of a stage whose machine vanished (flows/recovery.py): Prefect
     automations that `stack up` creates (and infra/README.md shows for any server)."""
 
-    enabled: bool = True
+    enabled: bool = True  # create the Prefect automations that recover a lost stage
     # Flow runs send a heartbeat this often (Prefect's PREFECT_RUNNER_HEARTBEAT_FREQUENCY;
     # it accepts 30 s or more).
     heartbeat_s: int = knob(30, ge=30, note=" (Prefect's minimum)")
@@ -285,11 +293,12 @@ class RecoveryConfig:
     # or this many recoveries in a row that got no further than the attempt before (a crash
     # loop, not preemption: bad data, an out-of-memory model).
     max_attempts: int = knob(20, ge=1)
+    # Give up after this many recoveries in a row that got no further.
     max_stalled: int = knob(3, ge=1)
     # Wait before a recovery run starts: backoff_s, doubled for every stalled attempt in a
     # row (a pool short of machines is not hammered), at most backoff_max_s.
     backoff_s: float = knob(10.0, ge=0)
-    backoff_max_s: float = 600.0
+    backoff_max_s: float = 600.0  # the longest wait before a recovery run
 
     def check(self, p: Problems) -> None:
         p.require(
@@ -309,10 +318,11 @@ class RecoveryConfig:
 
 @dataclass
 class WandbConfig:
+    # Weights & Biases: offline files, online, or off.
     mode: Literal["offline", "online", "disabled"] = "offline"
-    project: str = "moe-pipeline"
-    entity: str = ""
-    dir: str = "wandb"
+    project: str = "moe-pipeline"  # W&B project
+    entity: str = ""  # W&B team or user ("" = your default)
+    dir: str = "wandb"  # where W&B writes its files
 
     def check(self, p: Problems) -> None:
         p.require(bool(self.project), "project", self.project, "must not be empty")
@@ -320,25 +330,35 @@ class WandbConfig:
 
 @dataclass
 class Config:
+    # The corpus and the SQL pair sets (prepare).
     data: DataConfig = field(default_factory=DataConfig)
+    # The tokenizer prepare trains or reuses.
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    # The architecture, or the Hugging Face model to start from.
     model: ModelConfig = field(default_factory=ModelConfig)
-    moe: MoEConfig = field(default_factory=MoEConfig)
-    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)  # Experts, routing and load balancing.
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)  # Pretraining.
+    # Finetuning on the generic SQL pairs.
     finetune_sql: FinetuneConfig = field(default_factory=FinetuneConfig)
+    # Finetuning on the target domain's pairs.
     finetune_domain: FinetuneConfig = field(
         default_factory=lambda: FinetuneConfig(
             max_steps=600, lr=2e-3, warmup_steps=5, checkpoint_every=50, replay_ratio=0.5
         )
     )
+    # Evaluation, export and publication of the final model.
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # Tiered checkpoints.
+    # The object store between stages and machines.
     storage: StorageConfig = field(default_factory=StorageConfig)
+    # Machine pools, their prices, and which stage runs where.
     pools: PoolsConfig = field(default_factory=PoolsConfig)
-    cost: CostConfig = field(default_factory=CostConfig)
+    cost: CostConfig = field(default_factory=CostConfig)  # The bill and the budget.
+    # Recovery of a stage whose machine vanished.
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    # Stages that span machines (Kubernetes Jobs).
     multinode: MultinodeConfig = field(default_factory=MultinodeConfig)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # Weights & Biases tracking.
 
     @staticmethod
     @functools.cache

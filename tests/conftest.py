@@ -78,6 +78,34 @@ def read_line(proc: subprocess.Popen, timeout: float) -> str:
         pytest.fail(f"no line from the child within {timeout} s (exit status {proc.poll()})")
 
 
+def cli_env(
+    prefect_server: dict[str, str] | None, code: Path = ROOT, **extra: str
+) -> dict[str, str]:
+    """The environment of a `moe-pipeline` subprocess in a test: the test's Prefect server,
+    the venv's tools (dvc, prefect) first on PATH, the modules of `code` importable."""
+    return {
+        **os.environ,
+        **(prefect_server or {}),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PYTHONPATH": str(code),
+        **extra,
+    }
+
+
+def pipeline_cli(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 900
+) -> subprocess.CompletedProcess:
+    """`moe-pipeline ARGS` (python -m flows.cli) in `cwd`, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=cwd,
+        env=env if env is not None else cli_env(None),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

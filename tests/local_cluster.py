@@ -141,6 +141,17 @@ class LocalCluster:
         p, _ = _JOBS[name]["procs"][index]
         _signal(p, signal.SIGKILL)  # the pod's processes all go: torchrun and its ranks
 
+    def started(self, name: str) -> bool:
+        """Whether the Job's pods have been started."""
+        with _LOCK:
+            return "procs" in _JOBS.get(name, {})
+
+    def freeze(self, name: str, index: int, frozen: bool = True) -> None:
+        """Stop (SIGSTOP) or continue a pod's processes: while one pod of a training Job is
+        stopped, the others wait at its next collective, so a test can look without racing."""
+        p, _ = _JOBS[name]["procs"][index]
+        _signal(p, signal.SIGSTOP if frozen else signal.SIGCONT)
+
     def pod_dir(self, name: str, index: int) -> Path:
         return self.root / name / f"pod-{index}"
 

@@ -5,6 +5,7 @@ damaged remote copy is refused, and a re-run of the offload is a no-op."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
@@ -154,3 +155,75 @@ def test_a_failing_after_save_hook_does_not_skip_the_next(
         store.save(1, model, opt, rng, state, param_names=NAMES, expert_load=LOAD)
     assert "the object store refused the upload" in caplog.text
     assert open_store(cfg.storage).exists(f"{mirror_prefix('pretrain/abc')}/manifest.json")
+
+
+def _offloading_stage(tmp_path: Path, moto_server: str, bucket: str) -> tuple[Any, Any]:
+    """The pretrain stage's config (12 steps, a save every 2) with offload on, and what its
+    S3 bucket holds: the checkpoint folders with offloaded files."""
+    from tests.test_distributed import torchrun_config
+
+    s3 = boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1")
+    s3.create_bucket(Bucket=bucket)
+    cfg = torchrun_config("cpu")
+    cfg.pretrain.nproc, cfg.pretrain.max_steps, cfg.pretrain.eval_every = 1, 12, 12
+    cfg.storage = StorageConfig(backend="s3", bucket=bucket, endpoint_url=moto_server)
+    cfg.checkpoint.offload = True
+
+    def steps_in_s3() -> set[str]:
+        listed = s3.list_objects_v2(Bucket=bucket).get("Contents", [])
+        return {p for o in listed for p in o["Key"].split("/") if p.startswith("step_")}
+
+    return cfg, steps_in_s3
+
+
+def test_the_pretrain_stage_offloads_after_each_save(tmp_path: Path, moto_server: str) -> None:
+    """The real pretrain task with `checkpoint.offload` on: while it trains, the checkpoints
+    older than the newest are already in S3 (the after-save hook, on the writer thread)."""
+    from tasks.training import pretrain_model
+    from tests.test_train import _data
+
+    cfg, steps_in_s3 = _offloading_stage(tmp_path, moto_server, "stage-offload")
+    seen: dict[int, set[str]] = {}
+
+    def log(row: dict) -> None:
+        if "loss" in row:
+            seen[row["step"]] = steps_in_s3()
+
+    out = tmp_path / "pretrain"
+    assert pretrain_model.fn(cfg, _data(tmp_path / "data"), out, log).steps == 12
+    # by step 10 the saves at 2..8 were queued, so those at 2..6 and their offloads are done
+    # (a save waits for the one before it): step 2 was moved while training went on
+    assert "step_00000002" in seen[10], seen
+    assert "step_00000010" not in seen[11]
+    assert {"step_00000002", "step_00000004", "step_00000010"} <= steps_in_s3()
+    assert not (out / "checkpoints" / "step_00000010" / "L0.bin").exists()
+    assert (out / "checkpoints" / "step_00000012" / "manifest.json").is_file()
+
+
+def test_the_stage_offloads_at_its_end_what_the_saves_could_not(
+    tmp_path: Path, moto_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every after-save offload fails (the store refuses on the writer thread): training goes
+    on, and the stage's own offload at its end moves the older checkpoints."""
+    import threading
+
+    import tasks.checkpoints as ck
+    from tasks.training import pretrain_model
+    from tests.test_train import _data
+
+    cfg, steps_in_s3 = _offloading_stage(tmp_path, moto_server, "stage-offload-end")
+    real = ck.offload
+    refused = []
+
+    def flaky(*a: Any, **k: Any) -> dict:
+        if threading.current_thread().name == "checkpoint-writer":
+            refused.append(1)
+            raise ConnectionError("the object store refused the upload")
+        return real(*a, **k)
+
+    monkeypatch.setattr(ck, "offload", flaky)
+    out = tmp_path / "pretrain"
+    assert pretrain_model.fn(cfg, _data(tmp_path / "data"), out, lambda r: None).steps == 12
+    assert len(refused) == 6  # one per save, and training went on
+    assert {"step_00000002", "step_00000010"} <= steps_in_s3()
+    assert not (out / "checkpoints" / "step_00000010" / "L0.bin").exists()

@@ -7,31 +7,19 @@ W&B offline); each test that changes it works on its own copy."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import ROOT, merge, tiny_params
+from tests.conftest import ROOT, cli_env, merge, tiny_params
+from tests.conftest import pipeline_cli as _cli
 from tests.wandb_log import history, run_file
 
 pytestmark = pytest.mark.slow
-
-
-def _cli(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def _ok(r: subprocess.CompletedProcess) -> str:
@@ -48,13 +36,7 @@ def built(
     params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), tiny_params())
     params["wandb"]["mode"] = "offline"
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    env = {
-        **os.environ,
-        **prefect_server,
-        "PYTHONPATH": str(ROOT),
-        "WANDB_MODE": "offline",
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-    }
+    env = cli_env(prefect_server, WANDB_MODE="offline")
     _ok(_cli(["run", "--stages", "prepare", "publish", "pretrain"], root, env))
     return root, env
 

@@ -6,7 +6,6 @@ finetune_domain and evaluate; `dvc push`/`pull` restore the outputs from the rem
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT, browse, merge, tiny_params, ui_settings
+from tests.conftest import ROOT, browse, cli_env, merge, tiny_params, ui_settings
 
 pytestmark = pytest.mark.slow
 
@@ -53,15 +52,9 @@ def repo(
     params = merge(yaml.safe_load((dest / "params.yaml").read_text()), tiny_params())
     params["wandb"]["mode"] = "offline"  # W&B reads WANDB_API_KEY; its files are scanned
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    env = {
-        **os.environ,
-        **prefect_server,
-        "WANDB_MODE": "offline",
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-        "PYTHONPATH": str(dest),  # the copy's code, not the editable install's
-        # Planted secrets: they must not appear in any log, artifact, record or output.
-        **PLANTED,
-    }
+    # the copy's code, not the editable install's; planted secrets: they must not appear
+    # in any log, artifact, record or output
+    env = cli_env(prefect_server, dest, WANDB_MODE="offline", **PLANTED)
     return dest, env
 
 

@@ -6,16 +6,14 @@ token files), continued-pretrained, finetuned twice, evaluated, then exported wi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from tests.conftest import merge, tiny_params
+from tests.conftest import cli_env, merge, pipeline_cli, tiny_params
 from tests.hf_fixture import make_qwen3_moe, make_tokenizer
 from tests.test_e2e import _copy_repo
 
@@ -37,12 +35,7 @@ def ran(
     for stage in ("pretrain", "finetune_sql", "finetune_domain"):
         params[stage]["batch_size"] = 4  # 66k-entry logits
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    env = {
-        **os.environ,
-        **prefect_server,
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-        "PYTHONPATH": str(root),
-    }
+    env = cli_env(prefect_server, root)
     cli(root, env, "run")
     return root, env
 
@@ -50,14 +43,7 @@ def ran(
 def cli(
     root: Path, env: dict[str, str], *args: str, ok: bool = True
 ) -> subprocess.CompletedProcess:
-    r = subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    r = pipeline_cli(list(args), root, env)
     if ok:
         assert r.returncode == 0, f"{args}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r

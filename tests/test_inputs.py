@@ -14,6 +14,7 @@ import pytest
 from moe.errors import InputError
 from moe.sql import load_pairs
 from moe.tokenizer import load_tokenizer
+from tests.conftest import cli_env, pipeline_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = {"question": "q", "sql": "SELECT 1", "db": "d.sqlite", "schema": "t(a)"}
@@ -50,15 +51,7 @@ def test_tokenizer_that_is_not_one(tmp_path: Path) -> None:
 def _cli(
     args: list[str], cwd: Path, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
-        cwd=cwd,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return pipeline_cli(args, cwd, cli_env(env), timeout=300)
 
 
 def test_digest_of_a_folder_without_checkpoints_exits_2(tmp_path: Path) -> None:

@@ -74,8 +74,8 @@ def prepare(corpus: Path, out: Path) -> dict:
 
 def test_peak_memory_does_not_grow_with_the_corpus(tmp_path: Path) -> None:
     docs = list(iter_documents("stdlib", "text", 30_000_000, CorpusStats()))
-    make_corpus(tmp_path / "small", 64_000_000, docs)
-    make_corpus(tmp_path / "large", 256_000_000, docs)
+    make_corpus(tmp_path / "small", 32_000_000, docs)
+    make_corpus(tmp_path / "large", 128_000_000, docs)
     small = prepare(tmp_path / "small", tmp_path / "out-small")
     large = prepare(tmp_path / "large", tmp_path / "out-large")
     print(

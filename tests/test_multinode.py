@@ -197,10 +197,25 @@ def test_two_nodes_train_like_one_machine_and_resume_on_new_machines(
     cluster = LocalCluster(tmp_path / "cluster")
     out = tmp_path / "launcher" / "models" / "pretrain"
 
-    def lose_pod_1() -> None:  # once a checkpoint is in the store, node 1's machine dies
-        while not LocalCluster.created or newest_mirrored_step(store, run_key()) is None:
+    def lose_pod_1() -> None:
+        """Once pod 0 has saved a checkpoint, node 1's machine dies. Pod 1 is looked at only
+        while stopped (the Job cannot move on meanwhile), so the death lands before step 40
+        on any machine; stopped for good at the first save, it dies once the mirror has it."""
+        while not LocalCluster.created:
+            time.sleep(0.01)
+        name = LocalCluster.created[-1]["metadata"]["name"]
+        while not cluster.started(name):
+            time.sleep(0.01)
+        pod0 = cluster.pod_dir(name, 0)
+        while True:
+            cluster.freeze(name, 1)
+            if next(pod0.rglob("checkpoints/step_*/manifest.json"), None) is not None:
+                break
+            cluster.freeze(name, 1, frozen=False)
+            time.sleep(0.005)
+        while newest_mirrored_step(store, run_key()) is None:  # pod 0's writer mirrors it
             time.sleep(0.05)
-        cluster.kill(LocalCluster.created[-1]["metadata"]["name"], 1)
+        cluster.kill(name, 1)
 
     def run_key() -> str:
         return json.loads(LocalCluster.created[0]["data"]["job.json"])["run_key"]

@@ -255,6 +255,17 @@ for line in sys.stdin:
 """
 
 
+def _shortest_backoff_s() -> float:
+    """The least time the shipped retries (tasks.storage.RETRIES) wait in all, once the first
+    retry has been announced: every delay at the lower clamp of Prefect's jitter."""
+    from prefect.utilities.math import lower_clamp_multiple
+
+    from tasks.storage import RETRIES
+
+    delays = RETRIES["retry_delay_seconds"](RETRIES["retries"])
+    return sum(delays) * max(0.0, lower_clamp_multiple(1 + RETRIES["retry_jitter_factor"]))
+
+
 def test_s3_outage_is_ridden_out_by_task_retries(
     tmp_path: Path, prefect_server: dict[str, str]
 ) -> None:
@@ -301,10 +312,15 @@ def test_s3_outage_is_ridden_out_by_task_retries(
                 time.sleep(0.1)
 
         retried(1)  # S3 is down when the upload starts ...
+        seen = time.monotonic()
         switch("up")  # ... and comes back
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
             Bucket="outage"
         )
+        # the premise, checked rather than assumed: the outage ended inside the shortest
+        # back-off the shipped policy can draw (its delays, less all their jitter)
+        up_s = time.monotonic() - seen
+        assert up_s < _shortest_backoff_s(), f"S3 took {up_s:.1f} s to come back"
         deadline = time.time() + 180
         while not (tmp_path / "published").exists():
             assert job.poll() is None and time.time() < deadline, err_f.read_text()[-3000:]
@@ -312,7 +328,10 @@ def test_s3_outage_is_ridden_out_by_task_retries(
         switch("down")  # down again when the download starts ...
         (tmp_path / "download").write_text("go")
         retried(2)
+        seen = time.monotonic()
         switch("up")  # ... and back, with its objects
+        up_s = time.monotonic() - seen
+        assert up_s < _shortest_backoff_s(), f"S3 took {up_s:.1f} s to come back"
         job.wait(timeout=180)
     finally:
         moto.kill()
