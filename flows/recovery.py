@@ -34,7 +34,9 @@ from uuid import UUID
 from prefect import flow
 
 import tasks
+from tasks import events
 from tasks.config import STAGES, RecoveryConfig, load_config
+from tasks.events import emit
 
 log = logging.getLogger("flows.recovery")  # by name: a deployment loads this file as a script
 tasks.offline_defaults()  # as a script it is loaded without the flows package
@@ -229,14 +231,27 @@ def recover(crashed: str) -> dict[str, Any]:
         if done:  # the automation fired again for the same crash: nothing more to start
             log.info("flow run %s already has its recovery run %s", fr.name, done[0].name)
             return {"recovered": True, "flow_run_id": str(done[0].id), "why": "already recovered"}
-        rec = load_config(
+        cfg = load_config(
             params.get("params_file"), params.get("overrides") or [], params.get("params")
-        ).recovery
+        )
+        rec = cfg.recovery
         runs = chain(client, crashed_id)
-        ok, delay, why = decide(rec, [_progress(client, r.id) for r in runs])
+        progress = [_progress(client, r.id) for r in runs]
+        ok, delay, why = decide(rec, progress)
+        about = (str(fr.id), fr.name)
         if not ok:
             client.update_flow_run(crashed_id, tags=[*fr.tags, GAVE_UP])
             log.error("stage %s (flow run %s) is not recovered: %s", dep.name, fr.name, why)
+            emit(
+                events.GAVE_UP,
+                cfg,
+                dep.name,
+                f"stage {dep.name} is not recovered: {why}",
+                flow_run=about,
+                once=str(fr.id),
+                attempts=len(runs),
+                progress=progress[-1],
+            )
             return {"recovered": False, "why": why}
         when = datetime.now(UTC) + timedelta(seconds=delay)
         new = client.create_flow_run_from_deployment(
@@ -255,6 +270,18 @@ def recover(crashed: str) -> dict[str, Any]:
             why,
             delay,
             dep.work_pool_name,
+        )
+        emit(
+            events.RECOVERED,
+            cfg,
+            dep.name,
+            f"stage {dep.name} lost its machine; recovery run {new.name} starts in {delay:.0f} s",
+            flow_run=about,
+            once=str(fr.id),
+            recovery_flow_run_id=str(new.id),
+            attempt=len(runs) + 1,
+            delay_s=delay,
+            progress=progress[-1],
         )
         return {"recovered": True, "flow_run_id": str(new.id), "delay_s": delay, "why": why}
 

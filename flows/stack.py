@@ -254,13 +254,18 @@ def _up(
     pools = sorted(cfg.pools.definitions)
     _ensure_pools(root, state, pools)
     workspaces = _sync_workspaces(root, pools)
-    # deploy when the server is new or prefect.yaml changed (a restart of a worker needs none)
-    spec = hashlib.sha256((root / "prefect.yaml").read_bytes()).hexdigest()
+    # deploy when the server is new or what the deployments are made of changed: prefect.yaml,
+    # and params.yaml with the config's declarations (the run form's fields and defaults,
+    # the descriptions); a restart of a worker needs none
+    made_of = ("prefect.yaml", "params.yaml", "dvc.yaml", "moe/config.py", "tasks/config.py")
+    spec = hashlib.sha256(
+        b"".join((root / f).read_bytes() for f in made_of if (root / f).is_file())
+    ).hexdigest()
     if state.get("deployed") != [spec, state["procs"]["prefect-server"]["started"]]:
         _deploy(root, state, say)
         state["deployed"] = [spec, state["procs"]["prefect-server"]["started"]]
         _save(root, state)
-    _point_pipeline_at_stack(state)
+    _point_pipeline_at_stack(state, cfg)
     with api_client(state) as client:  # flows/recovery.py: detect and recover lost machines
         for name in install_automations(client, cfg.recovery):
             say(f"automation: {name}")
@@ -507,22 +512,18 @@ def _deploy(root: Path, state: dict[str, Any], say: Any) -> None:
         )
 
 
-def _point_pipeline_at_stack(state: dict[str, Any]) -> None:
-    """The pipeline deployment's default parameters use the stack's bucket, so that a run
-    started from the UI (or its schedule) works as `stack run` does."""
-    from prefect.client.schemas.actions import DeploymentUpdate
+def _point_pipeline_at_stack(state: dict[str, Any], cfg: Any) -> None:
+    """The deployments' default parameters: the run form opens filled in with the stack's
+    configuration (every stage, `params` as params.yaml resolves), and the pipeline's use the
+    stack's bucket and dispatch to the stage deployments, so that a run started from the UI
+    (or its schedule) works as `stack run` does."""
+    from flows.deployments import set_form_defaults
 
     with api_client(state) as client:
-        dep = client.read_deployment_by_name("pipeline/pipeline")
-        client.update_deployment(
-            dep.id,
-            DeploymentUpdate(
-                parameters={
-                    **(dep.parameters or {}),
-                    "dispatch": "deployments",
-                    "overrides": stack_overrides(state),
-                }
-            ),
+        set_form_defaults(
+            client,
+            cfg,
+            pipeline={"dispatch": "deployments", "overrides": stack_overrides(state)},
         )
 
 

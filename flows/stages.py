@@ -40,9 +40,10 @@ from tasks.config import STAGES, Config, load_config
 from tasks.cost import cost_ledger, phase_costs, storage_costs
 from tasks.data import build_sql_sets, build_tokenizer, commit_folder, tokenize_corpus
 from tasks.evaluation import evaluate_perplexity, evaluate_sql
+from tasks.events import STAGE_COMPLETED, emit
 from tasks.form import as_params, config_model
 from tasks.handoff import pull_inputs, push_outputs
-from tasks.lineage import StageRecord, up_to_date, write_json
+from tasks.lineage import StageRecord, dvc_stage, up_to_date, write_json
 from tasks.presentation import (
     plot_cost,
     plot_expert_load,
@@ -555,15 +556,28 @@ def run_stage(
         return done
     record = StageRecord(cfg, stage.name, stage.out(cfg))
     made = stage.body(cfg, record)
-    record.write(
+    written = record.write(
         inputs=inputs,
         outputs=made.outputs,
         metrics=made.result if made.metrics is None else made.metrics,
         wandb_run_id=made.wandb_run_id,
         compute_s=made.compute_s,
     )
-    publish_artifacts(stage.name, made.result if made.summary is None else made.summary)
+    summary = made.result if made.summary is None else made.summary
+    publish_artifacts(stage.name, summary)
     _hand_off(cfg, stage, handoff)
+    figures = {k: v for k, v in summary.items() if isinstance(v, (int, float, str, bool))}
+    emit(
+        STAGE_COMPLETED,
+        cfg,
+        stage.name,
+        f"stage {stage.name} completed on pool {written['pool']} for "
+        f"{written['cost']:.4f} {cfg.cost.currency}",
+        written["cost"],
+        wall_s=written.get("wall_s"),
+        figures=figures,
+        interruptions=(written.get("interruptions") or {}).get("count", 0),
+    )
     return made.result
 
 
@@ -600,9 +614,44 @@ def _lineage_files(cfg: Config, before: str, missing_ok: bool = False) -> list[P
 # ------------------------------------------------------------------------- the flows
 
 
-# The configuration as a typed parameter: the form the Prefect UI renders (tasks/form.py),
-# with the project's params.yaml as its defaults.
-Params = config_model()
+def describe(stage: Stage, cfg: Config) -> str:
+    """What a run of the stage does, for its flow and deployment (the UI's deployment page):
+    what it is, the pool it runs on, what it reads and writes, the params it uses. Derived
+    from the stage's declaration and its dvc.yaml entry, never written twice."""
+    pool, spec = cfg.pool_of(stage.name)
+    machine = "no such pool defined"
+    if spec is not None:
+        kind = f"{spec.gpus} x {spec.gpu}" if spec.gpus else "CPU only"
+        price = f"{spec.rate:.2f} {cfg.cost.currency}/h" + (
+            " spot" if spec.pricing == "spot" else ""
+        )
+        machine = f"{kind}, {price}"
+    if stage.name == "prepare":
+        reads = [f"the corpus (data.source: {cfg.data.source})"]
+    else:
+        reads = [f"{path} (from {src})" for path, src in stage.reads(cfg)]
+    entry = dvc_stage(stage.name)
+    outs = [next(iter(o)) if isinstance(o, dict) else str(o) for o in entry.get("outs") or []]
+    params = entry.get("params") or [stage.section]
+    return "\n".join(
+        [
+            stage.doc,
+            "",
+            f"Pool: {pool} ({machine}); pools.stages.{stage.name} moves it.",
+            f"Reads: {'; '.join(dict.fromkeys(reads)) or 'nothing of an earlier stage'}.",
+            f"Writes: {', '.join(outs) or stage.out(cfg).as_posix()}.",
+            f"Params: {', '.join(str(p) for p in params)}.",
+        ]
+    )
+
+
+def _form_config() -> Config:
+    """The project's configuration as the form and the descriptions show it (the embedded
+    default where params.yaml is missing or invalid: the run reports that, not the import)."""
+    try:
+        return load_config()
+    except InputError:
+        return Config()
 
 
 def _stage_flow(stage: Stage) -> Any:
@@ -631,9 +680,12 @@ def _stage_flow(stage: Stage) -> Any:
         params_file: A params file on the worker (when params is empty).
         overrides: key=value changes on top of the params file, as `--set` takes them.
     """
-    return flow(name=stage.name, description=stage.doc, log_prints=True, validate_parameters=False)(
-        run
-    )
+    return flow(
+        name=stage.name,
+        description=describe(stage, _FORM_CONFIG),
+        log_prints=True,
+        validate_parameters=False,
+    )(run)
 
 
 if [s.name for s in STAGE_LIST] != list(STAGES):
@@ -641,6 +693,10 @@ if [s.name for s in STAGE_LIST] != list(STAGES):
         f"flows/stages.py STAGE_LIST {[s.name for s in STAGE_LIST]} and "
         f"tasks.config.DEFAULT_STAGE_POOLS {list(STAGES)} must name the same stages in the same order"
     )
+# The configuration as a typed parameter: the form the Prefect UI renders (tasks/form.py),
+# with the project's params.yaml as its defaults, as are the deployments' descriptions.
+_FORM_CONFIG = _form_config()
+Params = config_model(_FORM_CONFIG)
 STAGE_FLOWS = {s.name: _stage_flow(s) for s in STAGE_LIST}
 # Module-level names, as prefect.yaml's entrypoints (flows/stages.py:<stage>) look them up.
 globals().update(STAGE_FLOWS)

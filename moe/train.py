@@ -727,13 +727,15 @@ class Trainer:
                 self._budget_warned = True
                 msg = f"{spent / left:.0%} of the budget left for this stage spent"
                 log.warning("step %d: %s", self.step, msg)
-                self._emit({"step": self.step, "budget_alert": msg})
+                self._emit(
+                    {"step": self.step, "budget_alert": msg, "cost": spent, "budget_left": left}
+                )
         time_budget = self.cfg.time_budget_s
         if reason is None and time_budget > 0 and self.elapsed_s >= time_budget:
             reason = f"time budget of {time_budget:.0f} s used"
         if reason is not None:
             log.warning("stopping at step %d: %s", self.step, reason)
-            self._emit({"step": self.step, "early_stop": reason})
+            self._emit({"step": self.step, "early_stop": reason, "cost": spent})
         return reason
 
     def _checkpoint_if_due(self, run: _Run, stopping: str | None) -> None:

@@ -15,16 +15,13 @@ file, `--set`), a bad value is refused by one path with one message naming its k
 from __future__ import annotations
 
 import dataclasses
-import logging
 import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from moe.config import ConfigError, field_docs
-from tasks.config import STAGES, Config, PoolsConfig, PoolSpec, load_config
-
-log = logging.getLogger(__name__)
+from moe.config import field_docs
+from tasks.config import STAGES, Config, PoolsConfig, PoolSpec
 
 StageName = Literal[STAGES]  # type: ignore[valid-type]  # the stage names, in order
 
@@ -79,16 +76,8 @@ def section_model(cls: type, value: Any, path: str) -> type[BaseModel]:
     )
 
 
-def config_model(cfg: Config | None = None) -> type[BaseModel]:
-    """The whole configuration's model, with `cfg`'s values (default: the project's
-    params.yaml, or the embedded default where it is missing or invalid: its error is the
-    run's to report, not the import's) as the form's defaults."""
-    if cfg is None:
-        try:
-            cfg = load_config()
-        except ConfigError as e:
-            log.warning("the form shows the embedded defaults: %s", e)
-            cfg = Config()
+def config_model(cfg: Config) -> type[BaseModel]:
+    """The whole configuration's model, with `cfg`'s values as the form's defaults."""
     return section_model(Config, cfg, "")
 
 

@@ -92,7 +92,7 @@ def flow_run_id() -> str | None:
         return None
 
 
-def _dvc_stage(stage: str) -> dict[str, Any]:
+def dvc_stage(stage: str) -> dict[str, Any]:
     """The stage's entry in dvc.yaml: the one list of the params and code each stage reads."""
     import yaml
 
@@ -107,7 +107,7 @@ def stage_params_hash(cfg: Config, stage: str) -> str:
     change to a later stage's params does not invalidate an earlier stage."""
     full = cfg.to_dict()
     picked: dict[str, Any] = {}
-    for key in _dvc_stage(stage).get("params") or list(full):
+    for key in dvc_stage(stage).get("params") or list(full):
         node: Any = full
         for part in str(key).split("."):
             node = node.get(part) if isinstance(node, dict) else None
@@ -120,7 +120,7 @@ def stage_params_hash(cfg: Config, stage: str) -> str:
 def code_deps(stage: str) -> dict[str, str]:
     """sha256 of each source file dvc.yaml lists as a dependency of the stage."""
     out = {}
-    for dep in _dvc_stage(stage).get("deps") or []:
+    for dep in dvc_stage(stage).get("deps") or []:
         p = Path(str(dep))
         if p.suffix == ".py" and p.is_file():
             out[str(p)] = sha256_file(p)

@@ -464,6 +464,7 @@ def run_on_cluster(
     """Launch `stage` as an Indexed Job of `nodes` pods, follow it to the end, and bring its
     result, model, metrics and checkpoints into out_dir. A failed Job raises (the task's
     retry launches a new one, which resumes from the mirrored checkpoints)."""
+    from tasks.events import row_events
     from tasks.training import replay_metrics, training_fingerprint
 
     sec, m = getattr(cfg, stage), cfg.multinode
@@ -543,7 +544,7 @@ def run_on_cluster(
     pull_files(store, f"multinode/{job}/out", out_dir, f"Job {job} ended without its outputs")
     restore_checkpoints(store, out_dir / "checkpoints", run_key)
     result = TrainResult(**json.loads((out_dir / ".dist" / "result.json").read_text()))
-    replay_metrics(out_dir, log_fn)
+    replay_metrics(out_dir, log_fn, row_events(cfg, stage))
     return result
 
 

@@ -93,10 +93,13 @@ def progress(
 
 
 def training_log(
-    stage: str, max_steps: int, log_fn: Callable[[dict[str, Any]], None]
+    stage: str,
+    max_steps: int,
+    log_fn: Callable[[dict[str, Any]], None],
+    on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> contextlib.AbstractContextManager[Callable[[dict[str, Any]], None]]:
     """`log_fn` (W&B) plus progress: every metrics row the trainer emits moves the bar and the
-    stage's Prefect progress artifact to its step."""
+    stage's Prefect progress artifact to its step, and goes to `on_row` (the events)."""
 
     @contextlib.contextmanager
     def wrapped() -> Iterator[Callable[[dict[str, Any]], None]]:
@@ -105,6 +108,8 @@ def training_log(
 
             def log_and_show(row: dict[str, Any]) -> None:
                 log_fn(row)
+                if on_row is not None:
+                    on_row(row)
                 if "loss" in row:
                     update(int(row["step"]), f"loss {row['loss']:.3f}")
                 elif "early_stop" in row:

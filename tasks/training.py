@@ -35,6 +35,7 @@ from moe.train import Budget, Resilience, Trainer, TrainResult, Validation
 from tasks import retry_unless_input_error
 from tasks.checkpoints import checkpoint_store, offload_checkpoints
 from tasks.config import Config, PoolSpec
+from tasks.events import row_events
 from tasks.progress import training_log
 
 log = logging.getLogger(__name__)
@@ -146,17 +147,25 @@ def launch(
             f"{proc.returncode}; its log is above. A retry resumes from the newest checkpoint."
         )
     result = TrainResult(**json.loads(result_file.read_text()))
-    replay_metrics(out_dir, log_fn)
+    replay_metrics(out_dir, log_fn, row_events(cfg, stage))
     return result
 
 
-def replay_metrics(out_dir: Path, log_fn: Callable[[dict[str, Any]], None]) -> None:
-    """Send the metrics rows a run in other processes wrote (metrics.jsonl) to log_fn (W&B)."""
+def replay_metrics(
+    out_dir: Path,
+    log_fn: Callable[[dict[str, Any]], None],
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> None:
+    """Send the metrics rows a run in other processes wrote (metrics.jsonl) to log_fn (W&B)
+    and `on_row` (the events, which its ranks, outside the flow run, could not emit)."""
     metrics = out_dir / "metrics.jsonl"
     if metrics.is_file():
         for line in metrics.read_text().splitlines():
             if line:
-                log_fn(json.loads(line))
+                row = json.loads(line)
+                log_fn(row)
+                if on_row is not None:
+                    on_row(row)
 
 
 def _processes(cfg: Config, stage: str) -> int:
@@ -184,7 +193,9 @@ def _fit_and_save(cfg: Config, trainer: Trainer, out_dir: Path, run_key: str) ->
     terminal and a Prefect progress artifact follow the steps (tasks/progress.py)."""
     stage = run_key.split("/", 1)[0]
     try:
-        with training_log(stage, trainer.cfg.max_steps, trainer.log_fn) as trainer.log_fn:
+        with training_log(
+            stage, trainer.cfg.max_steps, trainer.log_fn, row_events(cfg, stage)
+        ) as trainer.log_fn:
             result = trainer.fit()
     finally:  # a failed run's checkpoint being written still lands (a retry resumes from it)
         trainer.store.close()

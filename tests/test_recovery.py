@@ -16,6 +16,7 @@ from uuid import UUID
 import pytest
 
 from flows.recovery import GAVE_UP, LINK, RECOVERY_TAG, STAGE_TAG, decide, follow, recover
+from tasks import events
 from tasks.config import RecoveryConfig
 from tests.conftest import ROOT
 
@@ -173,6 +174,13 @@ def test_a_crashed_stage_is_run_again_once_then_given_up_on(
     assert str(second.id) == got["flow_run_id"] and second.parameters == params
     assert {RECOVERY_TAG, LINK + str(first.id), "pool:gpu"} <= set(second.tags)
 
+    # one event for the stage run's loss, however often the recover flow ran for it
+    from tests.test_events import events_of
+
+    [started] = events_of(first.id, [events.RECOVERED], want=2, timeout=5)
+    assert started.payload["recovery_flow_run_id"] == got["flow_run_id"]
+    assert started.payload["stage"] == "pretrain" and started.payload["attempt"] == 2
+
     # the recovery run crashes too: one recovery was allowed (max_attempts=1)
     from prefect.states import Crashed
 
@@ -188,6 +196,8 @@ def test_a_crashed_stage_is_run_again_once_then_given_up_on(
         if r.name == "flows.recovery" and r.levelno == logging.ERROR
     ]
     assert "is not recovered" in line and "max_attempts" in line and second.name in line
+    [gave_up] = events_of(second.id, [events.GAVE_UP], want=1)
+    assert "max_attempts" in gave_up.payload["message"] and gave_up.payload["attempts"] == 2
     # the pipeline waiting on the first run follows the chain and stops at the given-up run
     # at once (wait_s would otherwise hold it for an hour)
     end = follow(client, client.read_flow_run(first.id), wait_s=3600, poll_s=0.1)

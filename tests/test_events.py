@@ -1,0 +1,181 @@
+"""The pipeline's alerts as Prefect events, read back from a real Prefect server (the test
+fixture's): the trainer's budget alert and budget stop, reached through the stage's own
+training wiring (tasks/training.py), and a stage's completion; the example automation sends
+a budget alert to a notification block (a webhook to an HTTP server of this test's)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tasks.events import BUDGET_ALERT, BUDGET_STOP, STAGE_COMPLETED
+
+
+@pytest.fixture
+def api(prefect_server: dict[str, str]) -> Iterator[str]:
+    """The fixture's server as this process's Prefect API (flows run here report to it)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: prefect_server["PREFECT_API_URL"]}):
+        yield prefect_server["PREFECT_API_URL"]
+
+
+def _flush_events() -> None:
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all()
+
+
+def events_of(flow_run_id: Any, names: list[str], want: int, timeout: float = 60) -> list[Any]:
+    """The server's events about a flow run with these names, once `want` of them are there
+    (the server stores events asynchronously: a bound on the wait, not a verdict)."""
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    _flush_events()
+    wanted = EventFilter(
+        event=EventNameFilter(name=names),
+        resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"]),
+    )
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            got = list(client.read_events(wanted, limit=50).events)
+            if len(got) >= want or time.monotonic() > deadline:
+                return sorted(got, key=lambda e: e.occurred)
+            time.sleep(0.5)
+
+
+def _budgeted_training(tmp_path: Path) -> tuple[str, Any]:
+    """A real flow run whose training spends its budget: a clock that advances one second
+    per reading and a price of 3600/h make each step cost about 1; the stage's share is 10,
+    so the alert (0.8) and then the stop come at known steps on any machine."""
+    from prefect import flow
+    from prefect.runtime import flow_run
+
+    from moe.train import Budget
+    from tasks.config import Config
+    from tasks.training import _fit_and_save
+    from tests.test_resilience import _clocked
+    from tests.test_train import _data, _trainer
+
+    cfg = Config()
+    data = _data(tmp_path / "data")
+
+    @flow(name="budgeted-training")
+    def budgeted() -> tuple[str, Any]:
+        t = _trainer(data, tmp_path / "ckpt", 40)
+        _clocked(t, tick=0.5)  # two readings a step: one second a step
+        t.budget = Budget(price_per_hour=3600.0, left=10.0, alert=cfg.cost.alert_fraction)
+        return str(flow_run.get_id()), _fit_and_save(cfg, t, tmp_path / "out", "pretrain/x")
+
+    return budgeted()
+
+
+def test_the_budget_alert_and_stop_are_events_of_the_stage_run(api: str, tmp_path: Path) -> None:
+    run_id, result = _budgeted_training(tmp_path)
+    assert result.stop_reason.startswith("budget")
+    alert, stop = events_of(run_id, [BUDGET_ALERT, BUDGET_STOP], want=2)
+    assert (alert.event, stop.event) == (BUDGET_ALERT, BUDGET_STOP)
+    for e in (alert, stop):
+        assert e.resource.id == f"prefect.flow-run.{run_id}"
+        assert e.resource["moe.stage"] == "pretrain" and e.resource["moe.pool"] == "gpu-h100"
+        assert e.payload["stage"] == "pretrain" and e.payload["pool"] == "gpu-h100"
+        assert e.payload["currency"] == "USD"
+    assert 8 <= alert.payload["cost"] < 10 and alert.payload["budget_left"] == 10.0
+    assert "of the budget left for this stage spent" in alert.payload["message"]
+    assert stop.payload["cost"] >= 10 and stop.payload["step"] > alert.payload["step"]
+    assert stop.payload["reason"].startswith("budget")
+
+
+class _Hook(BaseHTTPRequestHandler):
+    received: list[dict] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - the http.server API
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        _Hook.received.append(json.loads(body))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_alert_automation_sends_a_budget_alert_to_a_block(api: str, tmp_path: Path) -> None:
+    """`install_alert` on the server, pointed at a webhook block (a Slack webhook block is
+    the same kind of block); a budget alert from a training run reaches the webhook with its
+    stage, pool and cost."""
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+    from prefect.client.orchestration import get_client
+
+    from flows.deployments import ALERT, install_alert
+
+    server = HTTPServer(("127.0.0.1", 0), _Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Hook.received.clear()
+    try:
+        block = CustomWebhookNotificationBlock(
+            name="moe-test-hook",
+            url=f"http://127.0.0.1:{server.server_port}/hook",
+            json_data={"subject": "{{subject}}", "text": "{{body}}"},
+            allow_private_urls=True,
+        )
+        block_id = block.save("moe-test-hook", overwrite=True)
+        with get_client(sync_client=True) as client:
+            assert install_alert(client, block_id) == ALERT
+            assert install_alert(client, block_id) == ALERT  # replaced, not doubled
+            assert len(client.read_automations_by_name(ALERT)) == 1
+        time.sleep(2)  # the server loads new automations before it matches events to them
+        run_id, _ = _budgeted_training(tmp_path)
+        deadline = time.monotonic() + 90  # a bound on the wait, not the verdict
+        while not _Hook.received and time.monotonic() < deadline:
+            time.sleep(0.5)
+        [sent] = _Hook.received
+        assert "moe.budget.alert" in sent["subject"] and "(pretrain)" in sent["subject"]
+        assert "stage pretrain on pool gpu-h100" in sent["text"], sent
+        assert "cost so far 8" in sent["text"] or "cost so far 9" in sent["text"], sent
+    finally:
+        server.shutdown()
+        with get_client(sync_client=True) as client:
+            for a in client.read_automations_by_name(ALERT):
+                client.delete_automation(a.id)
+
+
+def test_a_completed_stage_is_an_event_with_its_figures_and_cost(
+    api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prepare stage, as a real flow run on a small corpus of this test's."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from flows.stages import STAGE_FLOWS
+    from tests.conftest import ROOT, merge, tiny_params
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
+    (tmp_path / "corpus.txt").write_text(
+        "\n\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(3000))
+    )
+    params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), tiny_params())
+    params["data"].update(source="corpus.txt", doc_max_bytes=512)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    prepare = STAGE_FLOWS["prepare"].with_options(flow_run_name="prepare-for-events")
+    result = prepare(params_file="params.yaml")
+    with get_client(sync_client=True) as client:
+        [fr] = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["prepare-for-events"]))
+        )
+    [done] = events_of(fr.id, [STAGE_COMPLETED], want=1)
+    assert done.resource["moe.stage"] == "prepare" and done.payload["pool"] == "cpu"
+    assert done.payload["cost"] > 0 and done.payload["wall_s"] > 0
+    figures = done.payload["figures"]
+    assert figures and all(figures[k] == v for k, v in result.items() if k in figures)
+    assert "completed on pool cpu" in done.payload["message"]
