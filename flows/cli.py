@@ -136,6 +136,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_params(rinst)
 
+    deps = sub.add_parser(
+        "deployments", help="what the deployments on a server need beyond prefect.yaml"
+    )
+    dsub = deps.add_subparsers(dest="deployments_command", required=True)
+    dconf = dsub.add_parser(
+        "configure",
+        help="after `prefect deploy --all`: the run forms' defaults (every stage, params as "
+        "this params file resolves) on the server of PREFECT_API_URL",
+    )
+    _add_params(dconf)
+    alerts = sub.add_parser("alerts", help="route the pipeline's events to a notification block")
+    asub = alerts.add_subparsers(dest="alerts_command", required=True)
+    ainst = asub.add_parser(
+        "install",
+        help="create (or replace) the automation that sends each budget alert "
+        "(moe.budget.alert) to a notification block on the server of PREFECT_API_URL",
+    )
+    ainst.add_argument(
+        "--block",
+        required=True,
+        help="the notification block, as TYPE/NAME (e.g. slack-webhook/moe-alerts: create it "
+        "in the UI's Blocks page or with SlackWebhook(url=...).save('moe-alerts'))",
+    )
+    ainst.add_argument(
+        "--events",
+        nargs="+",
+        default=None,
+        help="the events to send (default: moe.budget.alert; all: tasks/events.py EVENTS)",
+    )
+
     ckpt = sub.add_parser("checkpoint", help="inspect checkpoints")
     csub = ckpt.add_subparsers(dest="checkpoint_command", required=True)
     digest = csub.add_parser(
@@ -225,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
             return _pools(args, load_config(args.params, args.overrides))
         if args.command == "recovery":
             return _recovery(load_config(args.params, args.overrides))
+        if args.command == "deployments":
+            return _deployments(load_config(args.params, args.overrides))
+        if args.command == "alerts":
+            return _alerts(args)
         if args.command in ("model", "ask"):
             return _model(args, load_config(args.params, args.overrides))
         # Validate the params and what the stages need before importing Prefect or touching
@@ -380,6 +414,56 @@ def _recovery(cfg: Config) -> int:
         f"workers must send flow-run heartbeats: PREFECT_FLOWS_HEARTBEAT_FREQUENCY={r.heartbeat_s} "
         f"in each worker's environment (a run is crashed after {r.crashed_after_s} s without one)"
     )
+    return 0
+
+
+def _deployments(cfg: Config) -> int:
+    """`deployments configure`: the run forms' defaults on this server."""
+    from prefect.client.orchestration import get_client
+
+    from flows.deployments import set_form_defaults
+
+    with get_client(sync_client=True) as client:
+        changed = set_form_defaults(client, cfg)
+        where = client.api_url
+    if not changed:
+        print(f"error: no deployment of prefect.yaml on {where}: run `prefect deploy --all` first")
+        return 1
+    print(f"run form defaults set on {where}: {', '.join(changed)}")
+    return 0
+
+
+def _alerts(args: argparse.Namespace) -> int:
+    """`alerts install`: the automation of flows/deployments.py, to an existing block."""
+    from prefect.blocks.core import Block
+    from prefect.client.orchestration import get_client
+
+    from flows.deployments import install_alert
+    from tasks.events import BUDGET_ALERT, EVENTS
+
+    events = tuple(args.events or [BUDGET_ALERT])
+    unknown = [e for e in events if e not in EVENTS]
+    if unknown:
+        print(
+            f"error: unknown event(s) {unknown}; the events are {', '.join(EVENTS)}",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    if "/" not in args.block:
+        print(
+            f"error: --block {args.block!r} must be TYPE/NAME, e.g. slack-webhook/moe-alerts",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    try:
+        block = Block.load(args.block)
+    except ValueError as e:
+        print(f"error: no notification block {args.block}: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    with get_client(sync_client=True) as client:
+        name = install_alert(client, block._block_document_id, events)
+        where = client.api_url
+    print(f"automation {name!r} on {where}: {', '.join(events)} -> {args.block}")
     return 0
 
 

@@ -109,14 +109,17 @@ class _Hook(BaseHTTPRequestHandler):
         pass
 
 
-def test_the_alert_automation_sends_a_budget_alert_to_a_block(api: str, tmp_path: Path) -> None:
-    """`install_alert` on the server, pointed at a webhook block (a Slack webhook block is
+def test_the_alert_automation_sends_a_budget_alert_to_a_block(
+    api: str, tmp_path: Path, prefect_server: dict[str, str]
+) -> None:
+    """`moe-pipeline alerts install` on the server, pointed at a webhook block (a Slack webhook block is
     the same kind of block); a budget alert from a training run reaches the webhook with its
     stage, pool and cost."""
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
     from prefect.client.orchestration import get_client
 
-    from flows.deployments import ALERT, install_alert
+    from flows.deployments import ALERT
+    from tests.conftest import cli_env, pipeline_cli
 
     server = HTTPServer(("127.0.0.1", 0), _Hook)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -128,11 +131,18 @@ def test_the_alert_automation_sends_a_budget_alert_to_a_block(api: str, tmp_path
             json_data={"subject": "{{subject}}", "text": "{{body}}"},
             allow_private_urls=True,
         )
-        block_id = block.save("moe-test-hook", overwrite=True)
+        block.save("moe-test-hook", overwrite=True)
+        env = cli_env(prefect_server)
+        for _ in range(2):  # again: replaced, not doubled
+            r = pipeline_cli(
+                ["alerts", "install", "--block", "custom-webhook/moe-test-hook"], tmp_path, env
+            )
+            assert r.returncode == 0, r.stderr
+            assert f"automation {ALERT!r}" in r.stdout
         with get_client(sync_client=True) as client:
-            assert install_alert(client, block_id) == ALERT
-            assert install_alert(client, block_id) == ALERT  # replaced, not doubled
             assert len(client.read_automations_by_name(ALERT)) == 1
+        r = pipeline_cli(["alerts", "install", "--block", "custom-webhook/nope"], tmp_path, env)
+        assert r.returncode == 2 and "no notification block custom-webhook/nope" in r.stderr
         time.sleep(2)  # the server loads new automations before it matches events to them
         run_id, _ = _budgeted_training(tmp_path)
         deadline = time.monotonic() + 90  # a bound on the wait, not the verdict
