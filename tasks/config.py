@@ -667,9 +667,9 @@ def load_config(
         if not isinstance(params, dict):
             raise ConfigError(
                 [f"params must be a mapping of sections, got {type(params).__name__}"],
-                "flow parameters",
+                "the params parameter (the run form)",
             )
-        raw, source, path = copy.deepcopy(params), "flow parameters", None
+        raw, source, path = copy.deepcopy(params), "the params parameter (the run form)", None
     elif path is None and Path("params.yaml").is_file():
         path = "params.yaml"
     if path is not None:

@@ -1,0 +1,163 @@
+"""The run form (tasks/form.py) as Prefect derives it from the flows' signatures: every field
+of the configuration with its default, type, declared range or choices and description, one
+group per section; the schema refuses what the config refuses; what the form sends reaches
+the stage; an unknown key is refused with the config's own message. The Chromium test of the
+form on a real server is in tests/test_stack.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+import pytest
+
+from moe.config import ConfigError
+from tasks.config import STAGES, Config, load_config
+from tests.conftest import ROOT
+
+
+def _schema(fn: Any) -> dict[str, Any]:
+    from prefect.utilities.callables import parameter_schema
+
+    return parameter_schema(fn).model_dump()
+
+
+def _resolve(schema: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    """A property's schema with its $ref (or the model branch of an anyOf with null) looked
+    up, as the UI does to render it."""
+    for branch in node.get("anyOf", []):
+        if "$ref" in branch:
+            node = branch
+    if "$ref" in node:
+        return schema["definitions"][node["$ref"].rsplit("/", 1)[1]]
+    return node
+
+
+def _leaves(schema: dict[str, Any], node: dict[str, Any], path: str = "") -> dict[str, dict]:
+    """Every field of the form, by key path, with its schema (sections included)."""
+    out = {}
+    for name, prop in node.get("properties", {}).items():
+        here = f"{path}.{name}" if path else name
+        out[here] = prop
+        target = _resolve(schema, prop)
+        if target.get("type") == "object" and "properties" in target:
+            out.update(_leaves(schema, target, here))
+    return out
+
+
+@pytest.fixture(scope="module")
+def form() -> tuple[dict[str, Any], dict[str, dict]]:
+    from flows.pipeline import pipeline
+
+    schema = _schema(pipeline.fn)
+    params = _resolve(schema, schema["properties"]["params"])
+    return schema, _leaves(schema, params)
+
+
+def _dataclass_paths(cls: type, path: str = "") -> list[str]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        here = f"{path}.{f.name}" if path else f.name
+        out.append(here)
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += _dataclass_paths(hints[f.name], here)
+    return out
+
+
+def test_every_field_of_the_config_is_on_the_form_with_a_description(form: Any) -> None:
+    schema, fields = form
+    for path in _dataclass_paths(Config):  # one source: the dataclasses
+        assert path in fields, f"{path} is not on the form"
+        assert fields[path].get("description"), f"{path} has no description (its comment)"
+    # one group per section, in the config's order
+    params = _resolve(schema, schema["properties"]["params"])
+    assert list(params["properties"]) == [f.name for f in dataclasses.fields(Config)]
+    assert params["additionalProperties"] is False
+    assert _resolve(schema, fields["pretrain"])["additionalProperties"] is False
+
+
+def test_declared_ranges_and_choices_are_the_schemas(form: Any) -> None:
+    _, f = form
+    assert f["pretrain.lr"]["exclusiveMinimum"] == 0 and f["pretrain.lr"]["type"] == "number"
+    assert f["checkpoint.hot_level"]["minimum"] == 1 and f["checkpoint.hot_level"]["maximum"] == 22
+    assert f["data.val_fraction"]["exclusiveMaximum"] == 0.5
+    assert f["pretrain.device"]["pattern"] == r"^(?:auto|cpu|cuda(:\d+)?)$"
+    assert f["wandb.mode"]["enum"] == ["offline", "online", "disabled"]
+    cfg = load_config(ROOT / "params.yaml")
+    pools = sorted(cfg.pools.definitions)
+    for stage in STAGES:  # a stage's pool is a choice of the defined pools
+        assert sorted(f[f"pools.stages.{stage}"]["enum"]) == pools
+    # the defaults are the project's params.yaml
+    assert f["pretrain.lr"]["default"] == cfg.pretrain.lr
+    assert f["finetune_domain.max_steps"]["default"] == cfg.finetune_domain.max_steps
+    assert f["pools.stages.pretrain"]["default"] == cfg.pools.stages["pretrain"]
+
+
+def test_stages_is_a_multi_select_of_the_stage_names() -> None:
+    from flows.pipeline import pipeline
+
+    stages = _schema(pipeline.fn)["properties"]["stages"]
+    [array] = [b for b in stages["anyOf"] if b.get("type") == "array"]
+    assert array["items"]["enum"] == list(STAGES)
+
+
+def test_the_schema_refuses_what_the_config_refuses() -> None:
+    """Prefect validates a run's parameters against the schema (the UI's form, a deployment
+    with enforce_parameter_schema) with its own validator: lr 0 and an unknown key fail
+    there; the project's own configuration passes."""
+    from prefect.utilities.schema_tools import validate
+
+    from flows.pipeline import pipeline
+
+    schema = _schema(pipeline.fn)
+    ok = {"params": load_config(ROOT / "params.yaml").to_dict()}
+    validate(ok, schema, raise_on_error=True)
+
+    def errors(params: dict) -> str:
+        with pytest.raises(Exception) as e:  # noqa: PT011 - Prefect's own validation error
+            validate({"params": params}, schema, raise_on_error=True)
+        return str(e.value)
+
+    bad = load_config(ROOT / "params.yaml").to_dict()
+    bad["pretrain"]["lr"] = 0
+    assert "lr" in errors(bad)
+    bad = load_config(ROOT / "params.yaml").to_dict()
+    bad["pretrain"]["lrr"] = 1e-3
+    assert "lrr" in errors(bad)
+    bad = load_config(ROOT / "params.yaml").to_dict()
+    bad["pools"]["stages"]["pretrain"] = "gpu-b200"
+    assert "gpu-b200" in errors(bad)
+
+
+def test_what_the_form_sends_reaches_the_stage_and_a_bad_key_is_one_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The flows take the form's model (a direct call) or its JSON (a deployment run): a
+    changed value arrives; an unknown key or a value out of range is refused by load_config
+    with the message a params file or --set gets, before any stage runs."""
+    from flows.pipeline import pipeline
+    from flows.stages import Params
+    from tasks.form import as_params
+
+    form = Params()
+    form.pretrain.lr = 1e-3
+    assert load_config(params=as_params(form)).pretrain.lr == 1e-3
+    sent = form.model_dump(mode="json")  # what a deployment run carries
+    assert load_config(params=as_params(sent)).pretrain.lr == 1e-3
+
+    def refused(params: dict) -> str:
+        with pytest.raises(ConfigError) as e:
+            pipeline.fn(params=params, stages=["prepare"])
+        return str(e.value)
+
+    sent["pretrain"]["lrr"] = 1
+    via_set = pytest.raises(ConfigError, load_config, None, ["pretrain.lrr=1"]).value
+    assert "pretrain.lrr" in refused(sent)
+    # the same line, but for where the value came from
+    assert str(via_set).splitlines()[-1] == refused(sent).splitlines()[-1] + " (from --set)"
+    assert refused(sent).startswith("the params parameter (the run form): 1 problem")
+    del sent["pretrain"]["lrr"]
+    sent["pretrain"]["lr"] = 0
+    assert "pretrain.lr" in refused(sent) and "must be > 0" in refused(sent)
