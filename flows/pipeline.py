@@ -17,10 +17,11 @@ from typing import Any, Literal
 from prefect import flow
 from prefect.runtime import flow_run
 
-from flows.stages import STAGE_FLOWS, Params
+from flows.stages import REPORTS, STAGE_FLOWS, Params
 from moe.errors import InputError
 from tasks.config import STAGES, Config, load_config
 from tasks.form import StageName, as_params
+from tasks.presentation import publish_pipeline_report
 
 log = logging.getLogger("flows.pipeline")  # by name: a deployment loads this file as a script
 
@@ -55,15 +56,21 @@ def pipeline(
         raise InputError(f"unknown stage(s) {unknown}; stages are {', '.join(STAGES)}")
     ordered = [name for name in STAGES if name in chosen]
     if dispatch == "deployments":
-        return _dispatch(cfg, ordered, handoff or str(flow_run.get_id() or uuid.uuid4()))
-    if dispatch != "local":
+        results = _dispatch(cfg, ordered, handoff or str(flow_run.get_id() or uuid.uuid4()))
+        runs = {s: results[s]["flow_run_id"] for s in ordered}
+    elif dispatch != "local":
         raise InputError(f"dispatch must be 'local' or 'deployments', got {dispatch!r}")
-    results: dict[str, Any] = {}
-    for name in ordered:
-        log.info("stage %s", name)
-        results[name] = STAGE_FLOWS[name](
-            params=params, params_file=params_file, overrides=overrides or []
-        )
+    else:
+        results, runs = {}, {}
+        for name in ordered:
+            log.info("stage %s", name)
+            state = STAGE_FLOWS[name](
+                params=params, params_file=params_file, overrides=overrides or [], return_state=True
+            )
+            runs[name] = str(state.state_details.flow_run_id)
+            results[name] = state.result()  # raises what the stage raised
+    if "evaluate" in ordered:  # the run's last word in the UI: results, bill, stage runs
+        publish_pipeline_report(REPORTS / "metrics.json", REPORTS / "cost.json", runs)
     return results
 
 

@@ -265,7 +265,7 @@ def _up(
         _deploy(root, state, say)
         state["deployed"] = [spec, state["procs"]["prefect-server"]["started"]]
         _save(root, state)
-    _point_pipeline_at_stack(state, cfg)
+    _point_pipeline_at_stack(state)
     with api_client(state) as client:  # flows/recovery.py: detect and recover lost machines
         for name in install_automations(client, cfg.recovery):
             say(f"automation: {name}")
@@ -512,17 +512,18 @@ def _deploy(root: Path, state: dict[str, Any], say: Any) -> None:
         )
 
 
-def _point_pipeline_at_stack(state: dict[str, Any], cfg: Any) -> None:
+def _point_pipeline_at_stack(state: dict[str, Any]) -> None:
     """The deployments' default parameters: the run form opens filled in with the stack's
     configuration (every stage, `params` as params.yaml resolves), and the pipeline's use the
     stack's bucket and dispatch to the stage deployments, so that a run started from the UI
     (or its schedule) works as `stack run` does."""
     from flows.deployments import set_form_defaults
 
+    resolved = load_config(state["params_file"], stack_overrides(state))  # storage: s3
     with api_client(state) as client:
         set_form_defaults(
             client,
-            cfg,
+            resolved,
             pipeline={"dispatch": "deployments", "overrides": stack_overrides(state)},
         )
 

@@ -465,7 +465,7 @@ class MoEConfig:
     # lowest-scoring overflow is dropped (its residual passes through).
     dropless: bool = True
     capacity_factor: float = 1.25  # with dropless off: an expert's capacity in fair shares
-    # Typical: 1.2-1.5 early (routing still moves), 0.8-1.0 late. > 0: capacity_factor moves linearly to this
+    # Typical: 1.2-1.5 early (routing still moves), 0.8-1.0 late. Above 0: capacity_factor moves linearly to this
     # value over the training run; 0 = constant.
     capacity_factor_end: float = knob(0.0, ge=0, note=" (0 = constant capacity_factor)")
     renormalize: bool = True  # renormalise the kept top-k weights to sum to 1
@@ -580,12 +580,12 @@ class OptimConfig:
     log_every: int = knob(10, ge=1)
     # Steps between checkpoints (with checkpoint.every: stage).
     checkpoint_every: int = knob(100, ge=1)
-    # > 0: stop after this many seconds of training; the lr decay follows the time used when
+    # Above 0: stop after this many seconds of training; the lr decay follows the time used when
     # that is ahead of the steps, so the run still ends annealed. 0 = max_steps only.
     time_budget_s: float = knob(0.0, ge=0, note=" (0 = off)")
     # Processes on this machine (torchrun: data parallel + expert parallel); moe.num_experts
     # and batch_size must divide by it. 0 = one per GPU of the stage's pool
-    # (pools.definitions.<pool>.gpus; one where the machine turns out to have no GPU).
+    # (pools.definitions.POOL.gpus; one where the machine turns out to have no GPU).
     nproc: int = knob(0, ge=0, note=" (0 = one per GPU of the pool)")
     # Machines this stage spans, each with the processes above (world size = nodes x
     # processes). Above 1 the stage's flow run launches a Kubernetes Indexed Job of that many
@@ -668,7 +668,7 @@ class CheckpointConfig:
     # checkpoint's tensors to the `storage` object store; restore fetches them back.
     offload: bool = False
     cold_storage_class: str = "STANDARD_IA"  # S3 storage class of offloaded files ("" = default)
-    # How often a training stage saves. "stage": every <stage>.checkpoint_every steps.
+    # How often a training stage saves. "stage": every checkpoint_every steps of the stage.
     # "auto": Young/Daly (moe/resilience.py) from the measured save stall, the step time and
     # the stage pool's mean_hours_between_interruptions; the first save comes after at most
     # 10 steps to measure the stall, and a pool declaring no interruptions keeps the stage's

@@ -337,7 +337,8 @@ class Config:
     # The architecture, or the Hugging Face model to start from.
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)  # Experts, routing and load balancing.
-    pretrain: PretrainConfig = field(default_factory=PretrainConfig)  # Pretraining.
+    # Pretraining: warm-up, then cosine decay to min_lr; validation and early stopping.
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     # Finetuning on the generic SQL pairs.
     finetune_sql: FinetuneConfig = field(default_factory=FinetuneConfig)
     # Finetuning on the target domain's pairs.

@@ -346,3 +346,95 @@ def run_report(
 
 def _acc(stage_metrics: dict[str, Any], name: str) -> str:
     return f"{stage_metrics[name]['execution_accuracy']:.3f}" if name in stage_metrics else "-"
+
+
+PIPELINE_REPORT = "moe-pipeline-report"  # the artifact key of the pipeline run's last word
+
+
+def pipeline_markdown(
+    metrics: dict[str, Any], ledger: dict[str, Any], runs: dict[str, str], ui_url: str | None
+) -> str:
+    """The pipeline run's results in one page: per trained stage its perplexity and execution
+    accuracy on each kind of held-out question, the bill per stage and pool with what it
+    saved against one pool, the interruptions, and a link to each stage's flow run."""
+    cur = ledger.get("currency", "USD")
+    kinds = [
+        ("sql", "domain"),
+        ("generic_seen", "generic, training DBs"),
+        ("generic_heldout", "generic, held-out DBs"),
+    ]
+    trained = [s for s in STAGES if isinstance(metrics.get(s), dict) and "val" in metrics[s]]
+    present = [(k, label) for k, label in kinds if any(k in metrics[s] for s in trained)]
+    head = "| stage | perplexity | " + " | ".join(f"exec acc ({lb})" for _, lb in present) + " |"
+    lines = ["# moe-pipeline run", "", "## Results", "", head]
+    lines.append("|---" * (2 + len(present)) + "|")
+    for s in trained:
+        accs = [
+            f"{metrics[s][k]['execution_accuracy']:.3f} ({metrics[s][k]['examples']})"
+            if k in metrics[s]
+            else "-"
+            for k, _ in present
+        ]
+        lines.append(f"| {s} | {metrics[s]['val']['perplexity']:.2f} | " + " | ".join(accs) + " |")
+    lines += ["", f"## The bill ({cur})", "", "| stage | pool | wall s | cost | interruptions |"]
+    lines.append("|---|---|---|---|---|")
+    order = {s: i for i, s in enumerate(STAGES)}
+    for s in sorted(ledger["by_stage"], key=lambda s: order.get(s, len(order))):
+        v = ledger["by_stage"][s]
+        lines.append(
+            f"| {s} | {v['pool']} | {v['wall_s']:.1f} | {v['cost']:.5f} | "
+            f"{v.get('interruptions', 0)} |"
+        )
+    lines.append(f"| **total** | | | **{ledger['total']:.5f}** | |")
+    lines += ["", "| pool | cost |", "|---|---|"]
+    lines += [f"| {p} | {c:.5f} |" for p, c in sorted(ledger["by_pool"].items())]
+    top = ledger.get("all_on_pool") or {}
+    if top:
+        lines += [
+            "",
+            f"Every stage on {top['pool']} would have cost {top['cost']:.5f} {cur}: this run "
+            f"saved {ledger['saving']:.5f} ({100 * ledger['saving_fraction']:.1f}%).",
+        ]
+    lost = ledger.get("interruptions") or {}
+    lines += [
+        "",
+        "## Interruptions",
+        "",
+        f"{lost.get('count', 0)} machine(s) lost, {lost.get('lost_s', 0.0):.1f} s of work "
+        f"redone, costing {lost.get('cost', 0.0):.5f} {cur}."
+        if lost.get("count")
+        else "No machine was lost.",
+        "",
+        "## Stage runs",
+        "",
+    ]
+    for s, run_id in runs.items():
+        link = f"{ui_url.rstrip('/')}/runs/flow-run/{run_id}" if ui_url else None
+        lines.append(f"- {s}: [{run_id}]({link})" if link else f"- {s}: {run_id}")
+    return scrub("\n".join(lines) + "\n")
+
+
+def publish_pipeline_report(
+    metrics_path: Path, cost_path: Path, runs: dict[str, str]
+) -> str | None:
+    """The pipeline run's markdown artifact (`pipeline_markdown`), from the evaluate stage's
+    reports; returns the markdown, or None when the reports are not there."""
+    if not (metrics_path.is_file() and cost_path.is_file()):
+        return None
+    from prefect.settings import PREFECT_UI_URL
+
+    metrics = json.loads(metrics_path.read_text())
+    ledger = json.loads(cost_path.read_text())
+    text = pipeline_markdown(metrics, ledger, runs, PREFECT_UI_URL.value())
+
+    def create() -> None:
+        from prefect.artifacts import create_markdown_artifact
+
+        create_markdown_artifact(
+            key=PIPELINE_REPORT,
+            markdown=text,
+            description="The pipeline run: results, the bill, interruptions, the stage runs",
+        )
+
+    safe_artifact("pipeline report", create)
+    return text

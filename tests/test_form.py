@@ -70,7 +70,10 @@ def test_every_field_of_the_config_is_on_the_form_with_a_description(form: Any) 
     schema, fields = form
     for path in _dataclass_paths(Config):  # one source: the dataclasses
         assert path in fields, f"{path} is not on the form"
-        assert fields[path].get("description"), f"{path} has no description (its comment)"
+        text = fields[path].get("description")
+        assert text, f"{path} has no description (its comment)"
+        # the UI renders it as markdown: no HTML-like <tags> (swallowed), no quote marker
+        assert "<" not in text and not text.startswith(">"), (path, text)
     # one group per section, in the config's order
     params = _resolve(schema, schema["properties"]["params"])
     assert list(params["properties"]) == [f.name for f in dataclasses.fields(Config)]

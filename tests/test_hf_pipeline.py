@@ -6,6 +6,7 @@ token files), continued-pretrained, finetuned twice, evaluated, then exported wi
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -164,3 +165,43 @@ def test_the_evaluate_stage_exports_and_publishes_the_final_model(
     assert record["outputs"]["export"]["path"] == "models/export"
     assert record["metrics"]["model_uri"] == pub["uri"]
     assert record["metrics"]["model_export"] == "Qwen3MoeForCausalLM"
+
+
+def test_the_pipeline_run_ends_with_its_report_artifact(ran: tuple[Path, dict[str, str]]) -> None:
+    """The pipeline flow run's last word in the UI, read through the server's API: the
+    results per stage and kind of question, the bill per stage and pool with the saving, the
+    interruptions, and a link to each stage's flow run (runs that exist on the server)."""
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from tasks.config import STAGES
+    from tasks.presentation import PIPELINE_REPORT
+
+    root, env = ran
+    metrics = json.loads((root / "reports/metrics.json").read_text())
+    ledger = json.loads((root / "reports/cost.json").read_text())
+    with SyncPrefectClient(env["PREFECT_API_URL"]) as client:
+        [art] = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[PIPELINE_REPORT])),
+            limit=1,
+        )
+        text = art.data
+        pipeline_run = client.read_flow_run(art.flow_run_id)
+        assert client.read_flow(pipeline_run.flow_id).name == "pipeline"
+        ids = re.findall(r"- (\w+): \[([0-9a-f-]{36})\]\((\S+)\)", text)
+        assert [s for s, _, _ in ids] == list(STAGES)
+        for stage, run_id, link in ids:
+            assert link.endswith(f"/runs/flow-run/{run_id}")
+            assert client.read_flow(client.read_flow_run(run_id).flow_id).name == stage
+    for stage in ("pretrain", "finetune_sql", "finetune_domain"):
+        row = next(
+            x
+            for x in text.splitlines()
+            if x.startswith(f"| {stage} | {metrics[stage]['val']['perplexity']:.2f} |")
+        )
+        assert f"{metrics[stage]['sql']['execution_accuracy']:.3f}" in row
+        assert f"{metrics[stage]['generic_heldout']['execution_accuracy']:.3f}" in row
+    assert f"**{ledger['total']:.5f}**" in text
+    for pool, cost in ledger["by_pool"].items():
+        assert f"| {pool} | {cost:.5f} |" in text
+    assert f"saved {ledger['saving']:.5f}" in text and "No machine was lost." in text

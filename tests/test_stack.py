@@ -96,6 +96,36 @@ def test_the_ui_reaches_its_own_api_and_lists_the_deployments(
     assert not missing, f"the deployments page does not list {missing}"
 
 
+def test_the_run_form_shows_every_section_and_refuses_what_the_config_refuses(
+    root: Path, chromium: str
+) -> None:
+    """The pipeline deployment's custom-run page: a group per params section with its
+    fields' descriptions; lr 0 is refused by the form (the schema's range) and no run is
+    created; each stage deployment says what it does, on which pool, reading and writing
+    what, from which params (its description, derived from the stage declarations)."""
+    from flows.stages import STAGE_LIST, describe
+
+    before = {r.id for r in _runs_of_pipeline(root)}
+    with _run_form(root, chromium, "pipeline") as page:
+        body = page.inner_text("body")
+        for section in ("Data", "Model", "Moe", "Pretrain", "Finetune Sql", "Checkpoint", "Pools"):
+            assert section in body, section
+        assert "peak learning rate (AdamW)" in body and "the pool pretrain runs on" in body
+        lr = _field(page, "peak learning rate (AdamW)")  # pretrain.lr
+        assert float(lr.input_value()) == load_config(root / "params.yaml").pretrain.lr
+        lr.fill("0")
+        page.get_by_role("button", name="Submit").click()
+        page.wait_for_selector("text=params.pretrain.lr", timeout=30_000)
+        assert "Validation failed for field 'params.pretrain.lr'" in page.inner_text("body")
+    assert {r.id for r in _runs_of_pipeline(root)} == before
+    cfg = load_config(root / "params.yaml")
+    with _client(root) as c:
+        for stage in STAGE_LIST:
+            dep = c.read_deployment_by_name(f"{stage.name}/{stage.name}")
+            assert dep.description == describe(stage, cfg), stage.name
+            assert f"Pool: {cfg.pools.stages[stage.name]} " in dep.description
+
+
 def _client(root: Path) -> Any:
     return stack.api_client(stack.load_state(root))
 
@@ -133,7 +163,7 @@ def _heartbeat_gaps(root: Path, flow_run_id: Any) -> list[float]:
         resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"]),
     )
     with _client(root) as c:
-        page = c.read_events(want, limit=200)
+        page = c.read_events(want, limit=50)
         events = list(page.events)
         while page.next_page is not None:
             page = c.read_events_page(page.next_page)
@@ -150,17 +180,66 @@ def _wait(root: Path, flow_run_id: Any, timeout: float = 400) -> Any:
     return stack.wait_flow_run(stack.load_state(root), flow_run_id, timeout)
 
 
+def _field(page: Any, description: str) -> Any:
+    """The input of the run form's field whose description is `description` (the innermost
+    form property holding it: sections hold their fields' descriptions too)."""
+    import re
+
+    text = page.locator(
+        "div.markdown-renderer__text", has_text=re.compile(f"^{re.escape(description)}$")
+    )
+    return page.locator("div.schema-form-property", has=text).last.locator("input").first
+
+
+@contextlib.contextmanager
+def _run_form(root: Path, chromium: str, deployment: str) -> Iterator[Any]:
+    """The custom-run page of a deployment of the stack, in a real (headless) Chromium."""
+    from playwright.sync_api import sync_playwright
+
+    ui = stack.status(root)["ui_url"]
+    with _client(root) as c:
+        dep = c.read_deployment_by_name(f"{deployment}/{deployment}")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{ui}/deployments/deployment/{dep.id}/run")
+            page.wait_for_selector("text=Finetune Domain", timeout=60_000)
+            yield page
+        finally:
+            browser.close()
+
+
+def _runs_of_pipeline(root: Path) -> list[Any]:
+    return sorted(_flow_runs(root, "pipeline"), key=lambda r: r.created)
+
+
 @pytest.fixture(scope="module")
-def pipeline(root: Path) -> dict[str, Any]:
-    """The `pipeline` deployment run once, as from the UI (the deployment's own defaults:
-    dispatch: deployments, the stack's bucket); what the tests below read of it."""
-    fr = _wait(root, _start(root, "pipeline", {}).id, timeout=600)
+def pipeline(root: Path, chromium: str) -> dict[str, Any]:
+    """The `pipeline` deployment run once from the UI, as a user does: its custom-run form
+    (open with the deployment's defaults: every stage, the stack's params and bucket,
+    dispatch: deployments), one value changed, Submit. What the tests below read of it."""
+    before = {r.id for r in _runs_of_pipeline(root)}
+    with _run_form(root, chromium, "pipeline") as page:
+        batch = _field(page, "questions decoded together")  # evaluate.batch_size
+        assert batch.input_value() == "64"
+        batch.fill("48")
+        page.get_by_role("button", name="Submit").click()
+        deadline = time.monotonic() + 60  # a bound on the wait, not the verdict
+        while not (new := [r for r in _runs_of_pipeline(root) if r.id not in before]):
+            assert time.monotonic() < deadline, page.inner_text("body")[-2000:]
+            time.sleep(0.5)
+    [submitted] = new
+    assert submitted.parameters["params"]["evaluate"]["batch_size"] == 48
+    fr = _wait(root, submitted.id, timeout=600)
     stage_runs = {stage: _flow_runs(root, stage) for stage in STAGES}
     ids = [str(r.id) for runs in stage_runs.values() for r in runs]
     with _client(root) as c:
         from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-        artifacts = c.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)))
+        artifacts = c.read_artifacts(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[*ids, str(fr.id)]))
+        )
     return {"run": fr, "handoff": str(fr.id), "stage_runs": stage_runs, "artifacts": artifacts}
 
 
@@ -191,6 +270,16 @@ def test_pipeline_runs_every_stage_on_its_pools_worker(root: Path, pipeline: dic
         assert record["flow_run_id"] == str(fr.id) and record["pool"] == pool
         assert record["code"]["commit"] == commit  # the copies' commit, via env
         assert f"moe-pipeline/runs/{handoff}/{stage}/manifest.json" in objects
+        # the stage ran with the value changed in the run form, and the rest as params.yaml
+        resolved = load_config(params=fr.parameters["params"])
+        assert resolved.evaluate.batch_size == 48 and resolved.pretrain == cfg.pretrain
+    # the pipeline run ends with its report artifact, linking each stage's run
+    from tasks.presentation import PIPELINE_REPORT
+
+    [report] = [a for a in pipeline["artifacts"] if a.key == PIPELINE_REPORT]
+    for stage in STAGES:
+        [fr] = [r for r in pipeline["stage_runs"][stage] if r.parameters["handoff"] == handoff]
+        assert f"- {stage}: [{fr.id}](" in report.data
     # no shared disk: each pool's folder holds what its stages made or fetched
     work = root / stack.STATE_DIR / "work"
     assert (work / "gpu-h100/models/pretrain/checkpoints/latest").is_file()
