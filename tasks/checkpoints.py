@@ -27,6 +27,7 @@ from prefect.cache_policies import NONE
 
 from moe.checkpoint import CheckpointStore
 from tasks.config import Config
+from tasks.multinode import sync_checkpoints
 from tasks.storage import RETRIES, ObjectStore, open_store
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,6 @@ def checkpoint_store(cfg: Config, root: Path, run_key: str | None = None) -> Che
     if run_key is not None and os.environ.get("MOE_CHECKPOINT_MIRROR") == run_key:
         # a node of a multi-node Job (tasks/multinode.py): the next machines resume from the
         # mirror, so it follows every save (after the offload, which it then reflects)
-        from tasks.multinode import sync_checkpoints
-
         mirror, digests = open_store(cfg.storage), {}
         hooks.append(lambda: sync_checkpoints(mirror, store.root, run_key, digests))
     if hooks:

@@ -1,4 +1,4 @@
-"""One rank of a training stage under torchrun (started by `tasks.training.launch`).
+"""One rank of a training stage under torchrun (started by `tasks.launch.torchrun`).
 
 `python -m torch.distributed.run --standalone --nproc_per_node N -m tasks.dist_entry
  STAGE PARAMS_YAML DATA_DIR OUT_DIR [INIT_DIR PAIRS_FILE BUDGET_LEFT]`

@@ -21,25 +21,9 @@ from typing import Any
 
 from moe.hashing import sha256_file
 from tasks.config import Config
+from tasks.redact import scrub
 
 log = logging.getLogger(__name__)
-
-SECRET_ENV = (
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "HF_TOKEN",
-    "HUGGING_FACE_HUB_TOKEN",
-    "WANDB_API_KEY",
-)
-
-
-def scrub(text: str) -> str:
-    """Replace the value of any secret environment variable that leaked into `text`."""
-    for name in SECRET_ENV:
-        value = os.environ.get(name)
-        if value and len(value) >= 4:
-            text = text.replace(value, f"<{name}>")
-    return text
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -465,7 +465,7 @@ def run_on_cluster(
     result, model, metrics and checkpoints into out_dir. A failed Job raises (the task's
     retry launches a new one, which resumes from the mirrored checkpoints)."""
     from tasks.events import row_events
-    from tasks.training import replay_metrics, training_fingerprint
+    from tasks.runs import replay_metrics, training_fingerprint
 
     sec, m = getattr(cfg, stage), cfg.multinode
     cluster = cluster or open_cluster()

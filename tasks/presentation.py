@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.config import STAGES
-from tasks.lineage import scrub
+from tasks.redact import scrub
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,6 @@ before it starts), so a machine that dies costs at most `checkpoint_every` steps
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -25,7 +24,6 @@ from moe.checkpoint import load_model_tensors, model_tensors
 from moe.config import FinetuneConfig
 from moe.data import BatchSampler, MixedBatches, SFTBatches, SFTExample, TokenStore
 from moe.errors import InputError
-from moe.hashing import sha256_file
 from moe.hf import build_init_model, load_model_dir, save_model_dir
 from moe.model import MoETransformer
 from moe.resilience import AttemptJournal
@@ -36,7 +34,9 @@ from tasks import retry_unless_input_error
 from tasks.checkpoints import checkpoint_store, offload_checkpoints
 from tasks.config import Config, PoolSpec
 from tasks.events import row_events
+from tasks.launch import run_training
 from tasks.progress import training_log
+from tasks.runs import training_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -98,95 +98,6 @@ def write_metrics_csv(out_dir: Path) -> Path:
     return dest
 
 
-def launch(
-    cfg: Config,
-    stage: str,
-    data_dir: Path,
-    out_dir: Path,
-    log_fn: Callable[[dict[str, Any]], None],
-    init_dir: Path | None = None,
-    pairs_file: str = "",
-    budget_left: float = 0.0,
-) -> TrainResult:
-    """Run this training stage under torchrun with `nproc` processes on this machine (data
-    parallel + expert parallel, moe/distributed.py); rank 0 writes the outputs. The metrics
-    rows are replayed into log_fn (W&B) afterwards. A rank that dies fails the launch."""
-    import subprocess
-    import sys
-
-    nproc = _processes(cfg, stage)
-    work = out_dir / ".dist"
-    work.mkdir(parents=True, exist_ok=True)
-    cfg.dump(work / "params.yaml")
-    result_file = work / "result.json"
-    result_file.unlink(missing_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "tasks.dist_entry",
-        stage,
-        str(work / "params.yaml"),
-        str(data_dir),
-        str(out_dir),
-        str(init_dir or ""),
-        pairs_file,
-        str(budget_left),
-    ]
-    log.info("launching %s on %d processes: %s", stage, nproc, " ".join(cmd))
-    import psutil
-
-    env = {**os.environ, "MOE_ATTEMPT_STARTED": str(psutil.Process().create_time())}
-    proc = subprocess.run(cmd, cwd=Path.cwd(), env=env)
-    if proc.returncode != 0 or not result_file.is_file():
-        raise RuntimeError(
-            f"{stage} under torchrun ({nproc} processes) failed with exit code "
-            f"{proc.returncode}; its log is above. A retry resumes from the newest checkpoint."
-        )
-    result = TrainResult(**json.loads(result_file.read_text()))
-    replay_metrics(out_dir, log_fn, row_events(cfg, stage))
-    return result
-
-
-def replay_metrics(
-    out_dir: Path,
-    log_fn: Callable[[dict[str, Any]], None],
-    on_row: Callable[[dict[str, Any]], None] | None = None,
-) -> None:
-    """Send the metrics rows a run in other processes wrote (metrics.jsonl) to log_fn (W&B)
-    and `on_row` (the events, which its ranks, outside the flow run, could not emit)."""
-    metrics = out_dir / "metrics.jsonl"
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            if line:
-                row = json.loads(line)
-                log_fn(row)
-                if on_row is not None:
-                    on_row(row)
-
-
-def _processes(cfg: Config, stage: str) -> int:
-    """How many training processes this stage launches here: `Config.processes` (nproc, or
-    with nproc 0 one per GPU of the stage's pool), but one where nproc is 0 and this machine
-    trains on the CPU (a laptop running the pipeline locally)."""
-    from moe.train import resolve_device
-
-    sec = getattr(cfg, stage)
-    n = cfg.processes(stage)
-    if sec.nproc == 0 and n > 1 and resolve_device(sec.device).type != "cuda":
-        log.info("%s: no GPU here, one process instead of the pool's %d", stage, n)
-        return 1
-    if sec.nproc == 0 and torch.cuda.is_available() and n > torch.cuda.device_count():
-        raise InputError(
-            f"{stage}: its pool gives {n} GPUs (pools.definitions), this machine has "
-            f"{torch.cuda.device_count()}: fix the pool's gpus, or set {stage}.nproc"
-        )
-    return n
-
-
 def _fit_and_save(cfg: Config, trainer: Trainer, out_dir: Path, run_key: str) -> TrainResult:
     """Train (resuming if a checkpoint fits), then write the final weights and the CSV log.
     Under torchrun every rank trains; the experts are gathered and rank 0 writes. A bar on a
@@ -216,33 +127,6 @@ def _fit_and_save(cfg: Config, trainer: Trainer, out_dir: Path, run_key: str) ->
     return result
 
 
-def _resumable(cfg: Config, section: str) -> Config:
-    """The config as far as resuming cares: the process and machine counts are not part of a
-    training state (checkpoints hold every expert under its global id), so changing them
-    resumes."""
-    sec = getattr(cfg, section)
-    return dataclasses.replace(cfg, **{section: dataclasses.replace(sec, nproc=0, nodes=1)})
-
-
-def training_fingerprint(
-    cfg: Config, stage: str, data_dir: Path, init_dir: Path | None = None
-) -> str:
-    """What a checkpoint must have been trained with to be resumed by `stage`: the stage's
-    hyper-parameters (pretrain: model, moe and pretrain; a finetune stage: its own section), the
-    prepared data (its meta.json, which holds every split's sha256) and, for a finetune stage,
-    the model it starts from. The process count is left out (see _resumable)."""
-    if stage == "pretrain":
-        parts = [_resumable(cfg, "pretrain").fingerprint("model", "moe", "pretrain")]
-    elif init_dir is None:
-        raise ValueError(f"{stage}: a finetune stage's fingerprint needs the model it starts from")
-    else:
-        parts = [
-            _resumable(cfg, stage).fingerprint(stage),
-            sha256_file(init_dir / "model.safetensors"),
-        ]
-    return ":".join([*parts, sha256_file(data_dir / "meta.json")])
-
-
 def _pool(cfg: Config, stage: str) -> PoolSpec:
     return cfg.pools.definitions[cfg.pools.stages[stage]]
 
@@ -250,12 +134,6 @@ def _pool(cfg: Config, stage: str) -> PoolSpec:
 def _price(cfg: Config, stage: str) -> float:
     """What an hour of this stage costs: the pool's rate for each machine it spans."""
     return _pool(cfg, stage).rate * cfg.machines(stage)
-
-
-def _need(receipt: dict[str, Any] | None) -> dict[str, Any]:
-    if receipt is None:
-        raise InputError("a multi-node stage needs the dataset receipt (its nodes fetch it)")
-    return receipt
 
 
 def _resilience(cfg: Config, stage: str, ckpt_dir: Path, fingerprint: str) -> Resilience:
@@ -266,7 +144,7 @@ def _resilience(cfg: Config, stage: str, ckpt_dir: Path, fingerprint: str) -> Re
 
     return Resilience(
         AttemptJournal(ckpt_dir / "attempts.json", fingerprint),
-        # under torchrun: the stage's own process (launch() passes it), not the rank's
+        # under torchrun: the stage's own process (tasks.launch.torchrun passes it), not the rank's
         float(os.environ.get("MOE_ATTEMPT_STARTED") or psutil.Process().create_time()),
         _pool(cfg, stage).mtbi_s if cfg.checkpoint.every == "auto" else None,
     )
@@ -281,17 +159,29 @@ def pretrain_model(
     budget_left: float = 0.0,
     receipt: dict[str, Any] | None = None,
 ) -> TrainResult:
-    """budget_left: what is left of cost.budget for this stage (0 = no budget). With
-    pretrain.nodes > 1 it runs as a Job across that many machines (tasks/multinode.py), which
-    fetch the data the receipt names."""
-    if cfg.pretrain.nodes > 1 and not torch.distributed.is_initialized():
-        from tasks.multinode import run_on_cluster
+    """budget_left: what is left of cost.budget for this stage (0 = no budget). Where it
+    trains (here, torchrun, a Job across pretrain.nodes machines, which fetch the data the
+    receipt names) is tasks/launch.py's to decide."""
+    return run_training(
+        cfg,
+        "pretrain",
+        lambda: _pretrain(cfg, data_dir, out_dir, log_fn, budget_left),
+        data_dir,
+        out_dir,
+        log_fn,
+        budget_left=budget_left,
+        receipt=receipt,
+    )
 
-        return run_on_cluster(
-            cfg, "pretrain", _need(receipt), data_dir, out_dir, log_fn, budget_left=budget_left
-        )
-    if _processes(cfg, "pretrain") > 1 and not torch.distributed.is_initialized():
-        return launch(cfg, "pretrain", data_dir, out_dir, log_fn, budget_left=budget_left)
+
+def _pretrain(
+    cfg: Config,
+    data_dir: Path,
+    out_dir: Path,
+    log_fn: Callable[[dict[str, Any]], None],
+    budget_left: float,
+) -> TrainResult:
+    """Pretraining in this process (alone, or as one rank of torchrun or of a node)."""
     train_store, val_store = TokenStore(data_dir, "train"), TokenStore(data_dir, "val")
     torch.manual_seed(cfg.pretrain.seed)
     t = cfg.pretrain
@@ -403,15 +293,32 @@ def finetune_model(
     budget_left: float = 0.0,
     receipt: dict[str, Any] | None = None,
 ) -> TrainResult:
-    f: FinetuneConfig = getattr(cfg, stage)
-    if f.nodes > 1 and not torch.distributed.is_initialized():
-        from tasks.multinode import run_on_cluster
+    return run_training(
+        cfg,
+        stage,
+        lambda: _finetune(cfg, stage, data_dir, pairs_file, init_dir, out_dir, log_fn, budget_left),
+        data_dir,
+        out_dir,
+        log_fn,
+        init_dir,
+        pairs_file,
+        budget_left,
+        receipt,
+    )
 
-        return run_on_cluster(
-            cfg, stage, _need(receipt), data_dir, out_dir, log_fn, init_dir, pairs_file, budget_left
-        )
-    if _processes(cfg, stage) > 1 and not torch.distributed.is_initialized():
-        return launch(cfg, stage, data_dir, out_dir, log_fn, init_dir, pairs_file, budget_left)
+
+def _finetune(
+    cfg: Config,
+    stage: str,
+    data_dir: Path,
+    pairs_file: str,
+    init_dir: Path,
+    out_dir: Path,
+    log_fn: Callable[[dict[str, Any]], None],
+    budget_left: float,
+) -> TrainResult:
+    """Finetuning in this process (alone, or as one rank of torchrun or of a node)."""
+    f: FinetuneConfig = getattr(cfg, stage)
     tok = load_tokenizer(data_dir / "tokenizer.json")
     sp = specials(tok, data_dir / "tokenizer.json")
     examples = sft_examples(data_dir / "sql" / pairs_file, tok, sp)

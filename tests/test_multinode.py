@@ -257,7 +257,7 @@ def test_a_new_flow_run_follows_the_job_its_predecessor_launched(tmp_path: Path)
     """The flow run's own machine died; its Job did not. The recovered flow run finds that
     Job by its run-key label and follows it instead of launching a second one."""
     from moe.errors import InputError
-    from tasks.training import training_fingerprint
+    from tasks.runs import training_fingerprint
     from tests.test_train import _data
 
     cfg = torchrun_config("cpu")
@@ -371,7 +371,7 @@ def test_a_cancelled_flow_run_deletes_its_job_and_an_ended_one_keeps_it(
     trains on, and after a Job ends, its Job object is kept for its logs."""
     import tasks.multinode as mn
     from moe.errors import InputError
-    from tasks.training import training_fingerprint
+    from tasks.runs import training_fingerprint
     from tests.test_train import _data
 
     cfg = _launch_config(tmp_path)
@@ -408,7 +408,7 @@ def test_a_cancelled_flow_run_deletes_its_job_and_an_ended_one_keeps_it(
 def test_a_recovered_flow_run_adopts_only_its_own_stages_job(tmp_path: Path) -> None:
     """Another stage's Job (its own run key) trains in the same namespace: a flow run of
     pretrain launches its own Job and leaves that one alone."""
-    from tasks.training import training_fingerprint
+    from tasks.runs import training_fingerprint
     from tests.test_train import _data
 
     cfg = _launch_config(tmp_path)

@@ -172,7 +172,7 @@ def test_a_stage_trains_on_the_gpus_its_pool_gives() -> None:
     launcher runs one process (a laptop running the pipeline locally)."""
     from moe.config import ConfigError
     from tasks.config import load_config
-    from tasks.training import _processes
+    from tasks.launch import processes as _processes
 
     eight = ["pools.definitions.gpu-h100.gpus=8"]
     cfg = load_config(None, eight)

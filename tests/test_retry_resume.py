@@ -80,11 +80,11 @@ def test_prefect_retry_resumes_from_checkpoint(
 
 
 def test_the_training_fingerprint_covers_params_data_and_start_model(tmp_path: Path) -> None:
-    """What decides whether a checkpoint is resumed (tasks.training.training_fingerprint, the
+    """What decides whether a checkpoint is resumed (tasks.runs.training_fingerprint, the
     function both training tasks use): each input that changes the training changes it; the
     process count and other stages' sections do not."""
     from tasks.config import load_config
-    from tasks.training import training_fingerprint
+    from tasks.runs import training_fingerprint
 
     data, init = tmp_path / "data", tmp_path / "init"
     data.mkdir()
