@@ -184,3 +184,74 @@ def test_a_finetune_stage_resumes_bit_exact(
     assert resumed.steps == straight.steps == tiny_params()["finetune_sql"]["max_steps"]
     a = (tmp_path / "straight/model.safetensors").read_bytes()
     assert (tmp_path / "killed/model.safetensors").read_bytes() == a
+
+
+def test_a_multi_node_finetune_runs_from_the_uploaded_start_model(
+    built: tuple[Path, dict[str, str]],
+    tmp_path: Path,
+    moto_server: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """finetune_sql.nodes 2 x nproc 1 through the task the stage calls: the launcher uploads
+    the start model, each pod (an empty disk) pulls it and the data, trains its share with
+    the pairs file and the stage's budget, and the model comes back to the flow run's side."""
+    import boto3
+    from safetensors.torch import load_file
+
+    import tasks.multinode as mn
+    from tasks.config import PoolSpec, StorageConfig, load_config
+    from tasks.storage import publish_dataset
+    from tasks.training import finetune_model
+    from tests import local_cluster
+    from tests.conftest import free_port
+
+    root, _ = built
+    boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1").create_bucket(
+        Bucket="mn-finetune"
+    )
+    cfg = load_config(root / "params.yaml")
+    cfg.storage = StorageConfig(backend="s3", bucket="mn-finetune", endpoint_url=moto_server)
+    cfg.finetune_sql.nodes, cfg.finetune_sql.nproc = 2, 1
+    cfg.pools.definitions["cpu-node"] = PoolSpec(price_per_hour=0.1)
+    cfg.pools.stages["finetune_sql"] = "cpu-node"
+    cfg.multinode.rdzv_port, cfg.multinode.poll_s = free_port(), 0.2
+    data, init = root / "data/prepared", root / "models/pretrain"
+    receipt = publish_dataset.fn(cfg, data, tmp_path / "pub").to_dict()
+    cluster = local_cluster.LocalCluster(tmp_path / "cluster")
+    monkeypatch.setattr(mn, "open_cluster", lambda: cluster)
+    monkeypatch.chdir(tmp_path)
+    local_cluster.reset()
+    rows: list[dict] = []
+    try:
+        result = finetune_model.fn(
+            cfg,
+            "finetune_sql",
+            data,
+            "generic.jsonl",
+            init,
+            tmp_path / "out",
+            rows.append,
+            budget_left=5.0,
+            receipt=receipt,
+        )
+        [config_map] = [m for m in local_cluster.LocalCluster.created if m["kind"] == "ConfigMap"]
+        job = json.loads(config_map["data"]["job.json"])
+        name = config_map["metadata"]["name"]
+        logs = [(cluster.pod_dir(name, i) / "pod.log").read_text() for i in (0, 1)]
+    finally:
+        local_cluster.reset()
+    assert result.steps == cfg.finetune_sql.max_steps
+    assert (job["stage"], job["pairs_file"], job["budget_left"], job["init"]) == (
+        "finetune_sql",
+        "generic.jsonl",
+        5.0,
+        "pretrain",
+    )
+    for i, log in enumerate(logs):  # each node fetched the start model the launcher uploaded
+        assert "data, model and" in log, log[-2000:]
+        pulled = cluster.pod_dir(name, i) / "models/pretrain/model.safetensors"
+        assert pulled.read_bytes() == (init / "model.safetensors").read_bytes()
+    got = load_file(str(tmp_path / "out/model.safetensors"))
+    start = load_file(str(init / "model.safetensors"))
+    assert set(got) == set(start) and any(not (got[k] == start[k]).all() for k in got)
+    assert [r["step"] for r in rows if "loss" in r][-1] == cfg.finetune_sql.max_steps

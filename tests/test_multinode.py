@@ -165,11 +165,15 @@ def test_a_multi_node_stage_is_checked_before_it_launches() -> None:
 
 
 @pytest.mark.slow
+def _saves(pod: Path) -> Any:
+    return pod.rglob("checkpoints/step_*/manifest.json")
+
+
 def test_two_nodes_train_like_one_machine_and_resume_on_new_machines(
     tmp_path: Path, moto_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """pretrain.nodes 2 x nproc 1: two pods join at pod 0's rendezvous; each fetches the data
-    from S3 on an empty disk. Pod 1's machine dies after the first checkpoint: the Job fails.
+    from S3 on an empty disk. A node's machine dies after the first checkpoint: the Job fails.
     The next launch runs on two new machines, resumes from the mirrored checkpoint, and ends
     with the same weights as one machine running 2 processes without interruption."""
     from tasks.training import pretrain_model
@@ -198,24 +202,30 @@ def test_two_nodes_train_like_one_machine_and_resume_on_new_machines(
     out = tmp_path / "launcher" / "models" / "pretrain"
 
     def lose_pod_1() -> None:
-        """Once pod 0 has saved a checkpoint, node 1's machine dies. Pod 1 is looked at only
-        while stopped (the Job cannot move on meanwhile), so the death lands before step 40
-        on any machine; stopped for good at the first save, it dies once the mirror has it."""
+        """Once a checkpoint is saved, the machine of the node that does not write it dies
+        (c10d gives global rank 0, the writer, to either pod). The pods are looked at only
+        while both are stopped, so the death lands before step 40 on any machine; then the
+        other node is stopped for good, and dies once the writer has mirrored the save."""
         while not LocalCluster.created:
             time.sleep(0.01)
         name = LocalCluster.created[-1]["metadata"]["name"]
         while not cluster.started(name):
             time.sleep(0.01)
-        pod0 = cluster.pod_dir(name, 0)
+        pods = (0, 1)
         while True:
-            cluster.freeze(name, 1)
-            if next(pod0.rglob("checkpoints/step_*/manifest.json"), None) is not None:
+            for i in pods:
+                cluster.freeze(name, i)
+            saved = [i for i in pods if next(_saves(cluster.pod_dir(name, i)), None)]
+            if saved:
                 break
-            cluster.freeze(name, 1, frozen=False)
+            for i in pods:
+                cluster.freeze(name, i, frozen=False)
             time.sleep(0.005)
-        while newest_mirrored_step(store, run_key()) is None:  # pod 0's writer mirrors it
+        writer = saved[0]
+        cluster.freeze(name, writer, frozen=False)  # the other waits at its next collective
+        while newest_mirrored_step(store, run_key()) is None:
             time.sleep(0.05)
-        cluster.kill(name, 1)
+        cluster.kill(name, 1 - writer)
 
     def run_key() -> str:
         return json.loads(LocalCluster.created[0]["data"]["job.json"])["run_key"]
