@@ -4,7 +4,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# Test files run at once (pytest-xdist); 1 = one after another.
+# Test files run at once (pytest-xdist); 1 = one after another. --no-loadscope-reorder keeps
+# the order of tests/conftest.py (the longest files first) instead of xdist's by test count.
 TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
@@ -33,7 +34,7 @@ demo: venv
 	@echo "Models: models/{pretrain,finetune_sql,finetune_domain}/   Lineage: */lineage.json"
 
 test: venv browser
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Debian's headless Chromium for the UI tests (they fail under CI=true without it, and skip
 # saying why elsewhere). Installed only where this user may run apt-get.

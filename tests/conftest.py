@@ -36,6 +36,29 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.update(OFFLINE_ENV)
 
 
+# The files that take minutes, longest first: with two workers (pytest-xdist, --dist
+# loadfile) the longest never starts last, so the wall time nears half the CPU time
+# (durations of the last full run: tests/README.md). The order within them, and of the rest,
+# stays pytest-randomly's.
+LONGEST_FIRST = (
+    "test_stack.py",
+    "test_e2e.py",
+    "test_hf_pipeline.py",
+    "test_claims.py",
+    "test_large_corpus.py",
+    "test_multinode.py",
+)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> Any:
+    """After pytest-randomly's shuffle (an inner wrapper), the longest files move to the front."""
+    result = yield
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable
+    return result
+
+
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     """The random order's seed, also under -q (which hides pytest-randomly's header line):
     a failure that depends on the order is replayed with `pytest -p randomly --randomly-seed=N`."""

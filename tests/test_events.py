@@ -189,3 +189,45 @@ def test_a_completed_stage_is_an_event_with_its_figures_and_cost(
     figures = done.payload["figures"]
     assert figures and all(figures[k] == v for k, v in result.items() if k in figures)
     assert "completed on pool cpu" in done.payload["message"]
+
+
+def test_deployments_configure_fills_the_run_forms_in(
+    api: str, tmp_path: Path, prefect_server: dict[str, str]
+) -> None:
+    """`moe-pipeline deployments configure` after `prefect deploy`: the stage and pipeline
+    deployments' default `params` become the params file's resolved configuration (what the
+    UI's form opens with), the pipeline's `stages` all of them; other parameters are kept."""
+    from prefect.client.orchestration import get_client
+
+    from tasks.config import STAGES, load_config
+    from tests.conftest import ROOT, cli_env, pipeline_cli
+
+    with get_client(sync_client=True) as client:
+        for name in ("pretrain", "pipeline"):
+            client.create_deployment(
+                flow_id=client.create_flow_from_name(name),
+                name=name,
+                entrypoint=f"flows/x.py:{name}",
+                parameters={"dispatch": "deployments"} if name == "pipeline" else {},
+            )
+    r = pipeline_cli(
+        [
+            "deployments",
+            "configure",
+            "--params",
+            str(ROOT / "params.yaml"),
+            "--set",
+            "pretrain.lr=7e-4",
+        ],
+        tmp_path,
+        cli_env(prefect_server),
+    )
+    assert r.returncode == 0, r.stderr
+    assert "pretrain/pretrain" in r.stdout and "pipeline/pipeline" in r.stdout
+    want = load_config(ROOT / "params.yaml", ["pretrain.lr=7e-4"]).to_dict()
+    with get_client(sync_client=True) as client:
+        stage = client.read_deployment_by_name("pretrain/pretrain").parameters
+        pipe = client.read_deployment_by_name("pipeline/pipeline").parameters
+    assert stage["params"] == want and stage["params"]["pretrain"]["lr"] == 7e-4
+    assert pipe["params"] == want and pipe["stages"] == list(STAGES)
+    assert pipe["dispatch"] == "deployments"  # what was there stays
