@@ -9,6 +9,7 @@ Download fetches, checks the archive hash, unpacks into the cache and checks eve
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -16,7 +17,9 @@ import logging
 import os
 import shutil
 import tarfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -226,6 +229,23 @@ def put_text(store: ObjectStore, key: str, text: str) -> None:
         os.unlink(f.name)
 
 
+@contextlib.contextmanager
+def _frozen(path: Path) -> Iterator[Path]:
+    """The file as it is now, whatever replaces it meanwhile: a hard link to its current
+    content beside it (a copy where the filesystem has no links), removed afterwards. Files
+    that change here are replaced atomically, so the link keeps the content it was made on."""
+    snap = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.snap")
+    snap.unlink(missing_ok=True)
+    try:
+        os.link(path, snap)
+    except OSError:
+        shutil.copy2(path, snap)
+    try:
+        yield snap
+    finally:
+        snap.unlink(missing_ok=True)
+
+
 def push_files(
     store: ObjectStore,
     prefix: str,
@@ -247,23 +267,27 @@ def push_files(
     listed: dict[str, dict[str, Any]] = {}
     for rel, path in sorted(files.items()):
         _check_key(rel)
-        stat = path.stat()
-        cache_key = (path, stat.st_size, stat.st_mtime_ns)
-        digest = digests.get(cache_key) if digests is not None else None  # type: ignore[call-overload]
-        if digest is None:
-            digest = sha256_file(path)
-            if digests is not None:
-                digests[cache_key] = digest  # type: ignore[index]
-        if addressed:
-            key = f"{prefix}/objects/{digest}"
-            if not store.exists(key):
-                store.put(path, key)
-            listed[rel] = {"sha256": digest, "bytes": stat.st_size, "key": key}
-            continue
-        key = f"{prefix}/files/{rel}"
-        if not (store.exists(f"{key}.sha256") and store.read_text(f"{key}.sha256") == digest):
-            store.put(path, key)
-            put_text(store, f"{key}.sha256", digest)
+        # hashed and sent from one snapshot: a file replaced meanwhile (the attempt journal,
+        # `latest`: both are rewritten with os.replace while training goes on) must not be
+        # sent with another content than its digest says
+        with _frozen(path) as snap:
+            stat = snap.stat()
+            cache_key = (path, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+            digest = digests.get(cache_key) if digests is not None else None  # type: ignore[call-overload]
+            if digest is None:
+                digest = sha256_file(snap)
+                if digests is not None:
+                    digests[cache_key] = digest  # type: ignore[index]
+            if addressed:
+                key = f"{prefix}/objects/{digest}"
+                if not store.exists(key):
+                    store.put(snap, key)
+                listed[rel] = {"sha256": digest, "bytes": stat.st_size, "key": key}
+                continue
+            key = f"{prefix}/files/{rel}"
+            if not (store.exists(f"{key}.sha256") and store.read_text(f"{key}.sha256") == digest):
+                store.put(snap, key)
+                put_text(store, f"{key}.sha256", digest)
         listed[rel] = {"sha256": digest, "bytes": stat.st_size}
     manifest = {**(extra or {}), "files": listed, "created": time.time()}
     put_text(store, f"{prefix}/manifest.json", json.dumps(manifest, indent=1))

@@ -370,3 +370,34 @@ def test_s3_multipart_above_the_part_size(tmp_path: Path, moto_server: str) -> N
     assert "-" not in s3.head_object(Bucket="parts", Key="moe-pipeline/x/small.bin")["ETag"]
     store.get("x/big.bin", tmp_path / "back.bin")
     assert (tmp_path / "back.bin").read_bytes() == big.read_bytes()
+
+
+def test_a_file_replaced_while_it_is_pushed_goes_up_as_it_was_hashed(tmp_path: Path) -> None:
+    """The checkpoint mirror pushes the attempt journal while training rewrites it (with
+    os.replace): a push that hashed one content and sent the next left an object whose
+    content did not match its name, and new machines could not resume from the mirror (seen
+    under load in tests/test_multinode.py). Here the journal is replaced exactly between the
+    hash and the upload, every time; what comes back is the content that was hashed."""
+    from tasks.storage import pull_files, push_files
+
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    journal = src / "attempts.json"
+    journal.write_text('{"last_step": 4}')
+
+    class RewrittenOnUpload(LocalObjectStore):
+        def put(self, local: Path, key: str, storage_class: str = "") -> None:
+            tmp = journal.with_name("attempts.json.tmp")
+            tmp.write_text('{"last_step": 5}')
+            os.replace(tmp, journal)  # the trainer moved on
+            super().put(local, key, storage_class)
+
+    store = RewrittenOnUpload(tmp_path / "store")
+    for addressed in (True, False):
+        prefix = f"mirror-{addressed}"
+        journal.write_text('{"last_step": 4}')
+        push_files(store, prefix, {"attempts.json": journal}, addressed=addressed)
+        out = tmp_path / f"restored-{addressed}"
+        assert pull_files(store, prefix, out, "") == 1  # verified against its digest
+        assert json.loads((out / "attempts.json").read_text()) == {"last_step": 4}
+    assert not list(src.glob(".*"))  # no snapshot left behind
