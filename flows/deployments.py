@@ -56,8 +56,8 @@ def alert_automation(block_id: Any, events: tuple[str, ...] = (BUDGET_ALERT,)) -
     )
     return Automation(
         name=ALERT,
-        description="The pipeline's budget alert (cost.alert_fraction of a stage's budget "
-        "spent), sent to a notification block.",
+        description=f"The pipeline's {', '.join(events)} (tasks/events.py) sent to a "
+        "notification block with the stage, pool and cost.",
         trigger=EventTrigger(
             expect=set(events),
             match={"prefect.resource.id": "prefect.flow-run.*"},

@@ -173,6 +173,7 @@ def test_the_pipeline_run_ends_with_its_report_artifact(ran: tuple[Path, dict[st
     interruptions, and a link to each stage's flow run (runs that exist on the server)."""
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
 
     from tasks.config import STAGES
     from tasks.presentation import PIPELINE_REPORT
@@ -181,10 +182,14 @@ def test_the_pipeline_run_ends_with_its_report_artifact(ran: tuple[Path, dict[st
     metrics = json.loads((root / "reports/metrics.json").read_text())
     ledger = json.loads((root / "reports/cost.json").read_text())
     with SyncPrefectClient(env["PREFECT_API_URL"]) as client:
-        [art] = client.read_artifacts(
+        # this project's run: the report linking its evaluate stage's flow run (another
+        # file on this test worker may have left a report of its own on the same server)
+        evaluated = json.loads((root / "reports/evaluate/lineage.json").read_text())
+        reports = client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[PIPELINE_REPORT])),
-            limit=1,
+            sort=ArtifactSort.CREATED_DESC,
         )
+        [art] = [a for a in reports if evaluated["flow_run_id"] in a.data]
         text = art.data
         pipeline_run = client.read_flow_run(art.flow_run_id)
         assert client.read_flow(pipeline_run.flow_id).name == "pipeline"
@@ -194,11 +199,10 @@ def test_the_pipeline_run_ends_with_its_report_artifact(ran: tuple[Path, dict[st
             assert link.endswith(f"/runs/flow-run/{run_id}")
             assert client.read_flow(client.read_flow_run(run_id).flow_id).name == stage
     for stage in ("pretrain", "finetune_sql", "finetune_domain"):
-        row = next(
-            x
-            for x in text.splitlines()
-            if x.startswith(f"| {stage} | {metrics[stage]['val']['perplexity']:.2f} |")
-        )
+        head = f"| {stage} | {metrics[stage]['val']['perplexity']:.2f} |"
+        rows = [x for x in text.splitlines() if x.startswith(head)]
+        assert len(rows) == 1, (head, text)
+        row = rows[0]
         assert f"{metrics[stage]['sql']['execution_accuracy']:.3f}" in row
         assert f"{metrics[stage]['generic_heldout']['execution_accuracy']:.3f}" in row
     assert f"**{ledger['total']:.5f}**" in text
