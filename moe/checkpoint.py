@@ -47,6 +47,7 @@ import torch
 
 from moe.codec import LOSSY, decode, encode
 from moe.hashing import sha256_file
+from moe.sharded import SHARDED_FORMAT
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ def step_of(name: str) -> int | None:
     return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
 
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 2  # one process wrote every tensor whole
+READ_FORMATS = (FORMAT_VERSION, SHARDED_FORMAT)  # 3: each rank its shards (moe/sharded.py)
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -159,6 +161,9 @@ class Checkpoint:
     rng: dict[str, torch.Tensor]
     state: dict[str, Any]
     lossy: list[str] = field(default_factory=list)  # tensors restored from a lossy codec
+    # Written sharded (format 3): optimizer tensors are named "<parameter>.<moment>" and RNG
+    # tensors "<rank>.<name>", where the plain format uses "<index>.<moment>" and "<name>".
+    sharded: bool = False
 
 
 @dataclass
@@ -216,6 +221,10 @@ class TensorMeta:
     shape: list[int]
     base: int | None
     lossy: bool
+    # Sharded checkpoints (format 3): where this record starts in the whole tensor, and the
+    # offsets of the DCP chunk it is part of (an expert chunk is one record per expert).
+    at: list[int] | None = None
+    chunk: list[int] | None = None
 
 
 @dataclass
@@ -252,6 +261,12 @@ class Manifest:
     time: float = 0.0
     locations: dict[str, str] = field(default_factory=dict)
     format: int = FORMAT_VERSION
+    # Format 3: DCP's metadata as JSON (key -> dtype, global size, chunks; moe/sharded.py).
+    dcp: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sharded(self) -> bool:
+        return self.format == SHARDED_FORMAT
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:
@@ -264,9 +279,10 @@ class Manifest:
             version = raw.get("format")
         except (OSError, ValueError, RecursionError, AttributeError) as e:
             raise ManifestError(f"unreadable manifest.json ({e!r})") from e
-        if version != FORMAT_VERSION:
+        if version not in READ_FORMATS:
             raise ManifestError(
-                f"checkpoint format {version} (this version reads {FORMAT_VERSION})",
+                f"checkpoint format {version} (written by another version of moe-pipeline: "
+                f"this one reads formats {', '.join(map(str, READ_FORMATS))})",
                 other_format=True,
             )
         try:
@@ -329,6 +345,8 @@ class CheckpointStore:
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        self._pending: Any = None  # the sharded save in flight (a Future)
+        self._dcp_group: Any = None  # the gloo group asynchronous sharded saves plan on
 
     @classmethod
     def from_config(cls, root: str | Path, cfg: Any) -> CheckpointStore:
@@ -373,7 +391,12 @@ class CheckpointStore:
         """The files of a checkpoint folder that may live in an object store instead: the
         cold tier of a checkpoint kept hot (the newest, or a base the next save diffs
         against), every tensor file and the state of any other. Manifests stay local."""
-        names = ["L2.bin"] if hot else [*TENSOR_FILES, STATE]
+        manifest = self._manifest(path)
+        names = list(manifest.files) if manifest else [*TENSOR_FILES, STATE]
+        if hot:  # L2.bin, or every rank's rNNN.L2.bin in a sharded checkpoint
+            names = [n for n in names if n.endswith("L2.bin")]
+        else:
+            names = [n for n in names if n.endswith(".bin") or n == STATE]
         return [n for n in names if (path / n).is_file()]
 
     def _manifest(self, path: Path) -> Manifest | None:
@@ -424,16 +447,122 @@ class CheckpointStore:
 
     def flush(self) -> None:
         """Wait until every queued save is on disk; raise if one failed."""
+        self._wait_sharded()
         if self._worker is not None:
             self._queue.join()
         self._raise_pending()
 
     def close(self) -> None:
+        self._wait_sharded()
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join()
             self._worker = None
         self._raise_pending()
+
+    def _wait_sharded(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            try:
+                pending.result()
+            except Exception as e:
+                raise RuntimeError(f"a background sharded checkpoint write failed: {e}") from e
+
+    def save_sharded(
+        self,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        state: dict[str, Any],
+        *,
+        expert_load: dict[str, list[float]] | None = None,
+    ) -> Path:
+        """Save one training state sharded (moe/sharded.py): every rank calls this with its
+        shards (DTensors, or plain tensors, under "model.<fqn>", "optim.<fqn>.<moment>" and
+        "rng.<rank>.<name>") and the same JSON `state`. Each rank writes its own files; rank 0
+        writes the state and the manifest, renames the folder into place and keeps the
+        retention policy. Asynchronous when the store is `background`: the call returns once
+        the shards are copied to host memory, after the previous save has landed."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        from moe.sharded import TieredWriter, metadata_json
+
+        t0 = time.perf_counter()
+        self._wait_sharded()
+        tmp = self.root / f".tmp-{step_dir_name(step)}-sharded"
+        if dist.get_rank() == 0:
+            # Before the plan is agreed: no rank writes until rank 0 has been through this.
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(".tmp-step_*"):
+                log.info("removing an unfinished checkpoint write: %s", stale)
+                shutil.rmtree(stale, ignore_errors=True)
+        expert_tiers = self._expert_tiers(expert_load or {})
+        state = json.loads(json.dumps(state))
+
+        def finish(records: list[TensorMeta], files: dict[str, tuple[str, int]], md: Any) -> None:
+            with self._lock:
+                _fsync_write(tmp / STATE, json.dumps(state, indent=1, sort_keys=True).encode())
+                files = {**files, STATE: (sha256_file(tmp / STATE), (tmp / STATE).stat().st_size)}
+                Manifest(
+                    step=step,
+                    time=time.time(),
+                    full_tiers=["L0", "L1", "L2"],
+                    experts=expert_tiers,
+                    expert_counts={
+                        layer: len(t["hot"]) + len(t["cold"]) for layer, t in expert_tiers.items()
+                    },
+                    lossy=any(r.lossy for r in records),
+                    val_loss=state.get("val_loss"),
+                    tensors=records,
+                    files={n: FileMeta(*files[n]) for n in sorted(files)},
+                    format=SHARDED_FORMAT,
+                    dcp=metadata_json(md),
+                ).write(tmp)  # last
+                final = self._commit(tmp, step)
+                self._retain()
+            self.write_s.append(time.perf_counter() - t0)
+            log.info("sharded checkpoint step %d written to %s", step, final)
+            if self.on_saved is not None:
+                try:
+                    self.on_saved(final)
+                except Exception as e:  # e.g. the object store is down: the next pass retries
+                    log.warning("after-save hook failed for %s: %s", final, e)
+
+        writer = TieredWriter(self, tmp, expert_tiers, finish)
+        if self.background:
+            if self._dcp_group is None:  # every rank saves at the same steps: same order
+                self._dcp_group = dist.new_group(backend="gloo")
+            pending = dcp.async_save(tensors, storage_writer=writer, process_group=self._dcp_group)
+            self._pending = getattr(pending, "upload_completion", pending)
+        else:
+            dcp.save(tensors, storage_writer=writer)
+        stall = time.perf_counter() - t0
+        self.stalls_s.append(stall)
+        log.info("sharded checkpoint step %d: training stalled %.3fs", step, stall)
+        return self.step_dir(step)
+
+    def load_sharded(self, path: Path, targets: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Read a sharded checkpoint into `targets` in place (every rank, with the tensors of
+        the layout it has now: DTensors are resharded, keys as in save_sharded; each must be
+        in the checkpoint, see `sharded_keys`); returns its state.json."""
+        import torch.distributed.checkpoint as dcp
+
+        from moe.sharded import TieredReader
+
+        self.ensure_local(path)
+        why = self.verify(path)
+        if why is not None:
+            raise ValueError(f"checkpoint {path} failed verification: {why}")
+        manifest = Manifest.read(path)
+        if not manifest.sharded:
+            raise ValueError(f"{path} is not a sharded checkpoint (format {manifest.format})")
+        dcp.load(targets, storage_reader=TieredReader(self, path, manifest.tensors, manifest.dcp))
+        return json.loads((path / STATE).read_text())
+
+    def read_state(self, path: Path) -> tuple[Manifest, dict[str, Any]]:
+        """A checkpoint's manifest and state.json, without its tensors."""
+        self.ensure_local(path)
+        return Manifest.read(path), json.loads((path / STATE).read_text())
 
     def _raise_pending(self) -> None:
         if self._error is not None:
@@ -477,7 +606,7 @@ class CheckpointStore:
         out: dict[str, Manifest] = {}
         for path in self._dirs():
             m = self._manifest(path)
-            if m is None:
+            if m is None or m.sharded:  # deltas read against whole tensors only
                 continue
             for tier in m.full_tiers:
                 if tier not in out and self.verify(path) is None:
@@ -815,6 +944,8 @@ class CheckpointStore:
         os.replace(path / ".manifest.tmp", path / MANIFEST)
 
     def load(self, path: Path) -> Checkpoint:
+        """Every tensor of a checkpoint, whole, in this process (a sharded one assembled from
+        every rank's shards)."""
         self.ensure_local(path)
         why = self.verify(path)
         if why is not None:
@@ -822,6 +953,8 @@ class CheckpointStore:
         self.flush()
         manifest = Manifest.read(path)
         state = json.loads((path / STATE).read_text())
+        if manifest.sharded:
+            return self._load_assembled(path, manifest, state)
         base_indexes = {b: Manifest.read(self.step_dir(b)).index() for b in manifest.bases}
         parts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
         out: dict[str, dict[str, torch.Tensor]] = {g: {} for g in GROUPS}
@@ -852,6 +985,26 @@ class CheckpointStore:
             rng=out["rng"],
             state=state,
             lossy=lossy,
+        )
+
+    def _load_assembled(self, path: Path, manifest: Manifest, state: dict) -> Checkpoint:
+        from moe.sharded import assemble, split_key
+
+        whole = assemble(manifest.tensors, manifest.dcp, lambda r: self._read_entry(path, r, None))
+        out: dict[str, dict[str, torch.Tensor]] = {g: {} for g in GROUPS}
+        for key, t in whole.items():
+            group, name = split_key(key)
+            out[group][name] = t
+        lossy = [r.key for r in manifest.tensors if r.lossy]
+        return Checkpoint(
+            path=path,
+            step=manifest.step,
+            model=out["model"],
+            optimizer=out["optimizer"],
+            rng=out["rng"],
+            state=state,
+            lossy=lossy,
+            sharded=True,
         )
 
     def info(self) -> list[CheckpointInfo]:

@@ -587,6 +587,11 @@ class OptimConfig:
     # and batch_size must divide by it. 0 = one per GPU of the stage's pool
     # (pools.definitions.POOL.gpus; one where the machine turns out to have no GPU).
     nproc: int = knob(0, ge=0, note=" (0 = one per GPU of the pool)")
+    # Above one process the dense blocks are sharded over all of them (FSDP2) and the experts
+    # over groups of this many (expert parallelism: each holds num_experts / this of them).
+    # It must divide the world size and moe.num_experts; 0 = all the processes, 1 = experts
+    # sharded with the dense blocks, no token exchange.
+    expert_parallel: int = knob(0, ge=0, note=" (0 = all the processes)")
     # Machines this stage spans, each with the processes above (world size = nodes x
     # processes). Above 1 the stage's flow run launches a Kubernetes Indexed Job of that many
     # pods (tasks/multinode.py, the `multinode` section); data, the start model and the

@@ -1,31 +1,51 @@
-"""Data parallel + expert parallel training on torch.distributed (NCCL on GPUs, gloo on CPUs).
+"""Sharded training on torch.distributed: FSDP2 for the dense blocks, expert parallelism for
+the experts, both on DeviceMeshes (NCCL on GPUs, gloo on CPUs).
 
-Experts spread evenly over the ranks, tokens exchanged with all_to_all.
+The layout follows torchtitan's (`apply_fsdp`, `apply_moe_ep_tp`):
 
-- Dense parameters (attention, norms, embeddings, routers, shared experts) are replicated;
-  their gradients are averaged over ranks with one all-reduce of a flat buffer.
-- Each rank holds num_experts / world_size experts (rank r: global ids r*E_l .. r*E_l+E_l-1).
-  After routing, each rank sorts its assignments by global expert id and sends each rank the
-  rows for that rank's experts (`all_to_all_single` with uneven splits); the owner computes
-  them with the same grouped GEMM and sends the results back. Autograd runs through both
-  exchanges (`_AllToAll`), so an expert's gradient sums every rank's tokens; it is divided by
-  the world size like the dense gradients (the loss is a mean over ranks).
-- The routers' load counts are all-reduced before the aux-free bias and the utilisation
-  average move, so every rank routes identically.
-- Checkpoints hold every expert under its global id (gathered from the ranks): a checkpoint
-  written at world size 2 restores at world size 1 and the other way round.
+- World size W, expert-parallel degree P (a divisor of W and of the expert count; default W).
+  Two meshes: the 1-D data-parallel mesh over all W ranks, and the 2-D expert mesh
+  ("dp_mod_ep", "ep") of shape (W/P, P).
+- Dense parameters (attention, norms, embeddings, routers, shared experts) are `fully_shard`ed
+  over the data-parallel mesh, one FSDP unit per block plus the root: each rank holds 1/W of
+  them and of their AdamW moments; a block's parameters are all-gathered for its forward and
+  backward and its gradients reduce-scattered as the backward goes (overlapped with compute).
+  On CUDA in bf16 the all-gathers move bf16 and the reduction runs in fp32
+  (`MixedPrecisionPolicy`).
+- With P > 1 each MoE layer's experts are DTensors sharded along the expert dim over "ep"
+  (`Shard(0)`, global shape (E, D, 2F)) and replicated over "dp_mod_ep": rank r of an EP group
+  holds E/P whole experts. Routed rows go to the rank owning their expert and come back
+  through `all_to_all_single_autograd` (uneven splits), so an expert's gradient sums the
+  tokens of its whole EP group; it is then summed over "dp_mod_ep" and divided by W, the
+  gradient divide factor of a loss that is a mean over ranks. With P = 1 the experts are
+  ordinary parameters of their block's FSDP unit.
+- Gradient clipping sums the squared norms of every rank's local shards (a replicated shard
+  counted once) in one all-reduce, so the norm is the one world size 1 computes.
+- The routers' load counts are all-reduced before the aux-free bias moves, so every rank
+  routes identically.
 
-Shape suffixes as in moe/experts.py; R = rows received from all ranks.
+State: every parameter is a DTensor whose global shape is the unsharded one, so a sharded
+checkpoint (moe/sharded.py, through torch.distributed.checkpoint) restores at any world size
+and any expert-parallel degree, and `full_tensors` gathers the whole model only for the final
+export. World size 1 never comes here: it trains the plain module.
+
+Shape suffixes as in moe/experts.py; R = rows received from the EP group.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from moe.experts import GroupedExperts, grouped_mm, swiglu
 from moe.model import MoETransformer
@@ -45,118 +65,198 @@ def init(timeout_s: float = 60.0, device: str = "auto") -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits; the backward sends gradients the reverse way."""
+def single_node() -> bool:
+    """True when every rank of the process group runs on this machine (torchrun's
+    LOCAL_WORLD_SIZE equals the world size): the ranks share one checkpoint folder."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:  # type: ignore[override]
-        ctx.splits = (out_splits, in_splits)
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits)
-        return out
 
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        out_splits, in_splits = ctx.splits
-        gin = g.new_empty((sum(in_splits), *g.shape[1:]))
-        dist.all_to_all_single(gin, g.contiguous(), in_splits, out_splits)
-        return gin, None, None
+@dataclass
+class Meshes:
+    """The data-parallel mesh (all ranks) and the expert mesh ("dp_mod_ep", "ep")."""
+
+    world: int
+    ep: int
+    dp: DeviceMesh
+    experts: DeviceMesh
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        return self.experts.get_group("ep")
+
+    @property
+    def dp_mod_ep_group(self) -> dist.ProcessGroup:
+        return self.experts.get_group("dp_mod_ep")
+
+
+def expert_degree(requested: int, world: int, num_experts: int) -> int:
+    """The expert-parallel degree: `requested` (0 = every rank) checked against the world
+    size and the expert count, with a message naming the knob."""
+    ep = requested or world
+    if world % ep:
+        raise ValueError(
+            f"expert_parallel={ep} does not divide the {world} processes: pick a divisor "
+            f"of {world} (0 = all of them)"
+        )
+    if num_experts % ep:
+        raise ValueError(
+            f"moe.num_experts={num_experts} does not divide over {ep} processes: pick a process "
+            "count (or expert_parallel) that divides it"
+        )
+    return ep
+
+
+def make_meshes(device: torch.device, ep: int) -> Meshes:
+    world = dist.get_world_size()
+    kind = device.type
+    return Meshes(
+        world=world,
+        ep=ep,
+        dp=init_device_mesh(kind, (world,), mesh_dim_names=("dp",)),
+        experts=init_device_mesh(kind, (world // ep, ep), mesh_dim_names=("dp_mod_ep", "ep")),
+    )
 
 
 class ExpertParallelExperts(GroupedExperts):
-    """This rank's slice of a layer's experts; computes every rank's tokens for them."""
+    """A layer's experts as DTensors sharded over the EP group; computes every EP rank's
+    tokens for the experts this rank holds."""
 
-    def __init__(self, full: GroupedExperts, rank: int, world: int) -> None:
-        E = full.num_experts
-        if E % world:
+    def __init__(self, full: GroupedExperts, meshes: Meshes) -> None:
+        torch.nn.Module.__init__(self)
+        E, ep = full.num_experts, meshes.ep
+        if E % ep:
             raise ValueError(
-                f"moe.num_experts={E} does not divide over {world} processes: pick a process "
+                f"moe.num_experts={E} does not divide over {ep} processes: pick a process "
                 "count that divides it"
             )
-        local = E // world
-        d_model = full.w13_EDG.shape[1]
-        super().__init__(local, d_model, full.hidden)
-        self.num_experts = E  # routing ids are global
-        self.num_local, self.rank, self.world = local, rank, world
-        lo = rank * local
-        with torch.no_grad():
-            self.w13_EDG.copy_(full.w13_EDG[lo : lo + local])
-            self.w2_EFD.copy_(full.w2_EFD[lo : lo + local])
+        self.num_experts, self.hidden = E, full.hidden  # routing ids are global
+        self.num_local, self.ep = E // ep, ep
+        self.group = meshes.ep_group
+        placements = (Replicate(), Shard(0))
+        for name in ("w13_EDG", "w2_EFD"):
+            t = getattr(full, name).detach()
+            # Every rank holds the same full tensor here: each keeps its part, no traffic.
+            local = distribute_tensor(t, meshes.experts, placements, src_data_rank=None)
+            setattr(self, name, torch.nn.Parameter(local))
 
     def compute(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        W, El = self.world, self.num_local
-        send_WEl = counts_E.view(W, El)
-        recv_WEl = torch.empty_like(send_WEl)
-        dist.all_to_all_single(recv_WEl, send_WEl.contiguous())  # who sends me what
-        in_splits = send_WEl.sum(1).tolist()  # sizes must be on the host for the exchange
-        out_splits = recv_WEl.sum(1).tolist()
-        x_RD = _AllToAll.apply(x_AD, out_splits, in_splits)
+        P, El = self.ep, self.num_local
+        w13, w2 = self.w13_EDG.to_local(), self.w2_EFD.to_local()
+        send_PEl = counts_E.view(P, El)
+        recv_PEl = torch.empty_like(send_PEl)
+        dist.all_to_all_single(recv_PEl, send_PEl.contiguous(), group=self.group)
+        in_splits = send_PEl.sum(1).tolist()  # sizes must be on the host for the exchange
+        out_splits = recv_PEl.sum(1).tolist()
+        x_RD = all_to_all_single_autograd(x_AD.contiguous(), out_splits, in_splits, self.group)
         # Received rows come by source rank, then by local expert: regroup by local expert.
         local_R = torch.repeat_interleave(
-            torch.arange(El, device=x_AD.device).repeat(W), recv_WEl.flatten()
+            torch.arange(El, device=x_AD.device).repeat(P), recv_PEl.flatten()
         )
         perm_R = torch.sort(local_R, stable=True).indices
-        counts_El = recv_WEl.sum(0)
+        counts_El = recv_PEl.sum(0)
         offs_El = torch.cumsum(counts_El, 0, dtype=torch.int32)
-        h = grouped_mm(x_RD[perm_R], self.w13_EDG, offs_El, counts_El)
-        y_sorted = grouped_mm(swiglu(h), self.w2_EFD, offs_El, counts_El)
+        h = grouped_mm(x_RD[perm_R], w13, offs_El, counts_El)
+        y_sorted = grouped_mm(swiglu(h), w2, offs_El, counts_El)
         y_RD = torch.empty_like(y_sorted).index_copy(0, perm_R, y_sorted)
-        return _AllToAll.apply(y_RD, in_splits, out_splits)
+        return all_to_all_single_autograd(y_RD, in_splits, out_splits, self.group)
 
 
 def is_expert_param(name: str) -> bool:
     return ".experts." in name
 
 
-def shard_experts(model: MoETransformer, rank: int, world: int) -> MoETransformer:
-    """Replace every MoE layer's experts by this rank's slice (in place; returns the model)."""
-    if world == 1:
-        return model
-    for layer in model.moe_layers:
-        if not isinstance(layer.experts, ExpertParallelExperts):
-            layer.experts = ExpertParallelExperts(layer.experts, rank, world)
+def parallelize(
+    model: MoETransformer,
+    meshes: Meshes,
+    *,
+    param_dtype: torch.dtype | None = None,
+) -> MoETransformer:
+    """Shard `model` in place (it must already be on its device): experts over the EP mesh
+    when ep > 1, then one FSDP unit per block and the root over the data-parallel mesh.
+    `param_dtype` (bf16 on CUDA) is what FSDP all-gathers and computes in; gradients are
+    reduced in fp32."""
+    expert_params: set[torch.nn.Parameter] = set()
+    if meshes.ep > 1:
+        for layer in model.moe_layers:
+            if not isinstance(layer.experts, ExpertParallelExperts):
+                layer.experts = ExpertParallelExperts(layer.experts, meshes)
+            expert_params.update(layer.experts.parameters())
+    mp = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None
+    )
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        # The last block is gathered again at once by the backward: keep it gathered.
+        fully_shard(
+            block,
+            mesh=meshes.dp,
+            mp_policy=mp,
+            ignored_params=expert_params or None,
+            reshard_after_forward=i < len(blocks) - 1,
+        )
+    fully_shard(model, mesh=meshes.dp, mp_policy=mp, ignored_params=expert_params or None)
+    if meshes.ep > 1 and len(blocks) > 1:
+        # The token exchange waits for its sizes on the host, which would hold back the next
+        # block's all-gather behind it: issue it explicitly, one block ahead (torchtitan does
+        # the same when EP is on).
+        for prev, nxt in zip(blocks, blocks[1:], strict=False):
+            prev.set_modules_to_forward_prefetch([nxt])
+            nxt.set_modules_to_backward_prefetch([prev])
     return model
 
 
-def _params(model: torch.nn.Module, expert: bool) -> Iterator[torch.nn.Parameter]:
-    for name, p in model.named_parameters():
-        if is_expert_param(name) == expert and p.grad is not None:
-            yield p
+def expert_parameters(model: torch.nn.Module) -> Iterator[torch.nn.Parameter]:
+    """The parameters FSDP leaves alone: the EP-sharded experts."""
+    for layer in getattr(model, "moe_layers", []):
+        if isinstance(layer.experts, ExpertParallelExperts):
+            yield from layer.experts.parameters()
 
 
-def sync_gradients(model: torch.nn.Module, world: int) -> None:
-    """Average gradients over ranks: dense ones by one all-reduce of a flat buffer; expert
-    ones already hold every rank's tokens (through the exchange) and are only scaled."""
-    if world == 1:
-        return
-    dense = [p.grad for p in _params(model, expert=False)]
-    if dense:
-        flat = torch.cat([g.reshape(-1) for g in dense])
-        dist.all_reduce(flat)
-        flat.div_(world)
-        offset = 0
-        for g in dense:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-    for p in _params(model, expert=True):
-        p.grad.div_(world)
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float, world: int) -> float:
-    """Global gradient norm over replicated dense and sharded expert parameters; clips in
-    place like torch.nn.utils.clip_grad_norm_ and returns the norm before clipping."""
-    dense_sq = sum((p.grad.float().pow(2).sum() for p in _params(model, False)), torch.zeros(()))
-    expert_sq = sum((p.grad.float().pow(2).sum() for p in _params(model, True)), torch.zeros(()))
-    if world > 1:
-        expert_sq = expert_sq.to(next(model.parameters()).device)
-        dist.all_reduce(expert_sq)
-        expert_sq = expert_sq.cpu()
-    total = float((dense_sq.cpu() + expert_sq).sqrt())
+@torch.no_grad()
+def finish_expert_gradients(model: torch.nn.Module, meshes: Meshes) -> None:
+    """After the backward: an EP expert's gradient holds its EP group's tokens; sum it over
+    the other groups and divide by the world size (FSDP did the same for the dense ones)."""
+    for p in expert_parameters(model):
+        if p.grad is None:
+            continue
+        g = _local(p.grad)
+        if meshes.world // meshes.ep > 1:
+            dist.all_reduce(g, group=meshes.dp_mod_ep_group)
+        g.div_(meshes.world)
+
+
+def _replicas(t: torch.Tensor, world: int) -> int:
+    """On how many ranks the same local values sit (a plain tensor: on all of them)."""
+    if not isinstance(t, DTensor):
+        return world
+    mesh = t.device_mesh
+    return math.prod(mesh.size(i) for i, p in enumerate(t.placements) if p.is_replicate())
+
+
+@torch.no_grad()
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+    """The gradient norm of the whole (unsharded) model from every rank's shards, in one
+    all-reduce; clips in place like torch.nn.utils.clip_grad_norm_ and returns the norm
+    before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    world = dist.get_world_size()
+    sq = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        local = _local(g)
+        sq += local.double().pow(2).sum().cpu() / _replicas(g, world)
+    device = _local(grads[0]).device if grads else torch.device("cpu")
+    sq = sq.to(device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(sq)
+    total = float(sq.sqrt())
     if max_norm > 0 and total > max_norm:
         scale = max_norm / (total + 1e-6)
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
+        for g in grads:
+            _local(g).mul_(scale)
     return total
 
 
@@ -168,45 +268,38 @@ def sync_routing_load(model: MoETransformer, world: int) -> None:
         dist.all_reduce(layer.router.load_E)
 
 
-def _gather_experts(t: torch.Tensor, world: int) -> torch.Tensor:
-    """Concatenate every rank's slice along dim 0 (NCCL gathers on the GPU; the result
-    comes back on t's device)."""
-    dev = t.device
-    if dist.get_backend() == "nccl":
-        t = t.to(torch.device("cuda", torch.cuda.current_device()))
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts, dim=0).to(dev)
-
-
-def full_state(
-    tensors: dict[str, torch.Tensor], world: int, names: dict[str, str]
-) -> dict[str, torch.Tensor]:
-    """Tensors with every expert under its global id: expert slices are gathered from all
-    ranks (every rank must call this). `names` maps a tensor name to its parameter's name
-    (identity for model tensors; the optimizer's index -> name for optimizer state)."""
-    if world == 1:
-        return tensors
-    out = {}
-    for key, t in tensors.items():
-        pname = names.get(key, key)
-        out[key] = _gather_experts(t, world) if is_expert_param(pname) and t.dim() >= 1 else t
+def unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """model.state_dict() with tied parameters once (the first name, as model_tensors)."""
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        key = (t.to_local() if isinstance(t, DTensor) else t).data_ptr()
+        if key in seen and t.numel() > 0:
+            continue
+        seen.add(key)
+        out[name] = t
     return out
 
 
-def local_slice(
-    tensors: dict[str, torch.Tensor], rank: int, world: int, names: dict[str, str]
-) -> dict[str, torch.Tensor]:
-    """Inverse of full_state: this rank's slice of every expert tensor of a checkpoint
-    written at any world size."""
-    if world == 1:
-        return tensors
+def full_tensors(tensors: dict[str, torch.Tensor], keep: bool = True) -> dict[str, torch.Tensor]:
+    """Every DTensor gathered whole, on the CPU (every rank must call this; those with
+    keep=False drop the result as they go, so only the writer holds the full copy)."""
     out = {}
     for key, t in tensors.items():
-        pname = names.get(key, key)
-        if is_expert_param(pname) and t.dim() >= 1:
-            local = t.shape[0] // world
-            out[key] = t[rank * local : (rank + 1) * local].clone()
-        else:
-            out[key] = t
+        full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+        if keep:
+            out[key] = full.to("cpu").contiguous()
     return out
+
+
+@torch.no_grad()
+def load_full(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of a whole tensor (which every rank holds) into `target`, a
+    DTensor or a plain tensor: no communication."""
+    if isinstance(target, DTensor):
+        part = distribute_tensor(
+            full.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None
+        )
+        target.to_local().copy_(part.to_local())
+    else:
+        target.copy_(full)

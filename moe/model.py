@@ -168,7 +168,30 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class _CarryLoss(torch.autograd.Function):
+    """Identity on a layer's output whose backward also gives the layer's balancing loss its
+    gradient (`scale`, the weight of that loss in the objective). Sharded training needs the
+    loss to enter the backward through the block's output: FSDP reduces a block's gradients
+    once the backward has left it, and a loss added beside the output would reach the
+    block's parameters only after that (DeepSeek-V2's AddAuxiliaryLoss does the same)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale, ctx.like = scale, (loss.dtype, loss.device)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        dtype, device = ctx.like
+        return g, torch.full((), ctx.scale, dtype=dtype, device=device), None
+
+
 class MoELayer(nn.Module):
+    # None: the balancing loss is returned in MoEAux for the caller's objective. A float: its
+    # gradient is carried through this layer's output with that weight (sharded training),
+    # and MoEAux holds its value only.
+    aux_grad_scale: float | None = None
+
     def __init__(self, d_model: int, mcfg: MoEConfig) -> None:
         super().__init__()
         self.router = Router(d_model, mcfg)
@@ -192,7 +215,11 @@ class MoELayer(nn.Module):
             if self.shared_gate is not None:
                 shared_TD = torch.sigmoid(self.shared_gate(x_TD)) * shared_TD
             y_TD = y_TD + shared_TD
-        aux.balance_loss = aux.balance_loss + r.balance_loss
+        if self.aux_grad_scale is not None:
+            y_TD = _CarryLoss.apply(y_TD, r.balance_loss, self.aux_grad_scale)
+            aux.balance_loss = aux.balance_loss + r.balance_loss.detach()
+        else:
+            aux.balance_loss = aux.balance_loss + r.balance_loss
         aux.aux_loss = aux.aux_loss + r.aux_loss
         aux.z_loss = aux.z_loss + r.z_loss
         aux.tokens_per_expert.append(r.tokens_per_expert_E)

@@ -22,6 +22,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.experimental import implicit_replication
 
 from moe import distributed as D
 from moe.checkpoint import (
@@ -31,6 +32,7 @@ from moe.checkpoint import (
     model_tensors,
     unflatten_optimizer,
 )
+from moe.codec import dtype_from_name
 from moe.config import OptimConfig
 from moe.early_stop import EarlyStopper
 from moe.growth import GrowthManager, experts_per_layer, resize_model
@@ -240,10 +242,18 @@ class Trainer:
         self.rank, self.world = (
             (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         )
+        self.amp_dtype = autocast_dtype(self.device, cfg.dtype)
+        self.meshes: D.Meshes | None = None
         if self.world > 1:
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", torch.cuda.current_device())
-            D.shard_experts(model, self.rank, self.world)
+            model.to(self.device)
+            ep = D.expert_degree(cfg.expert_parallel, self.world, model.mcfg.num_experts)
+            self.meshes = D.make_meshes(self.device, ep)
+            on_gpu_bf16 = self.device.type == "cuda" and self.amp_dtype == torch.bfloat16
+            D.parallelize(model, self.meshes, param_dtype=torch.bfloat16 if on_gpu_bf16 else None)
+            for layer in model.moe_layers:  # the balancing loss enters through each block
+                layer.aux_grad_scale = 1.0 / cfg.grad_accum
         self.model = model.to(self.device)
         self.cfg, self.batches, self.store = cfg, batches, store
         self.fingerprint, self.schedule, self.min_lr = fingerprint, schedule, min_lr
@@ -261,7 +271,6 @@ class Trainer:
         self.auto_mtbi_s = resilience.auto_mtbi_s
         self.interval: IntervalChoice | None = None
         self.journal, self.started_at = resilience.journal, resilience.started_at
-        self.amp_dtype = autocast_dtype(self.device, cfg.dtype)
         self.router_lr_mult = router_lr_mult
         self.optimizer = build_optimizer(model, cfg, router_lr_mult)
         # Expert growth and pruning (moe/growth.py), pretraining only.
@@ -283,17 +292,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
 
-    def _save(self, val_loss: float | None) -> Path | None:
-        """Every rank takes part (expert slices are gathered); rank 0 writes."""
-        opt_tensors, opt_rest = flatten_optimizer(self.optimizer.state_dict())
-        names = self._param_names()
-        opt_names = {k: names.get(k.split(".", 1)[0], "") for k in opt_tensors}
-        model_t = D.full_state(model_tensors(self.model), self.world, {})
-        opt_tensors = D.full_state(opt_tensors, self.world, opt_names)
-        if self.rank != 0:
-            return None
-        rng_tensors, rng_meta = _rng_state()
-        state = {
+    def _train_state(self, val_loss: float | None, opt_rest: dict, rng_meta: dict) -> dict:
+        """What a checkpoint holds besides tensors (state.json)."""
+        return {
             "step": self.step,
             "fingerprint": self.fingerprint,
             "optimizer": opt_rest,
@@ -306,13 +307,77 @@ class Trainer:
             "early_stop": self.stopper.state_dict() if self.stopper else None,
             "growth": self.growth.state_dict() if self.growth else None,
         }
+
+    def _save(self, val_loss: float | None) -> Path | None:
+        """World size 1: the whole state, tiered. Sharded on one machine: each rank writes its
+        own shards (DCP, moe/sharded.py). Across machines (no shared folder) every rank takes
+        part in gathering the state whole and rank 0 writes it, which its mirror carries."""
+        if self.world > 1 and D.single_node():
+            return self._save_sharded(val_loss)
+        names = self._param_names()
+        if self.world > 1:
+            opt_tensors, opt_rest = self._optimizer_shards()
+            opt_tensors = D.full_tensors(opt_tensors, keep=self.rank == 0)
+            model_t = D.full_tensors(D.unique_state(self.model), keep=self.rank == 0)
+            if self.rank != 0:
+                return None
+        else:
+            opt_tensors, opt_rest = flatten_optimizer(self.optimizer.state_dict())
+            model_t = model_tensors(self.model)
+        rng_tensors, rng_meta = _rng_state()
         return self.store.save(
             self.step,
             model_t,
             opt_tensors,
             rng_tensors,
-            state,
+            self._train_state(val_loss, opt_rest, rng_meta),
             param_names=names,
+            expert_load=self._expert_load(),
+        )
+
+    def _optimizer_shards(self, by_name: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+        """This rank's optimizer moments ("<index>.<moment>", or "optim.<parameter>.<moment>"
+        with by_name) and the JSON rest (param groups), as flatten_optimizer gives them."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        flat = [p for g in self.optimizer.param_groups for p in g["params"]]
+        tensors: dict[str, torch.Tensor] = {}
+        for i, p in enumerate(flat):
+            for k, v in self.optimizer.state.get(p, {}).items():
+                tensors[f"optim.{names[id(p)]}.{k}" if by_name else f"{i}.{k}"] = v
+        groups = self.optimizer.state_dict()["param_groups"]
+        return tensors, {"param_groups": groups, "scalars": {}}
+
+    def _init_optimizer_state(self) -> None:
+        """AdamW's state before its first step (zeros, step 0), so a restore has tensors of
+        the right shards to read into."""
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                if p not in self.optimizer.state or not self.optimizer.state[p]:
+                    self.optimizer.state[p] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    }
+
+    def _sharded_targets(self) -> dict[str, torch.Tensor]:
+        self._init_optimizer_state()
+        model = {f"model.{k}": v for k, v in D.unique_state(self.model).items()}
+        return {**model, **self._optimizer_shards(by_name=True)[0]}
+
+    def _save_sharded(self, val_loss: float | None) -> Path:
+        rng_tensors, rng_meta = _rng_state()
+        rng_tensors["meta"] = torch.frombuffer(
+            bytearray(json.dumps(rng_meta).encode()), dtype=torch.uint8
+        )
+        tensors = {
+            **self._sharded_targets(),
+            **{f"rng.{self.rank}.{k}": v for k, v in rng_tensors.items()},
+        }
+        _, opt_rest = self._optimizer_shards()
+        return self.store.save_sharded(
+            self.step,
+            tensors,
+            self._train_state(val_loss, opt_rest, {"sharded": "per rank"}),
             expert_load=self._expert_load(),
         )
 
@@ -335,8 +400,8 @@ class Trainer:
         path = self.store.latest_valid()
         if path is None:
             return None
-        ckpt = self.store.load(path)
-        if ckpt.state.get("fingerprint") != self.fingerprint:
+        manifest, state = self.store.read_state(path)
+        if state.get("fingerprint") != self.fingerprint:
             log.warning(
                 "checkpoints in %s come from other inputs or params; starting fresh (DVC's cache keeps the old outputs)",
                 self.store.root,
@@ -346,31 +411,20 @@ class Trainer:
             if self.world > 1:
                 dist.barrier()
             return None
-        if resize_model(self.model, experts_per_layer(ckpt.model, self.model)):
-            # The checkpoint comes from a grown or pruned model: new parameters, new optimizer.
-            self.optimizer = build_optimizer(self.model, self.cfg, self.router_lr_mult)
-            self.load = ExpertLoad(len(self.model.moe_layers), self.model.experts_per_layer())
-        if self.growth and ckpt.state.get("growth"):
-            self.growth.load_state_dict(ckpt.state["growth"])
-        names = self._param_names()
-        opt_names = {k: names.get(k.split(".", 1)[0], "") for k in ckpt.optimizer}
-        load_model_tensors(self.model, D.local_slice(ckpt.model, self.rank, self.world, {}))
-        self.optimizer.load_state_dict(
-            unflatten_optimizer(
-                D.local_slice(ckpt.optimizer, self.rank, self.world, opt_names),
-                ckpt.state["optimizer"],
-            )
-        )
-        _set_rng_state(ckpt.rng, ckpt.state["rng"])
-        self.step = ckpt.step
-        self.elapsed_s = float(ckpt.state["elapsed_s"])
-        self.tokens = int(ckpt.state["tokens"])
-        self.best_val = ckpt.state.get("best_val")
+        if self.world > 1:
+            rng, rng_meta = self._restore_sharded(path, manifest, state)
+        else:
+            rng, rng_meta = self._restore_whole(path)
+        _set_rng_state(rng, rng_meta)
+        self.step = manifest.step
+        self.elapsed_s = float(state["elapsed_s"])
+        self.tokens = int(state["tokens"])
+        self.best_val = state.get("best_val")
         self.load.total = [
-            torch.tensor(row, dtype=torch.float64) for row in ckpt.state["expert_counts_total"]
+            torch.tensor(row, dtype=torch.float64) for row in state["expert_counts_total"]
         ]
-        if self.stopper and ckpt.state.get("early_stop"):
-            self.stopper.load_state_dict(ckpt.state["early_stop"])
+        if self.stopper and state.get("early_stop"):
+            self.stopper.load_state_dict(state["early_stop"])
         log.info("resumed from %s (step %d)", path, self.step)
         if self.rank == 0 and self.metrics_path and self.metrics_path.is_file():
             rows = [
@@ -380,6 +434,61 @@ class Trainer:
             ]
             self.metrics_path.write_text("".join(r + "\n" for r in rows))
         return self.step
+
+    def _restore_whole(self, path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+        """World size 1: the checkpoint whole (a sharded one assembled) into the module."""
+        ckpt = self.store.load(path)
+        if resize_model(self.model, experts_per_layer(ckpt.model, self.model)):
+            # The checkpoint comes from a grown or pruned model: new parameters, new optimizer.
+            self.optimizer = build_optimizer(self.model, self.cfg, self.router_lr_mult)
+            self.load = ExpertLoad(len(self.model.moe_layers), self.model.experts_per_layer())
+        if self.growth and ckpt.state.get("growth"):
+            self.growth.load_state_dict(ckpt.state["growth"])
+        load_model_tensors(self.model, ckpt.model)
+        opt, rng, rng_meta = ckpt.optimizer, ckpt.rng, ckpt.state["rng"]
+        if ckpt.sharded:  # moments by parameter name, RNG per rank: rank 0's carries on
+            index = {n: i for i, n in self._param_names().items()}
+            opt = {f"{index[k.rsplit('.', 1)[0]]}.{k.rsplit('.', 1)[1]}": v for k, v in opt.items()}
+            rng = {k[2:]: v for k, v in rng.items() if k.startswith("0.")}
+            rng_meta = json.loads(bytes(rng.pop("meta").numpy()))
+        self.optimizer.load_state_dict(unflatten_optimizer(opt, ckpt.state["optimizer"]))
+        return rng, rng_meta
+
+    def _restore_sharded(
+        self, path: Path, manifest: Any, state: dict
+    ) -> tuple[dict[str, torch.Tensor], dict]:
+        """World size > 1: each rank reads its shards of a sharded checkpoint (DCP reshards
+        one written at another world size or expert-parallel degree), or its part of a whole
+        one (written at world size 1 or across machines). Each rank's RNG carries on where
+        the checkpoint has it, else rank 0's."""
+        if manifest.sharded:
+            targets = self._sharded_targets()
+            missing = sorted(set(targets) - set(manifest.dcp))
+            if missing:
+                raise ValueError(
+                    f"checkpoint {path} does not fit the model: it has no {', '.join(missing[:5])}"
+                )
+            mine = f"rng.{self.rank}."
+            prefix = mine if any(k.startswith(mine) for k in manifest.dcp) else "rng.0."
+            rng = {
+                k: torch.empty(v["size"], dtype=dtype_from_name(v["dtype"]))
+                for k, v in manifest.dcp.items()
+                if k.startswith(prefix)
+            }
+            self.store.load_sharded(path, {**targets, **rng})
+            rng = {k.removeprefix(prefix): v for k, v in rng.items()}
+            return rng, json.loads(bytes(rng.pop("meta").numpy()))
+        ckpt = self.store.load(path)  # whole: every rank keeps its part of each tensor
+        buffers = {n for n, _ in self.model.named_buffers()}
+        for k, t in D.unique_state(self.model).items():
+            if k in ckpt.model:
+                D.load_full(t, ckpt.model[k])
+            elif k not in buffers:
+                raise ValueError(f"checkpoint {path} does not fit the model: it has no {k}")
+        self._init_optimizer_state()
+        for k, t in self._optimizer_shards()[0].items():
+            D.load_full(t, ckpt.optimizer[k])
+        return ckpt.rng, state["rng"]
 
     # ------------------------------------------------------------------ loop
 
@@ -633,9 +742,9 @@ class Trainer:
         if self.growth:
             self.growth.observe(counts)  # before the step: the gradients are here
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        if self.world > 1:
-            D.sync_gradients(self.model, self.world)
-            grad_norm = D.clip_grad_norm(self.model, clip, self.world)
+        if self.meshes is not None:
+            D.finish_expert_gradients(self.model, self.meshes)
+            grad_norm = D.clip_grad_norm(run.params, clip)
         else:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(run.params, clip))
         if not math.isfinite(grad_norm):
@@ -646,7 +755,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         D.sync_routing_load(self.model, self.world)
-        self.model.update_routing(self.step)
+        with implicit_replication() if self.world > 1 else contextlib.nullcontext():
+            # The gate recalibration scales sharded router rows by a replicated factor.
+            self.model.update_routing(self.step)
         if self.growth:
             for event in self.growth.act(self.step, self.optimizer):
                 self.load.resize(event["layer"], torch.tensor(event.pop("index")))

@@ -20,7 +20,7 @@ from prefect.cache_policies import NONE
 from prefect.tasks import exponential_backoff
 
 from moe import distributed as D
-from moe.checkpoint import load_model_tensors, model_tensors
+from moe.checkpoint import load_model_tensors
 from moe.config import FinetuneConfig
 from moe.data import BatchSampler, MixedBatches, SFTBatches, SFTExample, TokenStore
 from moe.errors import InputError
@@ -112,7 +112,8 @@ def _fit_and_save(cfg: Config, trainer: Trainer, out_dir: Path, run_key: str) ->
         trainer.store.close()
     model = trainer.model
     if trainer.world > 1:
-        full = D.full_state(model_tensors(model), trainer.world, {})
+        # The final weights whole (rank 0 alone keeps them; the optimizer stays sharded).
+        full = D.full_tensors(D.unique_state(model), keep=trainer.rank == 0)
         if trainer.rank != 0:
             return result
         model = MoETransformer(model.cfg, model.mcfg, model.vocab_size)

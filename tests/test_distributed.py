@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from safetensors.torch import load as load_file_bytes
 from safetensors.torch import load_file
 
-from moe.checkpoint import CheckpointStore, flatten_optimizer, model_tensors
+from moe.checkpoint import CheckpointStore
 from moe.config import ModelConfig, MoEConfig, PretrainConfig
 from tasks.config import Config
 from tests import dist_worker as W
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 def _torchrun(
-    mode: str, out: Path, nproc: int = 2, timeout: float = 180
+    mode: str, out: Path, *args: object, nproc: int = 2, timeout: float = 180
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
@@ -35,6 +36,7 @@ def _torchrun(
             str(ROOT / "tests" / "dist_worker.py"),
             mode,
             str(out),
+            *map(str, args),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -44,54 +46,124 @@ def _torchrun(
     )
 
 
-def _world1(steps: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer, float]:
-    model = W.build()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loss = 0.0
-    for _ in range(steps):
-        loss = W.step(model, opt, 0, 1)
-    return model, opt, loss
+STEPS = 6  # checkpoints at 2, 4, 6
 
 
-def test_one_step_at_world_2_equals_world_1(tmp_path: Path) -> None:
-    proc = _torchrun("step", tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    model, _, loss = _world1()
-    got = json.loads((tmp_path / "step_w2.json").read_text())["loss"]
-    assert got == pytest.approx(loss, rel=1e-5)
-    full = load_file(str(tmp_path / "step_w2.safetensors"))
-    ref = model_tensors(model)
-    assert set(full) == set(ref)
-    assert full["blocks.0.ffn.experts.w13_EDG"].shape[0] == 4  # every expert, global ids
-    for k, v in ref.items():
-        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=k)
-    # The aux-free bias moved the same way on both (all-reduced load).
-    assert not torch.equal(ref["blocks.0.ffn.router.expert_bias_E"], torch.zeros(4))
+def _train2(out: Path, store: str, stop: int = 0, ep: int = 0) -> dict:
+    """The worker's Trainer at world size 2 under torchrun; its result."""
+    proc = _torchrun("train", out, store, STEPS, stop, ep)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / f"{store}.json").read_text())
 
 
-def test_checkpoints_cross_world_sizes(tmp_path: Path) -> None:
-    # Written at world size 1 ...
-    model, opt, _ = _world1()
-    opt_t, rest = flatten_optimizer(opt.state_dict())
-    CheckpointStore(tmp_path / "ckpt_w1").save(
-        1, model_tensors(model), opt_t, {}, {"step": 1, "optimizer": rest}
-    )
-    # ... restored at world size 2 (the worker checks the gathered state equals it), trained
-    # one more step there and written at world size 2 ...
-    proc = _torchrun("ckpt", tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    store = CheckpointStore(tmp_path / "ckpt_w2")
-    ck = store.load(store.latest_valid())
-    assert ck.model["blocks.1.ffn.experts.w2_EFD"].shape[0] == 4
-    # ... restored at world size 1: equal to two steps at world size 1.
-    ref, ref_opt, _ = _world1(steps=2)
-    restored = W.build()
-    restored.load_state_dict(ck.model, strict=False)
-    for k, v in model_tensors(ref).items():
-        torch.testing.assert_close(model_tensors(restored)[k], v, rtol=1e-5, atol=1e-6, msg=k)
-    ref_t, _ = flatten_optimizer(ref_opt.state_dict())
-    for k, v in ref_t.items():
-        torch.testing.assert_close(ck.optimizer[k], v, rtol=1e-5, atol=1e-7, msg=k)
+def _train1(out: Path, store: str, stop: int = 0) -> dict:
+    """The same Trainer at world size 1, in this process (no process group)."""
+    W.train(out, store, STEPS, stop, 0)
+    return json.loads((out / f"{store}.json").read_text())
+
+
+def _weights(out: Path, store: str) -> dict[str, torch.Tensor]:
+    return load_file(str(out / f"{store}.safetensors"))
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def _equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    assert [k for k, v in want.items() if not torch.equal(got[k], v)] == []
+
+
+def _from(out: Path, src: str, dest: str, step: int) -> None:
+    """A copy of store `src` as a machine that died after step `step`'s checkpoint left it."""
+    shutil.copytree(out / src, out / dest)
+    for d in (out / dest).glob("step_*"):
+        if int(d.name[5:]) > step:
+            shutil.rmtree(d)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Uninterrupted runs: world size 1, and world size 2 with the experts over both ranks."""
+    out = tmp_path_factory.mktemp("dist")
+    _train1(out, "w1")
+    _train2(out, "w2")
+    return out
+
+
+def test_world_2_trains_like_world_1_holding_half_of_the_state(runs: Path) -> None:
+    """6 steps of the real Trainer (FSDP2 dense, experts over 2 ranks; lr 1e-2, aux-free
+    bias, gate recalibration) end where world size 1 ends; each rank holds half of the
+    parameters and of the AdamW moments, and no rank ever gathered the optimizer state."""
+    one, two = (json.loads((runs / f"{s}.json").read_text()) for s in ("w1", "w2"))
+    assert (two["backend"], two["world"]) == ("gloo", 2)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    _close(_weights(runs, "w2"), _weights(runs, "w1"))
+    whole = json.loads((runs / "w1.rank0.json").read_text())
+    for rank in (0, 1):
+        held = json.loads((runs / f"w2.rank{rank}.json").read_text())
+        assert held["params"] == whole["params"] // 2
+        assert held["moments"] == whole["moments"] // 2
+    # The checkpoint is sharded: each rank wrote its own files, and one process can read it
+    # whole (what evaluation and the CLI do) equal to the gathered final weights.
+    store = CheckpointStore(runs / "w2")
+    last = store.latest_valid()
+    assert {p.name for p in last.iterdir()} >= {"r000.L0.bin", "r001.L0.bin", "r001.L1.bin"}
+    ck = store.load(last)
+    assert ck.sharded and ck.step == STEPS
+    _equal(ck.model, _weights(runs, "w2"))
+
+
+def test_experts_sharded_with_the_dense_blocks_train_the_same(tmp_path: Path) -> None:
+    """expert_parallel 1: no token exchange, the experts are FSDP-sharded like the rest."""
+    _train1(tmp_path, "w1")
+    _train2(tmp_path, "e1", ep=1)
+    _close(_weights(tmp_path, "e1"), _weights(tmp_path, "w1"))
+
+
+def test_a_killed_world_2_run_resumes_bit_exactly(runs: Path, tmp_path: Path) -> None:
+    shutil.copy(runs / "w2.safetensors", tmp_path)
+    first = _train2(tmp_path, "r2", stop=3)  # killed after step 3: step 2's checkpoint
+    assert first["steps"] == 3
+    again = _train2(tmp_path, "r2")
+    assert again["resumed_from"] == 2 and again["steps"] == STEPS
+    _equal(_weights(tmp_path, "r2"), _weights(runs, "w2"))
+
+
+def test_checkpoints_restore_across_world_sizes_and_expert_degrees(
+    runs: Path, tmp_path: Path
+) -> None:
+    """Step 2's checkpoint, continued elsewhere, ends where world size 1 ends: written at
+    world 2 restored at 1 (assembled whole), written at 1 restored at 2 (each rank keeps
+    its part), written with the experts over 2 ranks restored with them sharded with the
+    dense blocks (DCP reshards)."""
+    for src in ("w1", "w2"):
+        shutil.copytree(runs / src, tmp_path / src)
+    _from(tmp_path, "w2", "2to1", 2)
+    assert _train1(tmp_path, "2to1")["resumed_from"] == 2
+    _from(tmp_path, "w1", "1to2", 2)
+    assert _train2(tmp_path, "1to2")["resumed_from"] == 2
+    _from(tmp_path, "w2", "ep2to1", 2)
+    assert _train2(tmp_path, "ep2to1", ep=1)["resumed_from"] == 2
+    for store in ("2to1", "1to2", "ep2to1"):
+        _close(_weights(tmp_path, store), _weights(runs, "w1"))
+
+
+def test_a_damaged_shard_falls_back_to_the_previous_checkpoint(runs: Path, tmp_path: Path) -> None:
+    _from(runs, "w2", "dmg", 4)
+    shutil.move(runs / "dmg", tmp_path / "dmg")
+    shard = tmp_path / "dmg" / "step_00000004" / "r001.L0.bin"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    proc = _torchrun("train", tmp_path, "dmg", STEPS, 0, 0)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "r001.L0.bin does not match its sha256" in proc.stderr
+    assert json.loads((tmp_path / "dmg.json").read_text())["resumed_from"] == 2
+    _equal(_weights(tmp_path, "dmg"), _weights(runs, "w2"))
 
 
 def test_a_dead_rank_fails_the_run_fast(tmp_path: Path) -> None:
@@ -106,12 +178,14 @@ def test_a_dead_rank_fails_the_run_fast(tmp_path: Path) -> None:
     assert re.search(r"local_rank: 1\)\s*\n\s*exitcode\s*: 3 ", proc.stderr), proc.stderr[-2000:]
 
 
-def test_expert_count_must_divide_over_ranks() -> None:
-    from moe.distributed import ExpertParallelExperts
-    from moe.experts import GroupedExperts
+def test_expert_count_and_degree_must_divide() -> None:
+    from moe.distributed import expert_degree
 
     with pytest.raises(ValueError, match="num_experts=6 does not divide over 4 processes"):
-        ExpertParallelExperts(GroupedExperts(6, 8, 16), rank=0, world=4)
+        expert_degree(0, 4, 6)
+    with pytest.raises(ValueError, match="expert_parallel=3 does not divide the 4 processes"):
+        expert_degree(3, 4, 6)
+    assert expert_degree(2, 4, 6) == 2
 
 
 def torchrun_config(device: str) -> Config:
