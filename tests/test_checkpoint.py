@@ -167,7 +167,10 @@ def test_a_manifest_this_version_cannot_read_is_named_and_skipped(tmp_path: Path
         m = json.loads((path / "manifest.json").read_text())
         (path / "manifest.json").write_text(json.dumps(edit(m)))
     why = {i.step: i.problem for i in store.info()}
-    assert why[2] == "checkpoint format 1 (this version reads 2)"
+    assert why[2] == (
+        "checkpoint format 1 (written by another version of moe-pipeline: this one reads "
+        "formats 2, 3)"
+    )
     assert why[3].startswith("unreadable manifest.json (KeyError('tensors')")
     assert why[4].startswith("unreadable manifest.json (TypeError(")
     assert why[1] is None and store.latest_valid() == good
