@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.futures import Future
 from torch.distributed.checkpoint import StorageReader, StorageWriter
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -52,6 +51,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from moe.codec import dtype_from_name, dtype_name, encode
 from moe.hashing import sha256_file

@@ -243,8 +243,10 @@ class Trainer:
             (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         )
         self.amp_dtype = autocast_dtype(self.device, cfg.dtype)
+        # Under torchrun (even one process: the GPU path of tests/test_cuda.py) the model is
+        # sharded (FSDP2 + expert parallelism); a plain run trains the module as it is.
         self.meshes: D.Meshes | None = None
-        if self.world > 1:
+        if dist.is_initialized():
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", torch.cuda.current_device())
             model.to(self.device)
@@ -312,10 +314,10 @@ class Trainer:
         """World size 1: the whole state, tiered. Sharded on one machine: each rank writes its
         own shards (DCP, moe/sharded.py). Across machines (no shared folder) every rank takes
         part in gathering the state whole and rank 0 writes it, which its mirror carries."""
-        if self.world > 1 and D.single_node():
+        if self.meshes is not None and D.single_node():
             return self._save_sharded(val_loss)
         names = self._param_names()
-        if self.world > 1:
+        if self.meshes is not None:
             opt_tensors, opt_rest = self._optimizer_shards()
             opt_tensors = D.full_tensors(opt_tensors, keep=self.rank == 0)
             model_t = D.full_tensors(D.unique_state(self.model), keep=self.rank == 0)
@@ -411,7 +413,7 @@ class Trainer:
             if self.world > 1:
                 dist.barrier()
             return None
-        if self.world > 1:
+        if self.meshes is not None:
             rng, rng_meta = self._restore_sharded(path, manifest, state)
         else:
             rng, rng_meta = self._restore_whole(path)
@@ -755,7 +757,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         D.sync_routing_load(self.model, self.world)
-        with implicit_replication() if self.world > 1 else contextlib.nullcontext():
+        with implicit_replication() if self.meshes else contextlib.nullcontext():
             # The gate recalibration scales sharded router rows by a replicated factor.
             self.model.update_routing(self.step)
         if self.growth:

@@ -618,13 +618,30 @@ def _check_training_stage(cfg: Config, stage: str, p: Problems) -> None:
     if sec.nodes > 1:
         what = f"{sec.nodes * n} ({sec.nodes} nodes x {n})"
     pool_name, pool = cfg.pool_of(stage)
-    p.require(
-        cfg.moe.num_experts % (sec.nodes * n) == 0,
-        f"{stage}.nproc",
-        what,
-        f"must divide moe.num_experts ({cfg.moe.num_experts}): each process holds an equal "
-        "share of the experts",
-    )
+    world = sec.nodes * n
+    if sec.expert_parallel:
+        p.require(
+            world % sec.expert_parallel == 0,
+            f"{stage}.expert_parallel",
+            sec.expert_parallel,
+            f"must divide the process count ({what}): the experts are split over groups of "
+            "this many processes (0 = all of them)",
+        )
+        p.require(
+            cfg.moe.num_experts % sec.expert_parallel == 0,
+            f"{stage}.expert_parallel",
+            sec.expert_parallel,
+            f"must divide moe.num_experts ({cfg.moe.num_experts}): each process of a group "
+            "holds an equal share of the experts",
+        )
+    else:
+        p.require(
+            cfg.moe.num_experts % world == 0,
+            f"{stage}.nproc",
+            what,
+            f"must divide moe.num_experts ({cfg.moe.num_experts}): each process holds an equal "
+            f"share of the experts (or set {stage}.expert_parallel to a divisor of both)",
+        )
     p.require(
         sec.batch_size % (sec.nodes * n) == 0,
         f"{stage}.batch_size",

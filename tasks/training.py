@@ -111,7 +111,7 @@ def _fit_and_save(cfg: Config, trainer: Trainer, out_dir: Path, run_key: str) ->
     finally:  # a failed run's checkpoint being written still lands (a retry resumes from it)
         trainer.store.close()
     model = trainer.model
-    if trainer.world > 1:
+    if trainer.meshes is not None:
         # The final weights whole (rank 0 alone keeps them; the optimizer stays sharded).
         full = D.full_tensors(D.unique_state(model), keep=trainer.rank == 0)
         if trainer.rank != 0:

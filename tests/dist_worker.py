@@ -3,7 +3,7 @@ torchrun (gloo, CPU), or called in the test's process at world size 1.
 
 `python -m torch.distributed.run --standalone --nproc_per_node N tests/dist_worker.py MODE OUT [ARGS]`
 
-MODE train STORE STEPS STOP EP: train to STEPS (returning after STOP steps of this call when
+MODE train STORE STEPS STOP EP [DEVICE]: train to STEPS (returning after STOP steps of this call when
            STOP > 0: a kill), checkpoints every 2 steps under OUT/STORE; rank 0 writes the
            final weights (gathered) to OUT/STORE.safetensors and the result to OUT/STORE.json.
            Every rank writes OUT/STORE.rank<R>.json: the elements of model, gradient and
@@ -51,7 +51,7 @@ class Batches:
         return x[:, :-1], x[:, 1:], None
 
 
-def optim_cfg(steps: int, ep: int) -> PretrainConfig:
+def optim_cfg(steps: int, ep: int, device: str = "cpu") -> PretrainConfig:
     return PretrainConfig(
         max_steps=steps,
         batch_size=GLOBAL_BATCH,
@@ -59,7 +59,7 @@ def optim_cfg(steps: int, ep: int) -> PretrainConfig:
         warmup_steps=1,
         checkpoint_every=2,
         log_every=1,
-        device="cpu",
+        device=device,
         expert_parallel=ep,
     )
 
@@ -78,8 +78,8 @@ def held(trainer: Trainer) -> dict[str, int]:
     return {"params": sum(n(p) for p in params), "moments": moments}
 
 
-def train(out: Path, store_name: str, steps: int, stop: int, ep: int) -> None:
-    cfg = optim_cfg(steps, ep)
+def train(out: Path, store_name: str, steps: int, stop: int, ep: int, device: str = "cpu") -> None:
+    cfg = optim_cfg(steps, ep, device)
     store = CheckpointStore(out / store_name, max_retain=3, background=True)
     trainer = Trainer(
         build(),
@@ -110,6 +110,7 @@ def train(out: Path, store_name: str, steps: int, stop: int, ep: int) -> None:
                     "loss": result.train_loss,
                     "backend": result.backend,
                     "world": result.world,
+                    "sharded": trainer.meshes is not None,
                 }
             )
         )
@@ -117,11 +118,12 @@ def train(out: Path, store_name: str, steps: int, stop: int, ep: int) -> None:
 
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
+    device = sys.argv[7] if len(sys.argv) > 7 else "cpu"
     if "WORLD_SIZE" in os.environ:
-        D.init(timeout_s=20, device="cpu")  # gloo on CPU tensors, GPU or not
+        D.init(timeout_s=20, device=device)  # gloo on CPU tensors, GPU or not
     if mode == "train":
         store, steps, stop, ep = sys.argv[3], *map(int, sys.argv[4:7])
-        train(out, store, steps, stop, ep)
+        train(out, store, steps, stop, ep, device)
     elif mode == "die":
         trainer = Trainer(
             build(),

@@ -74,3 +74,19 @@ def test_pretrain_under_torchrun_on_two_gpus_uses_nccl(tmp_path: Path) -> None:
     assert result.steps == 4 and json.dumps(rows)
     assert (result.backend, result.world) == ("nccl", 2)  # not a silent gloo fallback
     assert load_model(tmp_path / "model").moe_layers[0].experts.w13_EDG.shape[0] == 4
+
+
+@cuda
+def test_fsdp2_on_one_gpu_trains_and_saves_sharded(tmp_path: Path) -> None:
+    """Under torchrun, even with one process, the model is sharded (FSDP2 on a one-GPU mesh,
+    bf16 compute with fp32 reduction) and checkpointed through DCP; NCCL ran, not gloo."""
+    from tests.test_distributed import _torchrun
+
+    proc = _torchrun("train", tmp_path, "g1", 6, 0, 0, "cuda", nproc=1)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "g1.json").read_text())
+    assert (result["backend"], result["world"], result["sharded"]) == ("nccl", 1, True)
+    assert result["steps"] == 6 and result["loss"] == result["loss"]  # trained, finite
+    store = CheckpointStore(tmp_path / "g1")
+    ck = store.load(store.latest_valid())
+    assert ck.sharded and ck.step == 6

@@ -185,3 +185,23 @@ def test_a_stage_trains_on_the_gpus_its_pool_gives() -> None:
     load_config(None, ["pretrain.nproc=2", "pretrain.device=cpu"])  # CPU processes: any count
     cpu_here = load_config(None, [*eight, "pretrain.device=cpu"])
     assert cpu_here.processes("pretrain") == 8 and _processes(cpu_here, "pretrain") == 1
+
+
+def test_the_expert_parallel_degree_must_divide_the_processes_and_the_experts() -> None:
+    """8 experts on 16 CPU processes: refused as it was, unless the experts are split over
+    groups of a divisor of both; a degree that divides neither is named."""
+    from moe.config import ConfigError
+    from tasks.config import load_config
+
+    cpu16 = ["pretrain.nproc=16", "pretrain.device=cpu", "pretrain.batch_size=16"]
+    with pytest.raises(ConfigError, match=r"pretrain.nproc = '16': must divide moe.num_experts"):
+        load_config(None, cpu16)
+    assert load_config(None, [*cpu16, "pretrain.expert_parallel=8"]).pretrain.expert_parallel == 8
+    with pytest.raises(
+        ConfigError, match=r"pretrain.expert_parallel = 3: must divide the process count \(16\)"
+    ):
+        load_config(None, [*cpu16, "pretrain.expert_parallel=3"])
+    with pytest.raises(
+        ConfigError, match=r"pretrain.expert_parallel = 16: must divide moe.num_experts \(8\)"
+    ):
+        load_config(None, [*cpu16, "pretrain.expert_parallel=16"])
