@@ -136,8 +136,11 @@ class ExpertParallelExperts(GroupedExperts):
         placements = (Replicate(), Shard(0))
         for name in ("w13_EDG", "w2_EFD"):
             t = getattr(full, name).detach()
-            # Every rank holds the same full tensor here: each keeps its part, no traffic.
-            local = distribute_tensor(t, meshes.experts, placements, src_data_rank=None)
+            if t.is_meta:  # shapes only: this rank's experts, filled after `to_empty`
+                part = t.chunk(ep, dim=0)[meshes.experts.get_local_rank("ep")]
+                local = DTensor.from_local(part, meshes.experts, placements, run_check=False)
+            else:  # every rank holds the same full tensor: each keeps its part, no traffic
+                local = distribute_tensor(t, meshes.experts, placements, src_data_rank=None)
             setattr(self, name, torch.nn.Parameter(local))
 
     def compute(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -303,3 +306,59 @@ def load_full(target: torch.Tensor, full: torch.Tensor) -> None:
         target.to_local().copy_(part.to_local())
     else:
         target.copy_(full)
+
+
+def on_meta(model: torch.nn.Module) -> bool:
+    """True for a model built under `torch.device("meta")`: shapes only, no storage."""
+    return any(p.is_meta for p in model.parameters())
+
+
+@torch.no_grad()
+def init_like_one_process(model: MoETransformer) -> None:
+    """Fresh weights for a model sharded on the meta device, equal to what building it in one
+    process gives after the same `torch.manual_seed`: the default initialisation each
+    nn.Linear and nn.Embedding draws while the model is built is drawn again (a twin module
+    on the CPU, one at a time), then every parameter's `reset_parameters` draw, whole, of
+    which this rank keeps its part. At most one whole parameter is in memory at a time."""
+    for m in model.modules():  # construction order is registration order in this model
+        if isinstance(m, torch.nn.Linear):
+            torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+        elif isinstance(m, torch.nn.Embedding):
+            torch.nn.Embedding(m.num_embeddings, m.embedding_dim)
+    std = model.cfg.init_std
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            load_full(p, torch.zeros(p.shape) if name.endswith(".bias") else torch.ones(p.shape))
+            continue
+        full = torch.empty(p.shape).normal_(mean=0.0, std=std)
+        if name.endswith(("proj.weight", "w2.weight", "w2_EFD")):
+            full.mul_(1.0 / math.sqrt(2 * model.cfg.n_layer))
+        load_full(p, full)
+
+
+@torch.no_grad()
+def load_safetensors(model: torch.nn.Module, path: str | os.PathLike) -> None:
+    """Each rank reads its part of every tensor straight from a safetensors file (memory
+    mapped: only the rows of its shards are read), so the model never exists whole in one
+    process. Tied weights are read once; every parameter must be in the file."""
+    from safetensors import safe_open
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        buffers = {n for n, _ in model.named_buffers()}
+        for name, t in unique_state(model).items():
+            if name not in keys:
+                if name in buffers:
+                    continue  # routing state a file may predate: keeps its default
+                raise ValueError(f"{path} has no tensor {name} for the model")
+            if isinstance(t, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(
+                    t.shape, t.device_mesh, t.placements
+                )
+                index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+                part = f.get_slice(name)[index] if all(shape) else None
+                if part is not None:
+                    t.to_local().copy_(part.to(t.dtype))
+            else:
+                t.copy_(f.get_tensor(name).to(t.dtype))

@@ -492,7 +492,7 @@ def init_buffers(model: MoETransformer) -> None:
     """What a meta-device build leaves unset: rotary tables, routing state, and the tie of
     the output head to the embedding (`to_empty` gives each module its own storage)."""
     c = model.cfg
-    if c.tie_embeddings:
+    if c.tie_embeddings and model.lm_head.weight is not model.embed.weight:
         model.lm_head.weight = model.embed.weight
     device = model.embed.weight.device
     cos, sin = rotary_tables(c.seq_len, c.head_width, c.rope_theta)
@@ -909,13 +909,12 @@ def read_model_spec(model_dir: Path) -> dict[str, Any]:
         raise InputError(f"{spec_path}: not JSON (line {e.lineno}: {e.msg})") from e
 
 
-def load_model_dir(model_dir: Path, dtype: torch.dtype | None = None) -> MoETransformer:
-    """A model folder written by `save_model_dir` (a stage's model or an import)."""
-    from moe.checkpoint import load_model_tensors
+def model_dir_skeleton(model_dir: Path) -> MoETransformer:
+    """The model a folder written by `save_model_dir` holds, on the meta device (shapes, no
+    weights): for the sharded engine to fill each rank's part from `model.safetensors`."""
     from moe.growth import resize_model
 
-    model_dir = Path(model_dir)
-    spec = read_model_spec(model_dir)
+    spec = read_model_spec(Path(model_dir))
     moe_spec = dict(spec["moe"])
     growth = GrowthConfig(**moe_spec.pop("growth", {}))
     cfg = ModelConfig(**spec["model"])
@@ -923,6 +922,15 @@ def load_model_dir(model_dir: Path, dtype: torch.dtype | None = None) -> MoETran
         model = MoETransformer(cfg, MoEConfig(**moe_spec, growth=growth), spec["vocab_size"])
     if spec.get("experts_per_layer"):
         resize_model(model, spec["experts_per_layer"])
+    return model
+
+
+def load_model_dir(model_dir: Path, dtype: torch.dtype | None = None) -> MoETransformer:
+    """A model folder written by `save_model_dir` (a stage's model or an import)."""
+    from moe.checkpoint import load_model_tensors
+
+    model_dir = Path(model_dir)
+    model = model_dir_skeleton(model_dir)
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
         dtype = dtype or _DTYPES[f.get_slice("embed.weight").get_dtype()]
         model = model.to_empty(device="cpu").to(dtype)

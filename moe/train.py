@@ -235,7 +235,12 @@ class Trainer:
         stop_after: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
         resilience: Resilience | None = None,
+        weights: Path | None = None,
     ) -> None:
+        """`model` may be built on the meta device when training under torchrun: it is then
+        sharded first and each rank fills its shards only, from `weights` (a safetensors
+        file in the model's names) or, without it, with the initialisation one process
+        would draw after the same seed."""
         self.device = resolve_device(cfg.device)
         # Under torchrun: data parallel + expert parallel (moe/distributed.py). Each rank
         # trains on its rows of every global batch and holds 1/world of the experts.
@@ -249,11 +254,22 @@ class Trainer:
         if dist.is_initialized():
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", torch.cuda.current_device())
-            model.to(self.device)
+            meta = D.on_meta(model)
+            if not meta:
+                model.to(self.device)
             ep = D.expert_degree(cfg.expert_parallel, self.world, model.mcfg.num_experts)
             self.meshes = D.make_meshes(self.device, ep)
             on_gpu_bf16 = self.device.type == "cuda" and self.amp_dtype == torch.bfloat16
             D.parallelize(model, self.meshes, param_dtype=torch.bfloat16 if on_gpu_bf16 else None)
+            if meta:  # built on the meta device: each rank materialises its shards only
+                from moe.hf import init_buffers
+
+                model.to_empty(device=self.device)
+                init_buffers(model)
+                if weights is not None:
+                    D.load_safetensors(model, weights)
+                else:
+                    D.init_like_one_process(model)
             for layer in model.moe_layers:  # the balancing loss enters through each block
                 layer.aux_grad_scale = 1.0 / cfg.grad_accum
         self.model = model.to(self.device)

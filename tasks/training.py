@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from prefect import task
 from prefect.cache_policies import NONE
 from prefect.tasks import exponential_backoff
@@ -24,7 +25,7 @@ from moe.checkpoint import load_model_tensors
 from moe.config import FinetuneConfig
 from moe.data import BatchSampler, MixedBatches, SFTBatches, SFTExample, TokenStore
 from moe.errors import InputError
-from moe.hf import build_init_model, load_model_dir, save_model_dir
+from moe.hf import build_init_model, load_model_dir, model_dir_skeleton, save_model_dir
 from moe.model import MoETransformer
 from moe.resilience import AttemptJournal
 from moe.sql import load_pairs, prompt_text, response_text
@@ -202,7 +203,10 @@ def _pretrain(
                 out_dir,
             )
     else:
-        model = MoETransformer(cfg.model, cfg.moe, train_store.vocab_size)
+        # Under torchrun the model is built on the meta device: each rank draws the same
+        # weights one process would, and keeps only its shards (moe/distributed.py).
+        with torch.device("meta" if dist.is_initialized() else "cpu"):
+            model = MoETransformer(cfg.model, cfg.moe, train_store.vocab_size)
     log.info(
         "model: %.2fM parameters, %.2fM active per token",
         model.num_params() / 1e6,
@@ -323,7 +327,9 @@ def _finetune(
     tok = load_tokenizer(data_dir / "tokenizer.json")
     sp = specials(tok, data_dir / "tokenizer.json")
     examples = sft_examples(data_dir / "sql" / pairs_file, tok, sp)
-    model = load_model(init_dir)
+    # Under torchrun each rank reads only its shards of the start model (never whole).
+    sharded = dist.is_initialized()
+    model = model_dir_skeleton(init_dir) if sharded else load_model(init_dir)
     if f.max_len > model.cfg.seq_len:
         raise InputError(
             f"{stage}.max_len={f.max_len} exceeds the model's seq_len={model.cfg.seq_len}: lower it"
@@ -356,5 +362,6 @@ def _finetune(
         log_fn=log_fn,
         metrics_path=out_dir / "metrics.jsonl",
         resilience=_resilience(cfg, stage, out_dir / "checkpoints", fingerprint),
+        weights=init_dir / "model.safetensors" if sharded else None,
     )
     return _fit_and_save(cfg, trainer, out_dir, run_key)

@@ -31,15 +31,20 @@ from moe.train import Trainer
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 64
 
 
-def build() -> MoETransformer:
+def build(meta: bool = False) -> MoETransformer:
+    """The model, seeded; on the meta device (shapes only) for the sharded engine to fill."""
     torch.manual_seed(0)
-    return MoETransformer(
-        ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=SEQ, dense_hidden=64),
-        MoEConfig(
-            num_experts=4, top_k=2, expert_hidden=32, balancing=["aux_free", "z_loss", "rebalance"]
-        ),
-        VOCAB,
-    )
+    with torch.device("meta" if meta else "cpu"):
+        return MoETransformer(
+            ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=SEQ, dense_hidden=64),
+            MoEConfig(
+                num_experts=4,
+                top_k=2,
+                expert_hidden=32,
+                balancing=["aux_free", "z_loss", "rebalance"],
+            ),
+            VOCAB,
+        )
 
 
 class Batches:
@@ -82,7 +87,7 @@ def train(out: Path, store_name: str, steps: int, stop: int, ep: int, device: st
     cfg = optim_cfg(steps, ep, device)
     store = CheckpointStore(out / store_name, max_retain=3, background=True)
     trainer = Trainer(
-        build(),
+        build(meta=torch.distributed.is_initialized()),
         cfg,
         Batches(),
         store,

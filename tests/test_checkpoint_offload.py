@@ -194,7 +194,8 @@ def test_the_pretrain_stage_offloads_after_each_save(tmp_path: Path, moto_server
     # by step 10 the saves at 2..8 were queued, so those at 2..6 and their offloads are done
     # (a save waits for the one before it): step 2 was moved while training went on
     assert "step_00000002" in seen[10], seen
-    assert "step_00000010" not in seen[11]
+    # (Whether step 10's cold tier is already up at step 11 depends on how fast the writer
+    # thread is against the training thread: not asserted, it raced under a loaded run.)
     assert {"step_00000002", "step_00000004", "step_00000010"} <= steps_in_s3()
     assert not (out / "checkpoints" / "step_00000010" / "L0.bin").exists()
     assert (out / "checkpoints" / "step_00000012" / "manifest.json").is_file()
