@@ -31,7 +31,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import os
 import shutil
+import struct
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -555,6 +558,115 @@ def load_hf_model(
     return model, arch
 
 
+class StreamingSafetensors:
+    """A safetensors file written one tensor at a time, in any order: the header (every
+    name, dtype, shape and offset, known from the model's shapes) first, then each tensor's
+    bytes at its offset as it comes. `safetensors.torch.save_file` needs every tensor in
+    memory at once; an import of a 30B-parameter model cannot afford that. What it writes is
+    read back by safetensors itself (tests/test_hf.py)."""
+
+    def __init__(self, path: Path, layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        names = {v: k for k, v in _DTYPES.items()}
+        header: dict[str, Any] = {}
+        offset = 0
+        for name, (dtype, shape) in layout.items():
+            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {
+                "dtype": names[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + n],
+            }
+            offset += n
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.layout, self.header, self.left = layout, header, set(layout)
+        self.path = Path(path)
+        self.f = open(self.path, "wb")
+        self.f.write(struct.pack("<Q", len(raw)) + raw)
+        self.base = 8 + len(raw)
+        self.f.truncate(self.base + offset)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        dtype, shape = self.layout[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(t.shape)}, the file expects {shape}")
+        start, end = self.header[name]["data_offsets"]
+        data = t.detach().to(dtype).contiguous().reshape(-1).view(torch.uint8)
+        assert data.numel() == end - start
+        self.f.seek(self.base + start)
+        self.f.write(data.numpy().tobytes())
+        self.left.discard(name)
+
+    def close(self) -> None:
+        if self.left:
+            raise ValueError(f"{self.path}: no data for {sorted(self.left)[:5]}")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
+def stream_hf_weights(
+    folder: Path, out: Path, moe_defaults: MoEConfig, seq_len: int
+) -> tuple[MoETransformer, Architecture]:
+    """The weights of the Hugging Face model in `folder`, in our names, written to the
+    safetensors file `out` one tensor at a time (one MoE layer's experts at most in memory):
+    what `load_hf_model` then `save_model_dir` write, without the model ever being whole in
+    this process. Returns the model on the meta device (its shapes) and the architecture."""
+    folder = Path(folder)
+    arch = read_architecture(folder, moe_defaults, seq_len)
+    src = _Shards(folder)
+    dtype = src.dtype("model.embed_tokens.weight")
+    with torch.device("meta"):
+        model = MoETransformer(arch.model, arch.moe, arch.vocab_size)
+    state = model.state_dict()
+    if model.cfg.tie_embeddings:
+        state.pop("lm_head.weight")
+    writer = StreamingSafetensors(out, {k: (dtype, tuple(t.shape)) for k, t in state.items()})
+    try:
+        for name, tensor in _our_tensors(model, src, arch.model_type, arch.upcycled):
+            if name not in state:
+                raise _refuse(folder, f"internal: no parameter {name} for {arch.model_type}")
+            if tuple(state[name].shape) != tuple(tensor.shape):
+                raise _refuse(
+                    folder,
+                    f"tensor for {name} has shape {tuple(tensor.shape)}, config.json implies"
+                    f" {tuple(state[name].shape)}",
+                )
+            writer.write(name, tensor)
+        gen = torch.Generator().manual_seed(0)  # fresh routers of upcycled layers, as load_hf_model
+        for i, block in enumerate(model.blocks):
+            if not isinstance(block.ffn, MoELayer):
+                continue
+            p = f"blocks.{i}.ffn.router."
+            if arch.upcycled:
+                shape = tuple(block.ffn.router.gate.weight.shape)
+                writer.write(
+                    p + "gate.weight", torch.randn(shape, generator=gen) * model.cfg.init_std
+                )
+            E = block.ffn.experts.num_experts  # routing state no checkpoint holds: defaults
+            for buf, value in (("expert_bias_E", 0.0), ("util_E", 1.0), ("logit_offset_E", 0.0)):
+                if p + buf in writer.left:
+                    writer.write(p + buf, torch.full((E,), value))
+        params = {n for n, _ in model.named_parameters()}
+        missing = sorted(n for n in writer.left if n in params)
+        if missing:
+            raise _refuse(folder, f"no weights for {', '.join(missing[:5])}")
+        left = src.unused()
+        if left:
+            raise _refuse(
+                folder,
+                f"{len(left)} tensor(s) of the checkpoint have no place in the model (first:"
+                f" {left[0]}); the config does not describe these weights",
+            )
+        writer.close()
+    except BaseException:
+        writer.f.close()
+        Path(out).unlink(missing_ok=True)
+        raise
+    return model, arch
+
+
 def file_hashes(folder: Path, names: list[str]) -> dict[str, str]:
     out = {}
     for name in names:
@@ -887,6 +999,12 @@ def save_model_dir(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(model_tensors(model), str(out_dir / "model.safetensors"))
+    write_model_spec(model, out_dir, extra)
+    return out_dir / "model.safetensors"
+
+
+def write_model_spec(model: MoETransformer, out_dir: Path, extra: dict[str, Any] | None) -> None:
+    """model.json: what the weights beside it are (the architecture, the expert counts)."""
     spec = {
         "format": FORMAT,
         "model": asdict(model.cfg),
@@ -895,8 +1013,7 @@ def save_model_dir(
         "experts_per_layer": model.experts_per_layer(),  # after growth / pruning
         **(extra or {}),
     }
-    (out_dir / "model.json").write_text(json.dumps(spec, indent=1))
-    return out_dir / "model.safetensors"
+    (Path(out_dir) / "model.json").write_text(json.dumps(spec, indent=1))
 
 
 def read_model_spec(model_dir: Path) -> dict[str, Any]:
@@ -944,7 +1061,6 @@ def import_model(src: Path, out_dir: Path, moe_defaults: MoEConfig, seq_len: int
     tokenizer files and the sha256 of every file it was made from. Written to a temporary
     folder first: an interrupted import leaves `out_dir` as it was."""
     src, out_dir = Path(src), Path(out_dir)
-    model, arch = load_hf_model(src, moe_defaults, seq_len)
     weights, _ = shard_files(src)
     inputs = ["config.json", *weights]
     if (src / "model.safetensors.index.json").is_file():
@@ -952,6 +1068,8 @@ def import_model(src: Path, out_dir: Path, moe_defaults: MoEConfig, seq_len: int
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    # Tensor by tensor into the folder's model.safetensors: never whole in memory.
+    model, arch = stream_hf_weights(src, tmp / "model.safetensors", moe_defaults, seq_len)
     tokenizer = copy_tokenizer(src, tmp)
     for name in ("generation_config.json",):
         if (src / name).is_file():
@@ -964,7 +1082,7 @@ def import_model(src: Path, out_dir: Path, moe_defaults: MoEConfig, seq_len: int
         "special_ids": arch.special_ids,
         "files": file_hashes(src, sorted(set(inputs + tokenizer))),
     }
-    save_model_dir(model, tmp, {"source": source})
+    write_model_spec(model, tmp, {"source": source})
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.replace(out_dir)

@@ -326,6 +326,39 @@ def test_sharded_checkpoints_are_read_through_their_index(tmp_path: Path) -> Non
         load_hf_model(tmp_path / "sharded", MOE, seq_len=64)
 
 
+@pytest.mark.parametrize("model_type", list(ARCHS))
+def test_the_streamed_import_writes_what_the_whole_model_would(
+    model_type: str, tmp_path: Path
+) -> None:
+    """`model import` writes the weights tensor by tensor (the model never whole in memory):
+    the file, read by safetensors itself, holds exactly what loading the whole model and
+    saving it gives (every tensor, dtype and bit; routing state at its defaults)."""
+    from moe.checkpoint import model_tensors
+    from moe.hf import stream_hf_weights
+
+    hf_model(model_type, tmp_path / "hf")
+    skeleton, _ = stream_hf_weights(tmp_path / "hf", tmp_path / "w.safetensors", MOE, seq_len=64)
+    assert all(p.is_meta for p in skeleton.parameters())
+    whole, _ = load_hf_model(tmp_path / "hf", MOE, seq_len=64)
+    want, got = model_tensors(whole), load_file(str(tmp_path / "w.safetensors"))
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+
+def test_a_refused_streamed_import_leaves_no_file(tmp_path: Path) -> None:
+    from moe.hf import stream_hf_weights
+
+    hf_model("qwen2_moe", tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.raises(InputError, match="1 tensor\\(s\\) of the checkpoint have no place"):
+        stream_hf_weights(tmp_path / "hf", tmp_path / "w.safetensors", MOE, seq_len=64)
+    assert not (tmp_path / "w.safetensors").exists()
+
+
 def test_import_writes_a_model_folder_with_the_sources_hashes(tmp_path: Path) -> None:
     hf = hf_model("qwen2_moe", tmp_path / "hf")
     (tmp_path / "hf" / "tokenizer.json").write_text("{}")  # copied as it is

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 27 as one prepared script, for a lent machine (the `device` tool):
+#   1. tests/test_cuda.py (bf16 training and resume, CUDA against CPU, FSDP2 on one GPU over
+#      NCCL, two-GPU data + expert parallel where there are two GPUs);
+#   2. bench/gpu_train.py: a ~100M-active-parameter MoE in bf16 on FSDP2 for 300 steps,
+#      tokens/s and model FLOP utilisation;
+#   3. bench/moe_layer.py on CUDA (ours against HF Qwen3-MoE's block and the dense limit);
+#   4. bench/moe_vs_dense.py at a scale where the literature sees the MoE's gain per token
+#      (two seeds, 2000 steps of 64 x 512 tokens: 65M tokens a run), after `prepare`.
+# Each step has its own time limit and log under $OUT (the device tool brings $OUT back);
+# one failing step does not stop the others. The figures go into bench/RESULTS.md, marked as
+# H200 figures.
+#
+# The lent machine's image has PyTorch, safetensors, tokenizers, transformers and PyYAML but
+# not zstandard or Prefect: carry zstandard as a wheel (the device README says how; .whl in
+# `carry`). Steps 1-3 need only the `moe` package; step 4 needs the pipeline's `prepare`
+# stage and is skipped, saying so, where its imports are missing.
+#
+#   device: bash bench/gpu.sh        (PY=python3 there; OUT is set by the device tool)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+OUT=${OUT:-bench/gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
+
+step() {  # step NAME SECONDS CMD...: run with a limit, keep the log, say how it ended
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "=== $name: exit $rc after $((SECONDS - t0))s"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+step cuda_tests 240 "$PY" -m pytest -q -p no:randomly tests/test_cuda.py
+step train_fsdp2 300 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 \
+  bench/gpu_train.py --steps 300
+step moe_layer 180 "$PY" bench/moe_layer.py --device cuda --tokens 32768 --d-model 1024 \
+  --hidden 1024 --experts 64 --top-k 4
+
+if "$PY" -c "import prefect, zstandard" 2>/dev/null; then
+  "$PY" - <<'EOF' >"$OUT/params-gpu.yaml"
+import yaml
+p = yaml.safe_load(open("params.yaml"))
+p["model"].update(d_model=512, n_layer=8, n_head=8, seq_len=512, dense_hidden=2048)
+p["moe"].update(num_experts=16, top_k=2, expert_hidden=1024)
+p["pretrain"].update(batch_size=64, device="cuda", eval_every=500, log_every=50)
+print(yaml.safe_dump(p, sort_keys=False))
+EOF
+  step prepare 300 "$PY" -m flows.cli stage prepare --params "$OUT/params-gpu.yaml"
+  step moe_vs_dense 1200 "$PY" bench/moe_vs_dense.py --params "$OUT/params-gpu.yaml" \
+    --steps 2000 --budget-s 120 --seeds 1337 1338
+else
+  echo "=== moe_vs_dense: skipped (prefect or zstandard is not importable on this machine)"
+fi
