@@ -339,6 +339,9 @@ class CheckpointStore:
         # on_saved(path): called after each save lands (on the writer thread in background
         # mode); its errors are logged, never raised into training.
         self.on_saved = on_saved
+        # share(path, sha256) -> location: put a file of a sharded save where every machine
+        # reaches it (set for multi-node runs; None: the ranks share this folder).
+        self.share: Callable[[Path, str], str] | None = None
         self.stalls_s: list[float] = []  # training-thread time of each save
         self.write_s: list[float] = []  # worker time of each save (encode + write)
         self._queue: queue.Queue[tuple | None] = queue.Queue(maxsize=1)
@@ -490,7 +493,8 @@ class CheckpointStore:
         t0 = time.perf_counter()
         self._wait_sharded()
         tmp = self.root / f".tmp-{step_dir_name(step)}-sharded"
-        if dist.get_rank() == 0:
+        node_leader = self.share is not None and os.environ.get("LOCAL_RANK", "0") == "0"
+        if dist.get_rank() == 0 or node_leader:  # another machine's leftovers: shared by now
             # Before the plan is agreed: no rank writes until rank 0 has been through this.
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob(".tmp-step_*"):
@@ -499,10 +503,21 @@ class CheckpointStore:
         expert_tiers = self._expert_tiers(expert_load or {})
         state = json.loads(json.dumps(state))
 
-        def finish(records: list[TensorMeta], files: dict[str, tuple[str, int]], md: Any) -> None:
+        def finish(
+            records: list[TensorMeta], files: dict[str, tuple[str, int, str]], md: Any
+        ) -> None:
             with self._lock:
                 _fsync_write(tmp / STATE, json.dumps(state, indent=1, sort_keys=True).encode())
-                files = {**files, STATE: (sha256_file(tmp / STATE), (tmp / STATE).stat().st_size)}
+                elsewhere = {n: f[2] for n, f in files.items() if not (tmp / n).is_file()}
+                unshared = sorted(n for n, loc in elsewhere.items() if not loc)
+                if unshared:
+                    raise RuntimeError(
+                        f"checkpoint step {step}: {', '.join(unshared[:3])} were written on "
+                        "another machine and put nowhere this one reaches (a multi-node run "
+                        "needs the checkpoint mirror: tasks/multinode.py)"
+                    )
+                files = {n: f[:2] for n, f in files.items()}
+                files[STATE] = (sha256_file(tmp / STATE), (tmp / STATE).stat().st_size)
                 Manifest(
                     step=step,
                     time=time.time(),
@@ -517,6 +532,7 @@ class CheckpointStore:
                     files={n: FileMeta(*files[n]) for n in sorted(files)},
                     format=SHARDED_FORMAT,
                     dcp=metadata_json(md),
+                    locations=elsewhere,
                 ).write(tmp)  # last
                 final = self._commit(tmp, step)
                 self._retain()
@@ -921,7 +937,9 @@ class CheckpointStore:
                 "and this store has no way to fetch them: pass fetch= (the training stages do)"
             )
         for name, loc in missing.items():
-            tmp = path / f".{name}.fetch"
+            if (path / name).is_file():
+                continue  # another rank of this machine fetched it meanwhile
+            tmp = path / f".{name}.{os.getpid()}.fetch"  # ranks of one machine fetch at once
             self.fetch(loc, tmp)
             want = manifest.files[name].sha256
             if sha256_file(tmp) != want:

@@ -12,7 +12,11 @@ This module is DCP's storage layer, so a sharded checkpoint is a checkpoint of t
   and cold experts land in their tiers;
 - each rank hashes its files; the coordinator (rank 0) receives every rank's records and
   hashes, writes state.json and the manifest (format 3) last, renames the folder into place
-  and applies retention; the after-save hook (offload) runs after;
+  and applies retention; the after-save hook (offload, the multi-node mirror) runs after;
+- across machines (no shared folder) each rank first puts its files in shared storage (the
+  store's `share`: the multi-node mirror's content-addressed objects), and the manifest
+  names where the files of other machines are (`locations`, as for offloaded files): the
+  coordinator's folder verifies, and a restore on any machine fetches what it lacks;
 - a restore verifies every hash first (a damaged shard makes the store fall back to the
   previous checkpoint), then each rank decodes only the records of the chunks it needs.
 
@@ -91,7 +95,7 @@ class TieredWriter(StorageWriter):
         store: CheckpointStore,
         tmp: Path,
         expert_tiers: dict[str, dict[str, list[int]]],
-        on_finish: Callable[[list[TensorMeta], dict[str, tuple[str, int]], Metadata], None],
+        on_finish: Callable[[list[TensorMeta], dict[str, tuple[str, int, str]], Metadata], None],
     ) -> None:
         super().__init__()
         self.store, self.tmp, self.expert_tiers = store, tmp, expert_tiers
@@ -198,7 +202,13 @@ class TieredWriter(StorageWriter):
         finally:
             for f in handles.values():
                 f.close()
-        files = {n: (sha256_file(self.tmp / n), (self.tmp / n).stat().st_size) for n in handles}
+        files: dict[str, tuple[str, int, str]] = {}
+        for n in handles:
+            digest, size = sha256_file(self.tmp / n), (self.tmp / n).stat().st_size
+            # Across machines each rank's files go to shared storage before the coordinator
+            # writes the manifest, which names them there.
+            loc = store.share(self.tmp / n, digest) if store.share is not None else ""
+            files[n] = (digest, size, loc)
         if results:  # the rank's files travel with its last result to the coordinator
             results[-1].storage_data["files"] = files
         fut: Future[list[WriteResult]] = Future()
@@ -209,7 +219,7 @@ class TieredWriter(StorageWriter):
         from moe.checkpoint import TensorMeta
 
         records: list[TensorMeta] = []
-        files: dict[str, tuple[str, int]] = {}
+        files: dict[str, tuple[str, int, str]] = {}
         for rank_results in results:
             for r in rank_results:
                 records.extend(TensorMeta(**m) for m in r.storage_data["records"])

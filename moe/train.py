@@ -327,10 +327,11 @@ class Trainer:
         }
 
     def _save(self, val_loss: float | None) -> Path | None:
-        """World size 1: the whole state, tiered. Sharded on one machine: each rank writes its
-        own shards (DCP, moe/sharded.py). Across machines (no shared folder) every rank takes
-        part in gathering the state whole and rank 0 writes it, which its mirror carries."""
-        if self.meshes is not None and D.single_node():
+        """World size 1: the whole state, tiered. Sharded: each rank writes its own shards
+        (DCP, moe/sharded.py), across machines through the store's `share` (the multi-node
+        mirror). Across machines without one, every rank takes part in gathering the state
+        whole and rank 0 writes it."""
+        if self.meshes is not None and (D.single_node() or self.store.share is not None):
             return self._save_sharded(val_loss)
         names = self._param_names()
         if self.meshes is not None:

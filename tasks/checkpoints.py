@@ -27,7 +27,7 @@ from prefect.cache_policies import NONE
 
 from moe.checkpoint import CheckpointStore
 from tasks.config import Config
-from tasks.multinode import sync_checkpoints
+from tasks.multinode import share_object, sync_checkpoints
 from tasks.storage import RETRIES, ObjectStore, open_store
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,10 @@ def checkpoint_store(cfg: Config, root: Path, run_key: str | None = None) -> Che
         # mirror, so it follows every save (after the offload, which it then reflects)
         mirror, digests = open_store(cfg.storage), {}
         hooks.append(lambda: sync_checkpoints(mirror, store.root, run_key, digests))
+        # Sharded saves: each rank's files go up as the mirror's objects before the manifest
+        # is written (they name them), and a restore fetches those this machine lacks.
+        store.share = lambda path, digest: share_object(mirror, run_key, path, digest)
+        store.fetch = lambda key, dest: mirror.get(key, dest)  # the offload's store too
     if hooks:
         store.on_saved = lambda _path: _run_hooks(hooks)
     return store

@@ -360,6 +360,15 @@ def sync_checkpoints(
     )
 
 
+def share_object(store: ObjectStore, run_key: str, path: Path, digest: str) -> str:
+    """Put one file of a sharded checkpoint among the mirror's content-addressed objects
+    (once: an object never changes); returns its key, which the checkpoint's manifest keeps."""
+    key = f"{mirror_prefix(run_key)}/objects/{digest}"
+    if not store.exists(key):
+        store.put(path, key)
+    return key
+
+
 def restore_checkpoints(store: ObjectStore, root: Path, run_key: str) -> int:
     """Fetch the mirrored checkpoints of `run_key` into `root` (none yet: nothing to do)."""
     if not store.exists(f"{mirror_prefix(run_key)}/manifest.json"):

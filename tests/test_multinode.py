@@ -261,6 +261,18 @@ def test_two_nodes_train_like_one_machine_and_resume_on_new_machines(
     assert [r["step"] for r in rows if "loss" in r][-1] == 40
     assert (out / "checkpoints" / "step_00000040" / "manifest.json").is_file()
     assert store.exists(f"{mirror_prefix(run_key())}/manifest.json")
+    # Saved sharded, each node its own rank's files: those of the node that did not write the
+    # manifest are named where the mirror holds them (no rank gathered the whole state).
+    from moe.checkpoint import Manifest
+
+    m = Manifest.read(out / "checkpoints" / "step_00000040")
+    assert m.sharded and {"r000.L0.bin", "r001.L0.bin", "r001.L1.bin"} <= set(m.files)
+    assert {n for n in m.locations if n.startswith("r001.")} == {
+        n for n in m.files if n.startswith("r001.")
+    }
+    assert all(
+        loc.startswith(f"{mirror_prefix(run_key())}/objects/") for loc in m.locations.values()
+    )
 
 
 def test_a_new_flow_run_follows_the_job_its_predecessor_launched(tmp_path: Path) -> None:
