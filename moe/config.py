@@ -592,6 +592,9 @@ class OptimConfig:
     # It must divide the world size and moe.num_experts; 0 = all the processes, 1 = experts
     # sharded with the dense blocks, no token exchange.
     expert_parallel: int = knob(0, ge=0, note=" (0 = all the processes)")
+    # Recompute each block's activations in the backward instead of keeping them: less
+    # memory for longer sequences or larger batches, about a third more compute.
+    activation_checkpoint: bool = False
     # Machines this stage spans, each with the processes above (world size = nodes x
     # processes). Above 1 the stage's flow run launches a Kubernetes Indexed Job of that many
     # pods (tasks/multinode.py, the `multinode` section); data, the start model and the

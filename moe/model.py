@@ -9,16 +9,18 @@ SwiGLU feed-forward that is an MoE layer in every `moe_every`-th block (dense ot
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from moe.config import ModelConfig, MoEConfig
 from moe.experts import GroupedExperts
-from moe.routing import Router
+from moe.routing import Router, recompute_context, recomputing
 
 
 @dataclass
@@ -186,6 +188,12 @@ class _CarryLoss(torch.autograd.Function):
         return g, torch.full((), ctx.scale, dtype=dtype, device=device), None
 
 
+def _checkpoint_contexts() -> tuple[
+    contextlib.AbstractContextManager, contextlib.AbstractContextManager
+]:
+    return contextlib.nullcontext(), recompute_context()
+
+
 class MoELayer(nn.Module):
     # None: the balancing loss is returned in MoEAux for the caller's objective. A float: its
     # gradient is carried through this layer's output with that weight (sharded training),
@@ -217,6 +225,9 @@ class MoELayer(nn.Module):
             y_TD = y_TD + shared_TD
         if self.aux_grad_scale is not None:
             y_TD = _CarryLoss.apply(y_TD, r.balance_loss, self.aux_grad_scale)
+        if recomputing():  # the first forward recorded these
+            return y_TD.view(B, S, D)
+        if self.aux_grad_scale is not None:
             aux.balance_loss = aux.balance_loss + r.balance_loss.detach()
         else:
             aux.balance_loss = aux.balance_loss + r.balance_loss
@@ -228,6 +239,10 @@ class MoELayer(nn.Module):
 
 
 class Block(nn.Module):
+    # Activation checkpointing: keep only the block's input in the forward and recompute the
+    # rest in the backward (the trainer sets it from `activation_checkpoint`).
+    recompute: bool = False
+
     def __init__(self, cfg: ModelConfig, mcfg: MoEConfig, use_moe: bool) -> None:
         super().__init__()
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -238,6 +253,27 @@ class Block(nn.Module):
         )
 
     def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        aux: MoEAux,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        if self.recompute and cache is None and torch.is_grad_enabled():
+            return checkpoint(
+                self._forward,
+                x,
+                cos,
+                sin,
+                aux,
+                use_reentrant=False,
+                context_fn=_checkpoint_contexts,
+            )
+        return self._forward(x, cos, sin, aux, cache, layer)
+
+    def _forward(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,

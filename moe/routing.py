@@ -35,7 +35,10 @@ weights: perfectly even load, for throughput and memory tests.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +62,24 @@ class RouterOutput:
     z_loss: torch.Tensor  # fp32 scalar, ST-MoE router z-loss (unscaled)
     cv_loss: torch.Tensor  # fp32 scalar, std/mean of the soft load (unscaled)
     dropped_fraction: torch.Tensor  # fp32 scalar, fraction of assignments dropped
+
+
+_RECOMPUTING = contextvars.ContextVar("moe_recomputing", default=False)
+
+
+def recomputing() -> bool:
+    """True while activation checkpointing recomputes a block's forward in the backward:
+    the routing counts and the auxiliaries were recorded by the first forward already."""
+    return _RECOMPUTING.get()
+
+
+@contextlib.contextmanager
+def recompute_context() -> Iterator[None]:
+    token = _RECOMPUTING.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(token)
 
 
 class Router(nn.Module):
@@ -120,7 +141,7 @@ class Router(nn.Module):
             weights_TK = (1 - blend) / K + blend * weights_TK
 
         tokens_per_expert_E = torch.bincount(experts_TK.flatten(), minlength=E)
-        if self.training:
+        if self.training and not recomputing():  # counted once, not again in a recompute
             self.load_E += tokens_per_expert_E.to(self.load_E.dtype)
         f_E = tokens_per_expert_E.float() / max(T * K, 1)
         P_E = probs_TE.mean(dim=0)

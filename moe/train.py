@@ -272,6 +272,11 @@ class Trainer:
                     D.init_like_one_process(model)
             for layer in model.moe_layers:  # the balancing loss enters through each block
                 layer.aux_grad_scale = 1.0 / cfg.grad_accum
+        if getattr(cfg, "activation_checkpoint", False):
+            for block in model.blocks:
+                block.recompute = True
+            for layer in model.moe_layers:  # the balancing loss inside the recomputed block
+                layer.aux_grad_scale = 1.0 / cfg.grad_accum
         self.model = model.to(self.device)
         self.cfg, self.batches, self.store = cfg, batches, store
         self.fingerprint, self.schedule, self.min_lr = fingerprint, schedule, min_lr

@@ -3,7 +3,7 @@ torchrun (gloo, CPU), or called in the test's process at world size 1.
 
 `python -m torch.distributed.run --standalone --nproc_per_node N tests/dist_worker.py MODE OUT [ARGS]`
 
-MODE train STORE STEPS STOP EP [DEVICE]: train to STEPS (returning after STOP steps of this call when
+MODE train STORE STEPS STOP EP [DEVICE [ac]]: train to STEPS (returning after STOP steps of this call when
            STOP > 0: a kill), checkpoints every 2 steps under OUT/STORE; rank 0 writes the
            final weights (gathered) to OUT/STORE.safetensors and the result to OUT/STORE.json.
            Every rank writes OUT/STORE.rank<R>.json: the elements of model, gradient and
@@ -56,7 +56,7 @@ class Batches:
         return x[:, :-1], x[:, 1:], None
 
 
-def optim_cfg(steps: int, ep: int, device: str = "cpu") -> PretrainConfig:
+def optim_cfg(steps: int, ep: int, device: str = "cpu", ac: bool = False) -> PretrainConfig:
     return PretrainConfig(
         max_steps=steps,
         batch_size=GLOBAL_BATCH,
@@ -66,6 +66,7 @@ def optim_cfg(steps: int, ep: int, device: str = "cpu") -> PretrainConfig:
         log_every=1,
         device=device,
         expert_parallel=ep,
+        activation_checkpoint=ac,
     )
 
 
@@ -83,8 +84,16 @@ def held(trainer: Trainer) -> dict[str, int]:
     return {"params": sum(n(p) for p in params), "moments": moments}
 
 
-def train(out: Path, store_name: str, steps: int, stop: int, ep: int, device: str = "cpu") -> None:
-    cfg = optim_cfg(steps, ep, device)
+def train(
+    out: Path,
+    store_name: str,
+    steps: int,
+    stop: int,
+    ep: int,
+    device: str = "cpu",
+    ac: bool = False,
+) -> None:
+    cfg = optim_cfg(steps, ep, device, ac)
     store = CheckpointStore(out / store_name, max_retain=3, background=True)
     trainer = Trainer(
         build(meta=torch.distributed.is_initialized()),
@@ -128,7 +137,7 @@ def main() -> None:
         D.init(timeout_s=20, device=device)  # gloo on CPU tensors, GPU or not
     if mode == "train":
         store, steps, stop, ep = sys.argv[3], *map(int, sys.argv[4:7])
-        train(out, store, steps, stop, ep, device)
+        train(out, store, steps, stop, ep, device, ac=len(sys.argv) > 8 and sys.argv[8] == "ac")
     elif mode == "die":
         trainer = Trainer(
             build(),

@@ -117,11 +117,17 @@ def test_world_2_trains_like_world_1_holding_half_of_the_state(runs: Path) -> No
     _equal(ck.model, _weights(runs, "w2"))
 
 
-def test_experts_sharded_with_the_dense_blocks_train_the_same(tmp_path: Path) -> None:
+def test_experts_sharded_with_the_dense_blocks_train_the_same(runs: Path, tmp_path: Path) -> None:
     """expert_parallel 1: no token exchange, the experts are FSDP-sharded like the rest."""
-    _train1(tmp_path, "w1")
     _train2(tmp_path, "e1", ep=1)
-    _close(_weights(tmp_path, "e1"), _weights(tmp_path, "w1"))
+    _close(_weights(tmp_path, "e1"), _weights(runs, "w1"))
+
+
+def test_activation_checkpointing_under_fsdp_trains_the_same(runs: Path, tmp_path: Path) -> None:
+    """Each block recomputed in the backward, inside its FSDP unit, experts over both ranks."""
+    proc = _torchrun("train", tmp_path, "ac", STEPS, 0, 0, "cpu", "ac")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _close(_weights(tmp_path, "ac"), _weights(runs, "w1"))
 
 
 def test_a_killed_world_2_run_resumes_bit_exactly(runs: Path, tmp_path: Path) -> None:

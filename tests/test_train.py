@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from moe.checkpoint import CheckpointStore, model_tensors, weights_digest
@@ -49,9 +50,11 @@ def _trainer(
     lr: float = 3e-3,
     device: str = "cpu",
     dtype: str = "auto",
+    activation_checkpoint: bool = False,
 ) -> Trainer:
     torch.manual_seed(0)
     cfg = PretrainConfig(
+        activation_checkpoint=activation_checkpoint,
         max_steps=max_steps,
         batch_size=4,
         grad_accum=2,
@@ -177,6 +180,48 @@ def test_training_learns(tmp_path: Path) -> None:
     assert result.val_loss < before - 0.5
     rows = [json.loads(r) for r in (tmp_path / "c.jsonl").read_text().splitlines()]
     assert all(len(r["expert_share"][0]) == 4 for r in rows if "expert_share" in r)
+
+
+def test_activation_checkpointing_trains_the_same_and_counts_routing_once(tmp_path: Path) -> None:
+    """Recomputing each block in the backward (grad_accum 2) ends with the weights, the losses
+    and the routing statistics of keeping the activations: the recompute neither counts the
+    routed tokens again nor drops the balancing loss's gradient."""
+    data = _data(tmp_path / "data")
+    results, weights = [], []
+    for ac in (False, True):
+        t = _trainer(data, tmp_path / f"c{ac}", 8, lr=1e-2, activation_checkpoint=ac)
+        assert all(b.recompute == ac for b in t.model.blocks)
+        results.append(t.fit())
+        weights.append(model_tensors(t.model))
+    off, on = results
+    assert on.train_loss == pytest.approx(off.train_loss, rel=1e-6)
+    assert on.expert_share == off.expert_share
+    for k, v in weights[0].items():
+        torch.testing.assert_close(weights[1][k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_a_recomputed_block_records_its_routing_once() -> None:
+    """The recompute in the backward neither appends the layer's statistics again nor adds
+    its routed tokens to the router's count a second time."""
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    seen = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = MoETransformer(
+            ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, dense_hidden=32),
+            MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+            VOCAB,
+        )
+        for block in model.blocks:
+            block.recompute = recompute
+        for layer in model.moe_layers:
+            layer.aux_grad_scale = 1.0
+        _, loss, aux = model(idx, idx)
+        loss.backward()
+        assert len(aux.tokens_per_expert) == len(model.moe_layers)
+        seen.append([layer.router.load_E.clone() for layer in model.moe_layers])
+        assert all(float(load.sum()) == 2 * 16 * 2 for load in seen[-1])  # tokens x top_k
+    assert all(torch.equal(a, b) for a, b in zip(*seen, strict=True))
 
 
 def test_bf16_autocast_on_cpu_learns(tmp_path: Path) -> None:
