@@ -66,6 +66,16 @@ def step_of(name: str) -> int | None:
     return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
 
 
+def _writer() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"moe-pipeline {version('moe-pipeline')}"
+    except PackageNotFoundError:  # run from a source tree without an install
+        return "moe-pipeline (source tree)"
+
+
+WRITER = _writer()
 FORMAT_VERSION = 2  # one process wrote every tensor whole
 READ_FORMATS = (FORMAT_VERSION, SHARDED_FORMAT)  # 3: each rank its shards (moe/sharded.py)
 
@@ -263,6 +273,7 @@ class Manifest:
     format: int = FORMAT_VERSION
     # Format 3: DCP's metadata as JSON (key -> dtype, global size, chunks; moe/sharded.py).
     dcp: dict[str, Any] = field(default_factory=dict)
+    written_by: str = field(default_factory=lambda: WRITER)  # "moe-pipeline <version>"
 
     @property
     def sharded(self) -> bool:
@@ -280,9 +291,11 @@ class Manifest:
         except (OSError, ValueError, RecursionError, AttributeError) as e:
             raise ManifestError(f"unreadable manifest.json ({e!r})") from e
         if version not in READ_FORMATS:
+            by = raw.get("written_by") if isinstance(raw, dict) else None
             raise ManifestError(
-                f"checkpoint format {version} (written by another version of moe-pipeline: "
-                f"this one reads formats {', '.join(map(str, READ_FORMATS))})",
+                f"checkpoint format {version} (written by {by or 'another version of moe-pipeline'}"
+                f"; this one, {WRITER}, reads formats {', '.join(map(str, READ_FORMATS))}: "
+                "resume with that version, or start fresh)",
                 other_format=True,
             )
         try:

@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe.checkpoint import CheckpointStore, flatten_optimizer, unflatten_optimizer, weights_digest
+from moe.checkpoint import (
+    WRITER,
+    CheckpointStore,
+    flatten_optimizer,
+    unflatten_optimizer,
+    weights_digest,
+)
 from tests.conftest import read_line
 
 E, D, F = 4, 8, 16
@@ -168,9 +174,13 @@ def test_a_manifest_this_version_cannot_read_is_named_and_skipped(tmp_path: Path
         (path / "manifest.json").write_text(json.dumps(edit(m)))
     why = {i.step: i.problem for i in store.info()}
     assert why[2] == (
-        "checkpoint format 1 (written by another version of moe-pipeline: this one reads "
-        "formats 2, 3)"
+        f"checkpoint format 1 (written by {WRITER}; this one, {WRITER}, reads formats 2, 3: "
+        "resume with that version, or start fresh)"
     )
+    m = json.loads((store.step_dir(2) / "manifest.json").read_text())
+    m["written_by"] = "moe-pipeline 0.0.9"
+    (store.step_dir(2) / "manifest.json").write_text(json.dumps(m))
+    assert "written by moe-pipeline 0.0.9; this one" in store.verify(store.step_dir(2))
     assert why[3].startswith("unreadable manifest.json (KeyError('tensors')")
     assert why[4].startswith("unreadable manifest.json (TypeError(")
     assert why[1] is None and store.latest_valid() == good
