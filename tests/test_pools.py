@@ -205,3 +205,17 @@ def test_the_expert_parallel_degree_must_divide_the_processes_and_the_experts() 
         ConfigError, match=r"pretrain.expert_parallel = 16: must divide moe.num_experts \(8\)"
     ):
         load_config(None, [*cpu16, "pretrain.expert_parallel=16"])
+
+
+def test_expert_growth_refuses_more_than_one_process() -> None:
+    """Growth replaces parameters in place, which the sharded engine cannot follow: a config
+    asking for both is refused, naming the fix."""
+    from moe.config import ConfigError
+    from tasks.config import load_config
+
+    growth = ["moe.growth.enabled=true", "pretrain.device=cpu"]
+    load_config(None, [*growth, "pretrain.nproc=1"])
+    with pytest.raises(ConfigError, match=r"expert growth runs in one process: set pretrain.nproc"):
+        load_config(None, [*growth, "pretrain.nproc=2"])
+    with pytest.raises(ConfigError, match=r"expert growth runs in one process"):
+        load_config(None, [*growth, "pretrain.nodes=2", "storage.backend=s3", "storage.bucket=b"])
