@@ -607,16 +607,21 @@ class StreamingSafetensors:
 
 
 def stream_hf_weights(
-    folder: Path, out: Path, moe_defaults: MoEConfig, seq_len: int
+    folder: Path,
+    out: Path,
+    moe_defaults: MoEConfig,
+    seq_len: int,
+    dtype: torch.dtype | None = None,
 ) -> tuple[MoETransformer, Architecture]:
     """The weights of the Hugging Face model in `folder`, in our names, written to the
     safetensors file `out` one tensor at a time (one MoE layer's experts at most in memory):
     what `load_hf_model` then `save_model_dir` write, without the model ever being whole in
-    this process. Returns the model on the meta device (its shapes) and the architecture."""
+    this process. Returns the model on the meta device (its shapes) and the architecture.
+    `dtype`: the file's (default: the checkpoint's own)."""
     folder = Path(folder)
     arch = read_architecture(folder, moe_defaults, seq_len)
     src = _Shards(folder)
-    dtype = src.dtype("model.embed_tokens.weight")
+    dtype = dtype or src.dtype("model.embed_tokens.weight")
     with torch.device("meta"):
         model = MoETransformer(arch.model, arch.moe, arch.vocab_size)
     state = model.state_dict()
@@ -1214,6 +1219,32 @@ def _source_type(folder: Path) -> str:
     if (folder / "model.json").is_file():
         return (read_model_spec(folder).get("source") or {}).get("model_type", "")
     return str(read_config(folder).get("model_type", ""))
+
+
+def init_model_skeleton(
+    model: ModelConfig, moe: MoEConfig, scratch: Path
+) -> tuple[MoETransformer, Path]:
+    """`model.init` for the sharded engine: the model on the meta device and the safetensors
+    file each rank reads its part from. A folder of ours has one; a Hugging Face folder is
+    streamed once into `scratch` (by the first process of each machine; the caller waits for
+    it) in fp32, as `build_init_model` would load it."""
+    import torch.distributed as dist
+
+    folder = Path(model.init)
+    if (folder / "model.json").is_file():
+        vocab = int(read_model_spec(folder)["vocab_size"])
+        weights = folder / "model.safetensors"
+    else:
+        vocab = read_architecture(folder, moe, model.seq_len).vocab_size
+        weights = Path(scratch) / "model.safetensors"
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            weights.parent.mkdir(parents=True, exist_ok=True)
+            stream_hf_weights(folder, weights, moe, model.seq_len, torch.float32)
+        if dist.is_initialized():
+            dist.barrier()
+    with torch.device("meta"):
+        out = MoETransformer(model, moe, vocab)
+    return out, weights
 
 
 def build_init_model(model: ModelConfig, moe: MoEConfig) -> MoETransformer:

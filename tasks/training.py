@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +26,13 @@ from moe.checkpoint import load_model_tensors
 from moe.config import FinetuneConfig
 from moe.data import BatchSampler, MixedBatches, SFTBatches, SFTExample, TokenStore
 from moe.errors import InputError
-from moe.hf import build_init_model, load_model_dir, model_dir_skeleton, save_model_dir
+from moe.hf import (
+    build_init_model,
+    init_model_skeleton,
+    load_model_dir,
+    model_dir_skeleton,
+    save_model_dir,
+)
 from moe.model import MoETransformer
 from moe.resilience import AttemptJournal
 from moe.sql import load_pairs, prompt_text, response_text
@@ -187,8 +194,14 @@ def _pretrain(
     train_store, val_store = TokenStore(data_dir, "train"), TokenStore(data_dir, "val")
     torch.manual_seed(cfg.pretrain.seed)
     t = cfg.pretrain
+    weights = None  # under torchrun: the file each rank reads its part of the model from
+    # (model.init_pretrain skip only evaluates the imported model: whole, as one process.)
+    sharded = dist.is_initialized() and not (cfg.model.init and cfg.model.init_pretrain == "skip")
     if cfg.model.init:  # continued pretraining of an imported model (seed 000, section 7.1)
-        model = build_init_model(cfg.model, cfg.moe)
+        if sharded:
+            model, weights = init_model_skeleton(cfg.model, cfg.moe, out_dir / ".init")
+        else:
+            model = build_init_model(cfg.model, cfg.moe)
         if model.vocab_size < train_store.vocab_size:
             raise InputError(
                 f"model.init: the model's embedding has {model.vocab_size} rows, its tokenizer"
@@ -205,7 +218,7 @@ def _pretrain(
     else:
         # Under torchrun the model is built on the meta device: each rank draws the same
         # weights one process would, and keeps only its shards (moe/distributed.py).
-        with torch.device("meta" if dist.is_initialized() else "cpu"):
+        with torch.device("meta" if sharded else "cpu"):
             model = MoETransformer(cfg.model, cfg.moe, train_store.vocab_size)
     log.info(
         "model: %.2fM parameters, %.2fM active per token",
@@ -231,7 +244,12 @@ def _pretrain(
         log_fn=log_fn,
         metrics_path=out_dir / "metrics.jsonl",
         resilience=_resilience(cfg, "pretrain", out_dir / "checkpoints", fingerprint),
+        weights=weights,
     )
+    if weights is not None and weights.parent == out_dir / ".init":
+        dist.barrier()  # every rank has read its part of the streamed import
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            shutil.rmtree(weights.parent, ignore_errors=True)
     return _fit_and_save(cfg, trainer, out_dir, run_key)
 
 

@@ -247,3 +247,35 @@ def test_pretrain_stage_runs_under_torchrun_and_resumes(tmp_path: Path) -> None:
     assert set(got) == set(want)
     for k, v in want.items():
         assert torch.equal(got[k], v), k
+
+
+def test_continued_pretraining_of_a_hugging_face_model_runs_sharded(tmp_path: Path) -> None:
+    """model.init names transformers' own Qwen3-MoE folder and pretrain.nproc is 2: the first
+    process streams the import once, each rank reads its part of it into the model built on
+    the meta device, and training ends where one process (loading the model whole) ends."""
+    from moe.hf import init_architecture
+    from tasks.training import pretrain_model
+    from tests.test_hf import hf_model
+    from tests.test_train import _data
+
+    hf_model("qwen3_moe", tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")  # model.init requires one
+    data = _data(tmp_path / "data")
+    results = {}
+    for nproc in (1, 2):
+        cfg = torchrun_config("cpu")
+        cfg.pretrain.nproc = nproc
+        cfg.model.init = str(tmp_path / "hf")
+        # A balancing loss linear in the batch: the aux loss of a rank's half batch is not
+        # half of the whole batch's (f_i * P_i), so with it the ranks' routers would train
+        # to other weights than one process's, as in any data-parallel MoE.
+        cfg.moe.balancing = ["z_loss"]
+        cfg.model, cfg.moe = init_architecture(cfg.model, cfg.moe)
+        results[nproc] = pretrain_model.fn(cfg, data, tmp_path / f"n{nproc}", lambda r: None)
+    assert (results[1].world, results[2].world, results[2].backend) == (1, 2, "gloo")
+    assert results[2].train_loss == pytest.approx(results[1].train_loss, rel=1e-4)
+    _close(
+        load_file(str(tmp_path / "n2" / "model.safetensors")),
+        load_file(str(tmp_path / "n1" / "model.safetensors")),
+    )
+    assert not (tmp_path / "n2" / ".init").exists()  # the streamed import is cleaned up
