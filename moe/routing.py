@@ -40,8 +40,10 @@ import contextvars
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -83,6 +85,10 @@ def recompute_context() -> Iterator[None]:
 
 
 class Router(nn.Module):
+    # Sharded training: the process group whose routed counts the aux loss's f_E sums, so
+    # the loss balances the global batch (Qiu et al. 2025), as one process computes it.
+    balance_group: Any = None
+
     def __init__(self, d_model: int, cfg: MoEConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -143,7 +149,14 @@ class Router(nn.Module):
         tokens_per_expert_E = torch.bincount(experts_TK.flatten(), minlength=E)
         if self.training and not recomputing():  # counted once, not again in a recompute
             self.load_E += tokens_per_expert_E.to(self.load_E.dtype)
-        f_E = tokens_per_expert_E.float() / max(T * K, 1)
+        counts_E, assignments = tokens_per_expert_E.float(), T * K
+        if self.balance_group is not None and self.training and "aux_loss" in self.methods:
+            # The routed fraction of the whole batch, not of this rank's share: every rank's
+            # loss is then the one-process loss's share (P_E is a mean over equal shares).
+            counts_E = counts_E.clone()
+            dist.all_reduce(counts_E, group=self.balance_group)
+            assignments *= dist.get_world_size(self.balance_group)
+        f_E = counts_E / max(assignments, 1)
         P_E = probs_TE.mean(dim=0)
         aux_loss = E * (f_E * P_E).sum()
         z_loss = torch.logsumexp(logits_TE, dim=-1).pow(2).mean()

@@ -272,6 +272,7 @@ class Trainer:
                     D.init_like_one_process(model)
             for layer in model.moe_layers:  # the balancing loss enters through each block
                 layer.aux_grad_scale = 1.0 / cfg.grad_accum
+                layer.router.balance_group = dist.group.WORLD  # of the global batch
         if getattr(cfg, "activation_checkpoint", False):
             for block in model.blocks:
                 block.recompute = True

@@ -266,11 +266,10 @@ def test_continued_pretraining_of_a_hugging_face_model_runs_sharded(tmp_path: Pa
         cfg = torchrun_config("cpu")
         cfg.pretrain.nproc = nproc
         cfg.model.init = str(tmp_path / "hf")
-        # A balancing loss linear in the batch: the aux loss of a rank's half batch is not
-        # half of the whole batch's (f_i * P_i), so with it the ranks' routers would train
-        # to other weights than one process's, as in any data-parallel MoE.
-        cfg.moe.balancing = ["z_loss"]
+        # Qwen3-MoE has no selection bias: aux_free becomes the aux loss (init_architecture).
+        # Its routed fraction is the global batch's, so the ranks train as one process does.
         cfg.model, cfg.moe = init_architecture(cfg.model, cfg.moe)
+        assert "aux_loss" in cfg.moe.balancing
         results[nproc] = pretrain_model.fn(cfg, data, tmp_path / f"n{nproc}", lambda r: None)
     assert (results[1].world, results[2].world, results[2].backend) == (1, 2, "gloo")
     assert results[2].train_loss == pytest.approx(results[1].train_loss, rel=1e-4)
