@@ -172,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         "digest", help="sha256 of the model weights of the newest valid checkpoint under DIR"
     )
     digest.add_argument("dir", type=Path)
+    _add_params(digest)  # the storage that offloaded or other nodes' files are fetched from
     ls = csub.add_parser("ls", help="each checkpoint under DIR: step, size, tiers, valid or not")
     ls.add_argument("dir", type=Path)
     verify = csub.add_parser(
@@ -182,12 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
         "restore", help="write the model weights of one checkpoint to a safetensors file"
     )
     restore.add_argument("dir", type=Path)
+    _add_params(restore)  # the storage that offloaded or other nodes' files are fetched from
     restore.add_argument("--step", type=int, default=None, help="default: the newest valid")
     restore.add_argument("--out", type=Path, required=True)
     export = csub.add_parser(
         "export", help="the newest valid checkpoint's model weights as one safetensors file"
     )
     export.add_argument("dir", type=Path)
+    _add_params(export)  # the storage that offloaded or other nodes' files are fetched from
     export.add_argument("--out", type=Path, required=True)
 
     model = sub.add_parser("model", help="Hugging Face models in and out")
@@ -646,6 +649,17 @@ def _checkpoint(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     store = CheckpointStore(root)
     cmd = args.checkpoint_command
+    if cmd not in ("ls", "verify"):
+        # Files an offload moved, or another machine of a multi-node run wrote, are in the
+        # object store the params name: fetched (and verified) on first use.
+        params, overrides = getattr(args, "params", None), getattr(args, "overrides", [])
+
+        def fetch(key: str, dest: Path) -> None:
+            from tasks.storage import open_store
+
+            open_store(load_config(params, overrides).storage).get(key, dest)
+
+        store.fetch = fetch
     if cmd in ("ls", "verify"):
         rows = store.info()
         for r in rows:

@@ -273,6 +273,16 @@ def test_two_nodes_train_like_one_machine_and_resume_on_new_machines(
     assert all(
         loc.startswith(f"{mirror_prefix(run_key())}/objects/") for loc in m.locations.values()
     )
+    # One process reads it whole, fetching the other node's files from the mirror:
+    # `moe-pipeline checkpoint export` on the flow run's machine gives the final weights.
+    from flows.cli import main as cli
+
+    exported = tmp_path / "export.safetensors"
+    storage = ["storage.backend=s3", "storage.bucket=nodes", f"storage.endpoint_url={moto_server}"]
+    sets = [arg for kv in storage for arg in ("--set", kv)]
+    assert cli(["checkpoint", "export", str(out), "--out", str(exported), *sets]) == 0
+    got = load_file(str(exported))
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
 
 
 def test_a_new_flow_run_follows_the_job_its_predecessor_launched(tmp_path: Path) -> None:
