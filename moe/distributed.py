@@ -248,12 +248,14 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> flo
     before clipping."""
     grads = [p.grad for p in params if p.grad is not None]
     world = dist.get_world_size()
-    sq = torch.zeros((), dtype=torch.float64)
-    for g in grads:
-        local = _local(g)
-        sq += local.double().pow(2).sum().cpu() / _replicas(g, world)
+    # Summed where the gradients are (no host sync per tensor on a GPU); NCCL reduces on
+    # the GPU, gloo on the CPU.
     device = _local(grads[0]).device if grads else torch.device("cpu")
-    sq = sq.to(device if dist.get_backend() == "nccl" else "cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        sq += _local(g).double().pow(2).sum() / _replicas(g, world)
+    if dist.get_backend() != "nccl":
+        sq = sq.cpu()
     dist.all_reduce(sq)
     total = float(sq.sqrt())
     if max_norm > 0 and total > max_norm:
