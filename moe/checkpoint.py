@@ -363,6 +363,7 @@ class CheckpointStore:
         self._lock = threading.Lock()
         self._pending: Any = None  # the sharded save in flight (a Future)
         self._dcp_group: Any = None  # the gloo group asynchronous sharded saves plan on
+        self._hook: threading.Thread | None = None  # rank 0's after-save hook of that save
 
     @classmethod
     def from_config(cls, root: str | Path, cfg: Any) -> CheckpointStore:
@@ -477,12 +478,23 @@ class CheckpointStore:
         self._raise_pending()
 
     def _wait_sharded(self) -> None:
+        """Wait for the sharded save in flight, then for its after-save hook (rank 0)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             try:
                 pending.result()
             except Exception as e:
                 raise RuntimeError(f"a background sharded checkpoint write failed: {e}") from e
+        if self._hook is not None:
+            self._hook.join()
+            self._hook = None
+
+    def _after_save(self, final: Path) -> None:
+        assert self.on_saved is not None
+        try:
+            self.on_saved(final)
+        except Exception as e:  # e.g. the object store is down: the next pass retries
+            log.warning("after-save hook failed for %s: %s", final, e)
 
     def save_sharded(
         self,
@@ -552,10 +564,12 @@ class CheckpointStore:
             self.write_s.append(time.perf_counter() - t0)
             log.info("sharded checkpoint step %d written to %s", step, final)
             if self.on_saved is not None:
-                try:
-                    self.on_saved(final)
-                except Exception as e:  # e.g. the object store is down: the next pass retries
-                    log.warning("after-save hook failed for %s: %s", final, e)
+                # Not here: this runs inside DCP's last collective, where every other rank
+                # waits (an upload of the offload or the mirror could outlast its timeout).
+                self._hook = threading.Thread(
+                    target=self._after_save, args=(final,), name="checkpoint-hook", daemon=True
+                )
+                self._hook.start()
 
         writer = TieredWriter(self, tmp, expert_tiers, finish)
         if self.background:

@@ -185,10 +185,21 @@ def parallelize(
             if not isinstance(layer.experts, ExpertParallelExperts):
                 layer.experts = ExpertParallelExperts(layer.experts, meshes)
             expert_params.update(layer.experts.parameters())
+    # cast_forward_inputs=False: autocast casts what each op computes in. FSDP's own cast of
+    # a block's arguments would rebuild the MoEAux collector (a dataclass) and its lists, so
+    # the block would record its routing into a copy, and round the rotary tables to bf16.
     mp = MixedPrecisionPolicy(
-        param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None
+        param_dtype=param_dtype,
+        reduce_dtype=torch.float32 if param_dtype else None,
+        cast_forward_inputs=False,
     )
     blocks = list(model.blocks)
+    if param_dtype is not None:
+        # The routers score in fp32 from fp32 weights (moe/routing.py): a unit of their own
+        # that gathers them unrounded.
+        fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
+        for layer in model.moe_layers:
+            fully_shard(layer.router, mesh=meshes.dp, mp_policy=fp32)
     for i, block in enumerate(blocks):
         # The last block is gathered again at once by the backward: keep it gathered.
         fully_shard(
@@ -250,11 +261,18 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> flo
     world = dist.get_world_size()
     # Summed where the gradients are (no host sync per tensor on a GPU); NCCL reduces on
     # the GPU, gloo on the CPU.
-    device = _local(grads[0]).device if grads else torch.device("cpu")
+    nccl = dist.get_backend() == "nccl"
+    device = (
+        _local(grads[0]).device
+        if grads
+        else torch.device("cuda", torch.cuda.current_device())
+        if nccl
+        else torch.device("cpu")
+    )
     sq = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
         sq += _local(g).double().pow(2).sum() / _replicas(g, world)
-    if dist.get_backend() != "nccl":
+    if not nccl:
         sq = sq.cpu()
     dist.all_reduce(sq)
     total = float(sq.sqrt())

@@ -1237,11 +1237,27 @@ def init_model_skeleton(
     else:
         vocab = read_architecture(folder, moe, model.seq_len).vocab_size
         weights = Path(scratch) / "model.safetensors"
+        failed: BaseException | None = None
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            weights.parent.mkdir(parents=True, exist_ok=True)
-            stream_hf_weights(folder, weights, moe, model.seq_len, torch.float32)
+            try:
+                weights.parent.mkdir(parents=True, exist_ok=True)
+                stream_hf_weights(folder, weights, moe, model.seq_len, torch.float32)
+            except Exception as e:  # every rank learns of it, instead of waiting for it
+                failed = e
         if dist.is_initialized():
-            dist.barrier()
+            on_gpu = dist.get_backend() == "nccl"
+            flag = torch.tensor(
+                [float(failed is not None)],
+                device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu",
+            )
+            dist.all_reduce(flag)
+            if failed is None and float(flag) > 0:
+                raise InputError(
+                    f"model.init = {model.init!r}: the import failed on another machine's first"
+                    " process (its log says why)"
+                )
+        if failed is not None:
+            raise failed
     with torch.device("meta"):
         out = MoETransformer(model, moe, vocab)
     return out, weights

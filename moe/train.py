@@ -259,8 +259,9 @@ class Trainer:
                 model.to(self.device)
             ep = D.expert_degree(cfg.expert_parallel, self.world, model.mcfg.num_experts)
             self.meshes = D.make_meshes(self.device, ep)
-            on_gpu_bf16 = self.device.type == "cuda" and self.amp_dtype == torch.bfloat16
-            D.parallelize(model, self.meshes, param_dtype=torch.bfloat16 if on_gpu_bf16 else None)
+            # bf16 (on CUDA by default, on CPU when asked): FSDP gathers bf16, reduces fp32.
+            bf16 = self.amp_dtype == torch.bfloat16
+            D.parallelize(model, self.meshes, param_dtype=torch.bfloat16 if bf16 else None)
             if meta:  # built on the meta device: each rank materialises its shards only
                 from moe.hf import init_buffers
 
@@ -423,6 +424,12 @@ class Trainer:
 
     def _try_resume(self) -> int | None:
         path = self.store.latest_valid()
+        if self.world > 1:
+            # Rank 0's choice for every rank: folders on different machines could disagree
+            # (a rank that cannot read that checkpoint then fails, instead of another step).
+            chosen = [path.name if path is not None else None]
+            dist.broadcast_object_list(chosen, src=0)
+            path = self.store.root / chosen[0] if chosen[0] is not None else None
         if path is None:
             return None
         manifest, state = self.store.read_state(path)
@@ -512,7 +519,8 @@ class Trainer:
                 raise ValueError(f"checkpoint {path} does not fit the model: it has no {k}")
         self._init_optimizer_state()
         for k, t in self._optimizer_shards()[0].items():
-            D.load_full(t, ckpt.optimizer[k])
+            if k in ckpt.optimizer:  # a parameter that had no gradient yet has no state
+                D.load_full(t, ckpt.optimizer[k])
         return ckpt.rng, state["rng"]
 
     # ------------------------------------------------------------------ loop

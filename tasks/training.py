@@ -226,11 +226,39 @@ def _pretrain(
         model.num_params(active_only=True) / 1e6,
     )
     fingerprint = training_fingerprint(cfg, "pretrain", data_dir)
-    trainer = Trainer(
+    scratch = weights is not None and weights.parent == out_dir / ".init"
+    try:
+        trainer = _pretrainer(
+            cfg, model, train_store, val_store, out_dir, fingerprint, log_fn, budget_left, weights
+        )
+    except BaseException:
+        if scratch and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            shutil.rmtree(weights.parent, ignore_errors=True)  # a streamed import: scratch
+        raise
+    if scratch:
+        dist.barrier()  # every rank has read its part of the streamed import
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            shutil.rmtree(weights.parent, ignore_errors=True)
+    return _fit_and_save(cfg, trainer, out_dir, f"pretrain/{fingerprint[:16]}")
+
+
+def _pretrainer(
+    cfg: Config,
+    model: MoETransformer,
+    train_store: TokenStore,
+    val_store: TokenStore,
+    out_dir: Path,
+    fingerprint: str,
+    log_fn: Callable[[dict[str, Any]], None],
+    budget_left: float,
+    weights: Path | None,
+) -> Trainer:
+    t = cfg.pretrain
+    return Trainer(
         model,
         t,
         BatchSampler(train_store, t.batch_size, cfg.model.seq_len, t.seed),
-        checkpoint_store(cfg, out_dir / "checkpoints", run_key := f"pretrain/{fingerprint[:16]}"),
+        checkpoint_store(cfg, out_dir / "checkpoints", f"pretrain/{fingerprint[:16]}"),
         fingerprint=fingerprint,
         schedule="cosine",
         min_lr=t.min_lr,
@@ -246,11 +274,6 @@ def _pretrain(
         resilience=_resilience(cfg, "pretrain", out_dir / "checkpoints", fingerprint),
         weights=weights,
     )
-    if weights is not None and weights.parent == out_dir / ".init":
-        dist.barrier()  # every rank has read its part of the streamed import
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            shutil.rmtree(weights.parent, ignore_errors=True)
-    return _fit_and_save(cfg, trainer, out_dir, run_key)
 
 
 def _pass_on(model: MoETransformer, val: BatchSampler, batches: int, out_dir: Path) -> TrainResult:

@@ -3,7 +3,7 @@ torchrun (gloo, CPU), or called in the test's process at world size 1.
 
 `python -m torch.distributed.run --standalone --nproc_per_node N tests/dist_worker.py MODE OUT [ARGS]`
 
-MODE train STORE STEPS STOP EP [DEVICE [ac]]: train to STEPS (returning after STOP steps of this call when
+MODE train STORE STEPS STOP EP [DEVICE [FLAGS]]: train (FLAGS: ac, bf16, comma-separated) to STEPS (returning after STOP steps of this call when
            STOP > 0: a kill), checkpoints every 2 steps under OUT/STORE; rank 0 writes the
            final weights (gathered) to OUT/STORE.safetensors and the result to OUT/STORE.json.
            Every rank writes OUT/STORE.rank<R>.json: the elements of model, gradient and
@@ -56,7 +56,9 @@ class Batches:
         return x[:, :-1], x[:, 1:], None
 
 
-def optim_cfg(steps: int, ep: int, device: str = "cpu", ac: bool = False) -> PretrainConfig:
+def optim_cfg(
+    steps: int, ep: int, device: str = "cpu", ac: bool = False, bf16: bool = False
+) -> PretrainConfig:
     return PretrainConfig(
         max_steps=steps,
         batch_size=GLOBAL_BATCH,
@@ -67,6 +69,7 @@ def optim_cfg(steps: int, ep: int, device: str = "cpu", ac: bool = False) -> Pre
         device=device,
         expert_parallel=ep,
         activation_checkpoint=ac,
+        dtype="bfloat16" if bf16 else "auto",
     )
 
 
@@ -91,9 +94,9 @@ def train(
     stop: int,
     ep: int,
     device: str = "cpu",
-    ac: bool = False,
+    flags: tuple[str, ...] = (),
 ) -> None:
-    cfg = optim_cfg(steps, ep, device, ac)
+    cfg = optim_cfg(steps, ep, device, "ac" in flags, "bf16" in flags)
     store = CheckpointStore(out / store_name, max_retain=3, background=True)
     trainer = Trainer(
         build(meta=torch.distributed.is_initialized()),
@@ -125,6 +128,7 @@ def train(
                     "backend": result.backend,
                     "world": result.world,
                     "sharded": trainer.meshes is not None,
+                    "expert_share": result.expert_share,
                 }
             )
         )
@@ -137,7 +141,8 @@ def main() -> None:
         D.init(timeout_s=20, device=device)  # gloo on CPU tensors, GPU or not
     if mode == "train":
         store, steps, stop, ep = sys.argv[3], *map(int, sys.argv[4:7])
-        train(out, store, steps, stop, ep, device, ac=len(sys.argv) > 8 and sys.argv[8] == "ac")
+        flags = tuple(sys.argv[8].split(",")) if len(sys.argv) > 8 else ()
+        train(out, store, steps, stop, ep, device, flags)
     elif mode == "die":
         trainer = Trainer(
             build(),

@@ -125,9 +125,22 @@ def test_experts_sharded_with_the_dense_blocks_train_the_same(runs: Path, tmp_pa
 
 def test_activation_checkpointing_under_fsdp_trains_the_same(runs: Path, tmp_path: Path) -> None:
     """Each block recomputed in the backward, inside its FSDP unit, experts over both ranks."""
-    proc = _torchrun("train", tmp_path, "ac", STEPS, 0, 0, "cpu", "ac")
+    proc = _torchrun("train", tmp_path, "ac", STEPS, 0, 0, "cpu", "ac")  # flags: ac
     assert proc.returncode == 0, proc.stderr[-4000:]
     _close(_weights(tmp_path, "ac"), _weights(runs, "w1"))
+
+
+def test_bf16_under_fsdp_records_the_routing_and_trains(runs: Path, tmp_path: Path) -> None:
+    """dtype bfloat16: FSDP gathers bf16 (MixedPrecisionPolicy, the CUDA default) and the
+    routers their own fp32 unit. Each block still records its routing into the trainer's
+    collector (FSDP's cast of a block's arguments would have copied it: no counts)."""
+    proc = _torchrun("train", tmp_path, "bf", STEPS, 0, 0, "cpu", "bf16")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads((tmp_path / "bf.json").read_text())
+    want = json.loads((runs / "w1.json").read_text())
+    assert len(got["expert_share"]) == 2  # both MoE layers
+    assert all(sum(row) == pytest.approx(1.0, abs=1e-3) for row in got["expert_share"])
+    assert got["loss"] == pytest.approx(want["loss"], rel=0.02)  # bf16 against fp32
 
 
 def test_a_killed_world_2_run_resumes_bit_exactly(runs: Path, tmp_path: Path) -> None:
