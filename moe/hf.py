@@ -545,7 +545,12 @@ def load_hf_model(
                     w = block.ffn.router.gate.weight
                     w.copy_(torch.randn(w.shape, generator=gen) * model.cfg.init_std)
                     filled.add(f"blocks.{i}.ffn.router.gate.weight")
-    missing = [n for n in params if n not in filled]
+    _check_complete(folder, [n for n in params if n not in filled], src)
+    return model, arch
+
+
+def _check_complete(folder: Path, missing: list[str], src: _Shards) -> None:
+    """Refuse an import where a parameter got no weights or a tensor found no place."""
     if missing:
         raise _refuse(folder, f"no weights for {', '.join(missing[:5])}")
     left = src.unused()
@@ -555,7 +560,6 @@ def load_hf_model(
             f"{len(left)} tensor(s) of the checkpoint have no place in the model (first:"
             f" {left[0]}); the config does not describe these weights",
         )
-    return model, arch
 
 
 class StreamingSafetensors:
@@ -654,16 +658,7 @@ def stream_hf_weights(
                 if p + buf in writer.left:
                     writer.write(p + buf, torch.full((E,), value))
         params = {n for n, _ in model.named_parameters()}
-        missing = sorted(n for n in writer.left if n in params)
-        if missing:
-            raise _refuse(folder, f"no weights for {', '.join(missing[:5])}")
-        left = src.unused()
-        if left:
-            raise _refuse(
-                folder,
-                f"{len(left)} tensor(s) of the checkpoint have no place in the model (first:"
-                f" {left[0]}); the config does not describe these weights",
-            )
+        _check_complete(folder, sorted(n for n in writer.left if n in params), src)
         writer.close()
     except BaseException:
         writer.f.close()
