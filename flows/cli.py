@@ -669,9 +669,11 @@ def _checkpoint(args: argparse.Namespace) -> int:
             extra = f" deltas={r.deltas} bases={r.bases}" if r.deltas else ""
             status = "valid" if r.problem is None else f"INVALID: {r.problem}"
             lossy = " LOSSY" if r.lossy else ""
+            sharded = f"  sharded: {r.ranks} ranks" if r.ranks else ""
+            remote = f"  {len(r.remote)} files remote" if r.remote else ""
             print(
                 f"{r.path.name}  step {r.step:>8}  {r.bytes / 1e6:8.2f} MB  {tiers}  "
-                f"experts hot={hot} cold={cold}{extra}{lossy}  {status}"
+                f"experts hot={hot} cold={cold}{extra}{lossy}{sharded}{remote}  {status}"
             )
         bad = [r for r in rows if r.problem is not None]
         if cmd == "verify":

@@ -188,6 +188,7 @@ class CheckpointInfo:
     lossy: bool
     problem: str | None  # None = valid
     remote: dict[str, str] = field(default_factory=dict)  # file -> object-store location
+    ranks: int = 0  # the processes a sharded checkpoint's files come from (0: one, whole)
 
 
 GROUPS = ("model", "optimizer", "rng")
@@ -1073,6 +1074,9 @@ class CheckpointStore:
                     lossy=m.lossy,
                     problem=self.verify(path),
                     remote={n: loc for n, loc in m.locations.items() if not (path / n).is_file()},
+                    ranks=len({n.split(".")[0] for n in m.files if n.endswith(".bin")})
+                    if m.sharded
+                    else 0,
                 )
             )
         return rows

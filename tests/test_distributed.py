@@ -114,6 +114,7 @@ def test_world_2_trains_like_world_1_holding_half_of_the_state(runs: Path) -> No
     assert {p.name for p in last.iterdir()} >= {"r000.L0.bin", "r001.L0.bin", "r001.L1.bin"}
     ck = store.load(last)
     assert ck.sharded and ck.step == STEPS
+    assert store.info()[0].ranks == 2  # what `moe-pipeline checkpoint ls` prints
     _equal(ck.model, _weights(runs, "w2"))
 
 
