@@ -69,9 +69,11 @@ def autocast_dtype(device: torch.device, dtype: str) -> torch.dtype | None:
 
 
 def build_optimizer(
-    model: MoETransformer, cfg: OptimConfig, router_lr_mult: float
+    model: MoETransformer, cfg: OptimConfig, router_lr_mult: float, foreach: bool = False
 ) -> torch.optim.AdamW:
-    """AdamW groups: decayed matrices, undecayed norms/biases, and the routers at a higher lr."""
+    """AdamW groups: decayed matrices, undecayed norms/biases, and the routers at a higher lr.
+    `foreach` (the sharded engine): one multi-tensor op per group instead of one DTensor
+    dispatch per parameter and op."""
     decay, no_decay, router = [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -90,7 +92,7 @@ def build_optimizer(
     ]
     groups = [g for g in groups if g["params"]]
     return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False, foreach=False
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False, foreach=foreach
     )
 
 
@@ -297,7 +299,9 @@ class Trainer:
         self.interval: IntervalChoice | None = None
         self.journal, self.started_at = resilience.journal, resilience.started_at
         self.router_lr_mult = router_lr_mult
-        self.optimizer = build_optimizer(model, cfg, router_lr_mult)
+        self.optimizer = build_optimizer(
+            model, cfg, router_lr_mult, foreach=self.meshes is not None
+        )
         # Expert growth and pruning (moe/growth.py), pretraining only.
         self.growth = (
             GrowthManager(model, model.mcfg.growth, seed=cfg.seed)
