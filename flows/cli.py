@@ -652,14 +652,13 @@ def _checkpoint(args: argparse.Namespace) -> int:
     if cmd not in ("ls", "verify"):
         # Files an offload moved, or another machine of a multi-node run wrote, are in the
         # object store the params name: fetched (and verified) on first use.
+        import functools
+
+        from tasks.storage import open_store
+
         params, overrides = getattr(args, "params", None), getattr(args, "overrides", [])
-
-        def fetch(key: str, dest: Path) -> None:
-            from tasks.storage import open_store
-
-            open_store(load_config(params, overrides).storage).get(key, dest)
-
-        store.fetch = fetch
+        objects = functools.cache(lambda: open_store(load_config(params, overrides).storage))
+        store.fetch = lambda key, dest: objects().get(key, dest)  # opened once, if at all
     if cmd in ("ls", "verify"):
         rows = store.info()
         for r in rows:

@@ -238,6 +238,19 @@ class TensorMeta:
     chunk: list[int] | None = None
 
 
+def tensor_meta(enc: Any, **where: Any) -> TensorMeta:
+    """The manifest record of one encoded tensor (moe/codec.py `Encoded`): how it decodes,
+    from the encoding, and where and which tensor it is, from `where`."""
+    return TensorMeta(
+        length=len(enc.data),
+        codec=enc.codec,
+        dtype=enc.dtype,
+        shape=list(enc.shape),
+        lossy=enc.lossy,
+        **where,
+    )
+
+
 @dataclass
 class FileMeta:
     sha256: str
@@ -522,10 +535,7 @@ class CheckpointStore:
         node_leader = self.share is not None and os.environ.get("LOCAL_RANK", "0") == "0"
         if dist.get_rank() == 0 or node_leader:  # another machine's leftovers: shared by now
             # Before the plan is agreed: no rank writes until rank 0 has been through this.
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(".tmp-step_*"):
-                log.info("removing an unfinished checkpoint write: %s", stale)
-                shutil.rmtree(stale, ignore_errors=True)
+            self._remove_stale_writes()
         expert_tiers = self._expert_tiers(expert_load or {})
         state = json.loads(json.dumps(state))
 
@@ -713,13 +723,17 @@ class CheckpointStore:
             ",".join(sorted(full)) or "none",
         )
 
-    def _fresh_tmp(self, step: int) -> Path:
-        """An empty temporary folder for step's checkpoint (stale ones are removed)."""
+    def _remove_stale_writes(self) -> None:
+        """Remove the temporary folders a write that never finished left (a process that
+        died mid-write; the store has one writer at a time)."""
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(".tmp-step_*"):
-            # Left by a process that died mid-write (the store has one writer).
             log.info("removing an unfinished checkpoint write: %s", stale)
             shutil.rmtree(stale, ignore_errors=True)
+
+    def _fresh_tmp(self, step: int) -> Path:
+        """An empty temporary folder for step's checkpoint (stale ones are removed)."""
+        self._remove_stale_writes()
         tmp = self.root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
         tmp.mkdir()
         return tmp
@@ -793,7 +807,8 @@ class CheckpointStore:
                 offset = f.tell()
                 f.write(enc.data)
                 tensors_meta.append(
-                    TensorMeta(
+                    tensor_meta(
+                        enc,
                         key=key,
                         group=group,
                         name=name,
@@ -801,12 +816,7 @@ class CheckpointStore:
                         tier=tier,
                         file=f"{tier}.bin",
                         offset=offset,
-                        length=len(enc.data),
-                        codec=enc.codec,
-                        dtype=enc.dtype,
-                        shape=list(enc.shape),
                         base=base_step,
-                        lossy=enc.lossy,
                     )
                 )
             for f in handles.values():
@@ -1000,22 +1010,10 @@ class CheckpointStore:
         manifest = Manifest.read(path)
         state = json.loads((path / STATE).read_text())
         if manifest.sharded:
-            return self._load_assembled(path, manifest, state)
-        base_indexes = {b: Manifest.read(self.step_dir(b)).index() for b in manifest.bases}
-        parts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-        out: dict[str, dict[str, torch.Tensor]] = {g: {} for g in GROUPS}
-        lossy: list[str] = []
-        for meta in manifest.tensors:
-            idx = base_indexes.get(meta.base) if meta.base is not None else None
-            t = self._read_entry(path, meta, idx)
-            if meta.lossy:
-                lossy.append(meta.key)
-            if meta.expert is None:
-                out[meta.group][meta.name] = t
-            else:
-                parts.setdefault((meta.group, meta.name), {})[meta.expert] = t
-        for (group, name), experts in parts.items():
-            out[group][name] = torch.stack([experts[e] for e in sorted(experts)])
+            out = self._assembled(path, manifest)
+        else:
+            out = self._whole(path, manifest)
+        lossy = [m.key for m in manifest.tensors if m.lossy]
         if lossy:
             log.warning(
                 "checkpoint %s holds %d tensors in a lossy codec (fp16 cold tier): restored "
@@ -1031,9 +1029,27 @@ class CheckpointStore:
             rng=out["rng"],
             state=state,
             lossy=lossy,
+            sharded=manifest.sharded,
         )
 
-    def _load_assembled(self, path: Path, manifest: Manifest, state: dict) -> Checkpoint:
+    def _whole(self, path: Path, manifest: Manifest) -> dict[str, dict[str, torch.Tensor]]:
+        """The tensors of a one-process checkpoint by group (experts stacked again)."""
+        base_indexes = {b: Manifest.read(self.step_dir(b)).index() for b in manifest.bases}
+        parts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+        out: dict[str, dict[str, torch.Tensor]] = {g: {} for g in GROUPS}
+        for meta in manifest.tensors:
+            idx = base_indexes.get(meta.base) if meta.base is not None else None
+            t = self._read_entry(path, meta, idx)
+            if meta.expert is None:
+                out[meta.group][meta.name] = t
+            else:
+                parts.setdefault((meta.group, meta.name), {})[meta.expert] = t
+        for (group, name), experts in parts.items():
+            out[group][name] = torch.stack([experts[e] for e in sorted(experts)])
+        return out
+
+    def _assembled(self, path: Path, manifest: Manifest) -> dict[str, dict[str, torch.Tensor]]:
+        """The tensors of a sharded checkpoint by group, each assembled whole."""
         from moe.sharded import assemble, split_key
 
         whole = assemble(manifest.tensors, manifest.dcp, lambda r: self._read_entry(path, r, None))
@@ -1041,17 +1057,7 @@ class CheckpointStore:
         for key, t in whole.items():
             group, name = split_key(key)
             out[group][name] = t
-        lossy = [r.key for r in manifest.tensors if r.lossy]
-        return Checkpoint(
-            path=path,
-            step=manifest.step,
-            model=out["model"],
-            optimizer=out["optimizer"],
-            rng=out["rng"],
-            state=state,
-            lossy=lossy,
-            sharded=True,
-        )
+        return out
 
     def info(self) -> list[CheckpointInfo]:
         """Every checkpoint folder, newest first, with its size, tiers and validity."""

@@ -48,7 +48,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from moe.experts import GroupedExperts, grouped_mm, swiglu
-from moe.model import MoETransformer
+from moe.model import MoETransformer, init_parameter_
 
 
 def init(timeout_s: float = 60.0, device: str = "auto") -> tuple[int, int]:
@@ -345,14 +345,9 @@ def init_like_one_process(model: MoETransformer) -> None:
             torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
         elif isinstance(m, torch.nn.Embedding):
             torch.nn.Embedding(m.num_embeddings, m.embedding_dim)
-    std = model.cfg.init_std
     for name, p in model.named_parameters():
-        if p.dim() == 1:
-            load_full(p, torch.zeros(p.shape) if name.endswith(".bias") else torch.ones(p.shape))
-            continue
-        full = torch.empty(p.shape).normal_(mean=0.0, std=std)
-        if name.endswith(("proj.weight", "w2.weight", "w2_EFD")):
-            full.mul_(1.0 / math.sqrt(2 * model.cfg.n_layer))
+        full = torch.ones(p.shape)  # what a norm is built with; the rest is drawn over it
+        init_parameter_(name, full, model.cfg)
         load_full(p, full)
 
 

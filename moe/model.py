@@ -287,6 +287,21 @@ class Block(nn.Module):
         return x + (self.ffn(h, aux) if isinstance(self.ffn, MoELayer) else self.ffn(h))
 
 
+@torch.no_grad()
+def init_parameter_(name: str, t: torch.Tensor, cfg: ModelConfig) -> None:
+    """One parameter's initialisation, in place (its draws from torch's global generator):
+    biases zero, norms as built (ones), matrices normal(0, init_std), the residual-output
+    projections scaled by 1/sqrt(2 * n_layer) as in GPT-2. The sharded engine draws the same
+    on a whole copy of each parameter (moe/distributed.py `init_like_one_process`)."""
+    if t.dim() == 1:
+        if name.endswith(".bias"):
+            t.zero_()
+        return
+    t.normal_(mean=0.0, std=cfg.init_std)
+    if name.endswith(("proj.weight", "w2.weight", "w2_EFD")):
+        t.mul_(1.0 / math.sqrt(2 * cfg.n_layer))
+
+
 class MoETransformer(nn.Module):
     def __init__(self, cfg: ModelConfig, mcfg: MoEConfig, vocab_size: int) -> None:
         super().__init__()
@@ -324,17 +339,8 @@ class MoETransformer(nn.Module):
             layer.router.update_state(step)
 
     def reset_parameters(self) -> None:
-        std = self.cfg.init_std
         for name, p in self.named_parameters():
-            if p.dim() == 1:
-                if name.endswith(".bias"):
-                    nn.init.zeros_(p)
-                continue  # norms (ones)
-            nn.init.normal_(p, mean=0.0, std=std)
-            # GPT-2: scale the residual-output projections by 1/sqrt(2 * n_layer).
-            if name.endswith(("proj.weight", "w2.weight", "w2_EFD")):
-                with torch.no_grad():
-                    p.mul_(1.0 / math.sqrt(2 * self.cfg.n_layer))
+            init_parameter_(name, p, self.cfg)
 
     def forward(
         self,

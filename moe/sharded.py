@@ -132,7 +132,7 @@ class TieredWriter(StorageWriter):
         return "L2" if expert in set(self.expert_tiers.get(layer, {}).get("cold", [])) else "L1"
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        from moe.checkpoint import TensorMeta, expert_layer
+        from moe.checkpoint import expert_layer, tensor_meta
 
         rank = int(plan.storage_data)
         self.tmp.mkdir(parents=True, exist_ok=True)
@@ -171,7 +171,8 @@ class TieredWriter(StorageWriter):
                     f.write(enc.data)
                     group, tname = split_key(key)
                     records.append(
-                        TensorMeta(
+                        tensor_meta(
+                            enc,
                             key=f"{key}@{','.join(map(str, at))}",
                             group=group,
                             name=tname,
@@ -179,12 +180,7 @@ class TieredWriter(StorageWriter):
                             tier=tier,
                             file=name,
                             offset=offset,
-                            length=len(enc.data),
-                            codec=enc.codec,
-                            dtype=enc.dtype,
-                            shape=list(enc.shape),
                             base=None,
-                            lossy=enc.lossy,
                             at=at,
                             chunk=at0,
                         )
