@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 import zstandard
 
-from moe.checkpoint import CheckpointStore, model_tensors
-from moe.codec import encode
-from moe.data import BatchSampler, TokenStore
-from moe.model import MoETransformer
-from moe.train import Trainer
+from moe.checkpoint.codec import encode
+from moe.checkpoint.store import CheckpointStore, model_tensors
+from moe.data.tokens import BatchSampler, TokenStore
+from moe.model.transformer import MoETransformer
+from moe.train.trainer import Trainer
 from tasks.config import load_config
 
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 import tasks  # noqa: E402
 
 tasks.offline_defaults()
-from moe.sqlgen import KINDS  # noqa: E402
+from moe.sql.generator import KINDS  # noqa: E402
 from tasks.config import load_config  # noqa: E402
 
 ARMS = ("two_stage", "domain_only", "generic_only", "no_focus", "no_replay", "random_init")

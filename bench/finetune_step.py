@@ -15,8 +15,8 @@ import statistics
 import time
 from pathlib import Path
 
-from moe.data import BatchSampler, MixedBatches, SFTBatches, TokenStore
-from moe.tokenizer import load_tokenizer, specials
+from moe.data.tokenizer import load_tokenizer, specials
+from moe.data.tokens import BatchSampler, MixedBatches, SFTBatches, TokenStore
 from tasks.config import load_config
 from tasks.training import load_model, sft_examples
 

@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe import distributed as D
-from moe.checkpoint import CheckpointStore
+from moe.checkpoint.store import CheckpointStore
 from moe.config import ModelConfig, MoEConfig, PretrainConfig
-from moe.model import MoETransformer
-from moe.train import Trainer
+from moe.model.transformer import MoETransformer
+from moe.train import distributed as D
+from moe.train.trainer import Trainer
 
 VOCAB = 32768
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe.data import BatchSampler, TokenStore
+from moe.data.tokens import BatchSampler, TokenStore
 
 
 class _InRam:

@@ -1,5 +1,5 @@
 """What one rank holds, and what a save costs in host memory, at world size 1 and 2, on the
-sharded engine (FSDP2 + expert parallelism, moe/distributed.py) against the replicated
+sharded engine (FSDP2 + expert parallelism, moe/train/distributed.py) against the replicated
 engine it replaced (every rank the whole dense model and its AdamW state, a flat all-reduce
 of the dense gradients, every rank gathering the whole state at each save).
 
@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-REPLACED = "ae9b444"  # the last commit with the replicated engine (moe/distributed.py)
+REPLACED = "ae9b444"  # the last commit with the replicated engine (then moe/distributed.py)
 
 
 def _config(quick: bool):
@@ -80,8 +80,8 @@ def _nbytes(t: torch.Tensor) -> int:
 def worker(engine: str, quick: bool, steps: int, out: Path) -> None:
     import torch.distributed as dist
 
-    from moe.checkpoint import CheckpointStore
-    from moe.model import MoETransformer
+    from moe.checkpoint.store import CheckpointStore
+    from moe.model.transformer import MoETransformer
 
     torch.manual_seed(0)
     mcfg, ecfg, vocab = _config(quick)
@@ -97,13 +97,13 @@ def worker(engine: str, quick: bool, steps: int, out: Path) -> None:
         spec.loader.exec_module(R)
         R.shard_experts(model, rank, world)
     elif world > 1:
-        from moe import distributed as D
+        from moe.train import distributed as D
 
         meshes = D.make_meshes(torch.device("cpu"), D.expert_degree(0, world, ecfg.num_experts))
         D.parallelize(model, meshes)
         for layer in model.moe_layers:
             layer.aux_grad_scale = 1.0
-    # Each engine's optimizer as its trainer builds it (moe/train.py build_optimizer): the
+    # Each engine's optimizer as its trainer builds it (moe/train/trainer.py build_optimizer): the
     # sharded one multi-tensor (foreach) over its DTensors, the replaced one per tensor.
     sharded = engine == "sharded" and world > 1
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=sharded)
@@ -145,7 +145,7 @@ def worker(engine: str, quick: bool, steps: int, out: Path) -> None:
     _reset_peak()
     before = _vm("VmRSS")
     if engine == "replaced":
-        from moe.checkpoint import flatten_optimizer, model_tensors
+        from moe.checkpoint.store import flatten_optimizer, model_tensors
 
         opt_t, rest = flatten_optimizer(opt.state_dict())
         flat = [p for grp in opt.param_groups for p in grp["params"]]
@@ -162,7 +162,7 @@ def worker(engine: str, quick: bool, steps: int, out: Path) -> None:
         tensors[f"rng.{rank}.torch"] = torch.get_rng_state()
         store.save_sharded(1, tensors, {"step": 1})
     else:
-        from moe.checkpoint import flatten_optimizer, model_tensors
+        from moe.checkpoint.store import flatten_optimizer, model_tensors
 
         opt_t, rest = flatten_optimizer(opt.state_dict())
         store.save(1, model_tensors(model), opt_t, {}, {"step": 1, "optimizer": rest})

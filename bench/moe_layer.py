@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from moe.config import MoEConfig
-from moe.model import MoEAux, MoELayer, SwiGLU
+from moe.model.transformer import MoEAux, MoELayer, SwiGLU
 
 
 def _sync(device: torch.device) -> None:

@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from moe.checkpoint import CheckpointStore
-from moe.data import BatchSampler, TokenStore
-from moe.model import MoETransformer
-from moe.train import Trainer, Validation
+from moe.checkpoint.store import CheckpointStore
+from moe.data.tokens import BatchSampler, TokenStore
+from moe.model.transformer import MoETransformer
+from moe.train.trainer import Trainer, Validation
 from tasks.config import Config, load_config
 
 BALANCING: dict[str, list] = {

@@ -10,7 +10,7 @@ policy (the same interruption times for every policy, run by run):
 - `none`: no checkpoint until the end; an interruption restarts from step 0;
 - `fixed`: every `pretrain.checkpoint_every` steps of params.yaml (the stage's own setting);
 - `auto`: `checkpoint.every: auto`, Young/Daly from the measured stall and the MTBI
-  (moe/resilience.py, the function the trainer calls).
+  (moe/train/resilience.py, the function the trainer calls).
 
 After an interruption a run loses the work since its last checkpoint, waits `--down-s` with
 no machine (the heartbeat automation marks the run Crashed, the recovery starts a new run),
@@ -43,10 +43,10 @@ from typing import Any
 
 import torch
 
-from moe.checkpoint import CheckpointStore
-from moe.model import MoETransformer
-from moe.resilience import choose_interval, daly_interval_s
-from moe.train import Trainer
+from moe.checkpoint.store import CheckpointStore
+from moe.model.transformer import MoETransformer
+from moe.train.resilience import choose_interval, daly_interval_s
+from moe.train.trainer import Trainer
 from tasks.config import Config, load_config
 
 ROOT = Path(__file__).resolve().parent.parent

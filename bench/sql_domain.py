@@ -38,7 +38,7 @@ import tasks  # noqa: E402
 
 tasks.offline_defaults()
 
-from moe.sqlgen import KINDS  # noqa: E402
+from moe.sql.generator import KINDS  # noqa: E402
 from tests import chinook  # noqa: E402
 
 CONTEXT = [
@@ -67,8 +67,8 @@ def run(project: Path, stages: list[str] | None, sets: list[str]) -> float:
 
 
 def schema_tokens(project: Path) -> dict[str, dict[str, int]]:
-    from moe.sqldb import SchemaStyle, inspect_database, open_checked, serialize_schema
-    from moe.tokenizer import load_tokenizer
+    from moe.data.tokenizer import load_tokenizer
+    from moe.sql.sandbox import SchemaStyle, inspect_database, open_checked, serialize_schema
 
     tok = load_tokenizer(project / "data/prepared/tokenizer.json")
     out = {}
@@ -96,10 +96,10 @@ def timing(project: Path, sets: list[str]) -> dict[str, float]:
 
     import torch
 
-    from moe.evaluate import sql_accuracy
-    from moe.sql import Limits, build_sql_sets, load_pairs
-    from moe.sqldb import ReadOnlyDb
-    from moe.tokenizer import EOT, load_tokenizer
+    from moe.data.tokenizer import EOT, load_tokenizer
+    from moe.sql.evaluate import sql_accuracy
+    from moe.sql.pairs import Limits, build_sql_sets, load_pairs
+    from moe.sql.sandbox import ReadOnlyDb
     from tasks.config import load_config
     from tasks.training import load_model
 

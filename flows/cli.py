@@ -297,7 +297,7 @@ def preflight(cfg: Config, stages: list[str] | tuple[str, ...]) -> None:
     text, or an upstream output that no stage of this run makes and that is missing or no
     longer matches the hash its stage's lineage record holds."""
     from flows.stages import STAGES_BY_NAME
-    from moe.data import check_source
+    from moe.data.tokens import check_source
 
     if "prepare" in stages:
         d = cfg.data
@@ -582,7 +582,7 @@ def _lineage(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace, cfg: Config) -> int:
-    """model import / model export / ask: library calls (moe/hf.py, tasks/publish.py)."""
+    """model import / model export / ask: library calls (moe/hf/convert.py, tasks/publish.py)."""
     import time
 
     data_dir = args.data or Path(cfg.data.out_dir) if hasattr(args, "data") else None
@@ -611,7 +611,7 @@ def _model(args: argparse.Namespace, cfg: Config) -> int:
         return 0
     t0 = time.perf_counter()
     if args.model_command == "import":
-        from moe.hf import import_model
+        from moe.hf.convert import import_model
 
         source = import_model(args.dir, args.out, cfg.moe, cfg.model.seq_len)
         how = " (dense, upcycled)" if source["upcycled"] else ""
@@ -638,7 +638,7 @@ def _store_root(root: Path) -> Path | None:
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    from moe.checkpoint import CheckpointStore, weights_digest
+    from moe.checkpoint.store import CheckpointStore, weights_digest
 
     root = _store_root(args.dir)
     if root is None:

@@ -14,7 +14,7 @@ Three pieces of Prefect's own machinery, no supervisor of ours:
    hand-off key and resolved params), tagged `moe-recovery` and `recovers:<crashed id>`
    (the link the UI shows), after a back-off, unless the stage has used up its attempts.
    The new run lands on whatever worker of the pool is alive, and training resumes from the
-   newest verified checkpoint (moe/train.py).
+   newest verified checkpoint (moe/train/trainer.py).
 
 The pipeline flow (dispatch: deployments) that waits for a stage follows the chain of
 recovery runs (`follow`) instead of failing on the first Crashed state.

@@ -1,8 +1,8 @@
 """The library's configuration: typed sections for what moe/ does, and the checks behind them.
 
-Each section is a dataclass for one part of the library (data and tokenizer: moe/data.py;
-model and moe: moe/model.py, moe/routing.py, moe/growth.py; the training sections:
-moe/train.py; checkpoint: moe/checkpoint.py; evaluate: moe/evaluate.py). Its defaults *are*
+Each section is a dataclass for one part of the library (data and tokenizer: moe/data/tokens.py;
+model and moe: moe/model/transformer.py, moe/model/routing.py, moe/model/growth.py; the training sections:
+moe/train/trainer.py; checkpoint: moe/checkpoint/store.py; evaluate: moe/sql/evaluate.py). Its defaults *are*
 the embedded default: a tiny model that runs the whole pipeline on a 2-core CPU in minutes.
 
 How the pipeline runs (storage, pools, cost, recovery, multi-node, W&B), the stage list and
@@ -346,7 +346,7 @@ class ModelConfig:
     # The model to start from: "" = our architecture from random weights (the embedded
     # default); a local Hugging Face folder (config.json, safetensors, tokenizer.json) or a
     # folder written by `moe-pipeline model import`. The architecture fields below are then
-    # read from it (moe/hf.py) and what params.yaml says about them is not used.
+    # read from it (moe/hf/convert.py) and what params.yaml says about them is not used.
     init: str = ""
     # With model.init: "continue" = the pretrain stage continues pretraining the imported
     # model on the corpus (set a small pretrain.lr); "skip" = it passes the model on as it is.
@@ -418,7 +418,7 @@ class ModelConfig:
 
 @dataclass
 class GrowthConfig:
-    """Expert growth and pruning (moe/growth.py). Off by default."""
+    """Expert growth and pruning (moe/model/growth.py). Off by default."""
 
     enabled: bool = False  # grow experts in skewed layers and prune dead ones while pretraining
     check_every: int = knob(10, ge=1)  # steps between trigger checks
@@ -472,7 +472,7 @@ class MoEConfig:
     jitter: float = knob(
         0.0, ge=0, lt=1
     )  # Switch: multiply router inputs by U(1-jitter, 1+jitter) in training
-    # Load balancing; any combination of the methods in BALANCING_METHODS (see moe/routing.py):
+    # Load balancing; any combination of the methods in BALANCING_METHODS (see moe/model/routing.py):
     balancing: list[BalancingMethod] = field(default_factory=lambda: ["aux_free", "z_loss"])
     aux_loss_coef: float = knob(0.01, ge=0)  # aux_loss: Switch/GShard E * sum f_i * P_i
     z_loss_coef: float = knob(0.001, ge=0)  # z_loss: ST-MoE router z-loss
@@ -499,7 +499,7 @@ class MoEConfig:
     # The shared expert's output scaled by sigmoid(a learned gate) per token (Qwen2-MoE).
     shared_expert_gate: bool = False
     force_balanced: bool = False  # debug: round-robin routing, for throughput/memory tests
-    # Expert growth and pruning while training (moe/growth.py); off by default.
+    # Expert growth and pruning while training (moe/model/growth.py); off by default.
     growth: GrowthConfig = field(default_factory=GrowthConfig)
 
     def check(self, p: Problems) -> None:
@@ -539,7 +539,7 @@ class MoEConfig:
 
 @dataclass
 class EarlyStopConfig:
-    """Early stopping (moe/early_stop.py): composite score, lr-scaled patience, cost-aware stop."""
+    """Early stopping (moe/train/early_stop.py): composite score, lr-scaled patience, cost-aware stop."""
 
     patience: int = knob(
         0, ge=0, note=" (0 = off)"
@@ -629,7 +629,7 @@ class FinetuneConfig(OptimConfig):
     checkpoint_every: int = knob(50, ge=1)
     max_len: int = knob(
         192, ge=8
-    )  # prompt + response tokens; prepare fits every example to it or refuses (moe/sql.py)
+    )  # prompt + response tokens; prepare fits every example to it or refuses (moe/sql/pairs.py)
     # Rows of pretraining text added to each batch, as a fraction of batch_size (replay:
     # keeps the model from forgetting what pretraining taught it).
     replay_ratio: float = knob(0.25, ge=0, le=4)
@@ -652,7 +652,7 @@ class FinetuneConfig(OptimConfig):
 
 @dataclass
 class CheckpointConfig:
-    """Tiered checkpoints: see moe/checkpoint.py."""
+    """Tiered checkpoints: see moe/checkpoint/store.py."""
 
     max_retain: int = knob(3, ge=1)  # keep the last 3 (plus the best, plus the bases they need)
     keep_best: bool = True  # also keep the checkpoint with the lowest validation loss
@@ -677,7 +677,7 @@ class CheckpointConfig:
     offload: bool = False
     cold_storage_class: str = "STANDARD_IA"  # S3 storage class of offloaded files ("" = default)
     # How often a training stage saves. "stage": every checkpoint_every steps of the stage.
-    # "auto": Young/Daly (moe/resilience.py) from the measured save stall, the step time and
+    # "auto": Young/Daly (moe/train/resilience.py) from the measured save stall, the step time and
     # the stage pool's mean_hours_between_interruptions; the first save comes after at most
     # 10 steps to measure the stall, and a pool declaring no interruptions keeps the stage's
     # checkpoint_every. The choice and its inputs are logged and kept in the lineage record.

@@ -25,7 +25,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NONE
 
-from moe.checkpoint import CheckpointStore
+from moe.checkpoint.store import CheckpointStore
 from tasks.config import Config
 from tasks.multinode import share_object, sync_checkpoints
 from tasks.storage import RETRIES, ObjectStore, open_store

@@ -19,17 +19,17 @@ from prefect import task
 from prefect.cache_policies import NONE
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from moe.data import CorpusStats, iter_documents, write_token_store
-from moe.errors import InputError
-from moe.sql import Limits
-from moe.sql import build_sql_sets as build_sets
-from moe.tokenizer import (
+from moe.data.tokenizer import (
     batch_encoder,
     load_tokenizer,
     specials,
     tokenizer_hash,
     train_tokenizer,
 )
+from moe.data.tokens import CorpusStats, iter_documents, write_token_store
+from moe.errors import InputError
+from moe.sql.pairs import Limits
+from moe.sql.pairs import build_sql_sets as build_sets
 from tasks import retry_unless_input_error
 from tasks.config import Config
 
@@ -60,7 +60,7 @@ def build_tokenizer(cfg: Config, work: Path) -> Path:
     if cfg.tokenizer.path:
         load_tokenizer(cfg.tokenizer.path)  # validates special tokens
         shutil.copyfile(cfg.tokenizer.path, out)
-        # A model's own tokenizer names its special tokens here (moe/tokenizer.py `specials`).
+        # A model's own tokenizer names its special tokens here (moe/data/tokenizer.py `specials`).
         config = Path(cfg.tokenizer.path).with_name("tokenizer_config.json")
         if config.is_file():
             shutil.copyfile(config, work / "tokenizer_config.json")
@@ -161,7 +161,7 @@ def tokenize_corpus(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, 
     retry_condition_fn=retry_unless_input_error,
 )
 def build_sql_sets(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, Any]:
-    """The SQL pair sets (moe/sql.py), every pair executed on its database and every example
+    """The SQL pair sets (moe/sql/pairs.py), every pair executed on its database and every example
     fitted to the model's lengths with the tokenizer it will be trained with. Returns what
     meta.json records under `sql`: counts per set and kind, sources, skipped records,
     schema notes and token lengths."""

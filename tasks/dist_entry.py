@@ -16,7 +16,7 @@ import torch.distributed as dist
 import tasks
 
 tasks.offline_defaults()  # before Prefect and W&B read their settings
-from moe import distributed as D  # noqa: E402
+from moe.train import distributed as D  # noqa: E402
 from tasks.config import load_config  # noqa: E402
 from tasks.training import finetune_model, pretrain_model  # noqa: E402
 

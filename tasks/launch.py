@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from moe.errors import InputError
-from moe.train import TrainResult
+from moe.train.trainer import TrainResult
 from tasks.config import Config
 from tasks.events import row_events
 from tasks.multinode import run_on_cluster
@@ -60,7 +60,7 @@ def processes(cfg: Config, stage: str) -> int:
     """How many training processes this stage launches here: `Config.processes` (nproc, or
     with nproc 0 one per GPU of the stage's pool), but one where nproc is 0 and this machine
     trains on the CPU (a laptop running the pipeline locally)."""
-    from moe.train import resolve_device
+    from moe.train.trainer import resolve_device
 
     sec = getattr(cfg, stage)
     n = cfg.processes(stage)
@@ -86,7 +86,7 @@ def torchrun(
     budget_left: float = 0.0,
 ) -> TrainResult:
     """Run this training stage under torchrun with `nproc` processes on this machine (data
-    parallel + expert parallel, moe/distributed.py); rank 0 writes the outputs. The metrics
+    parallel + expert parallel, moe/train/distributed.py); rank 0 writes the outputs. The metrics
     rows are replayed into log_fn (W&B) afterwards. A rank that dies fails the launch."""
     import subprocess
     import sys

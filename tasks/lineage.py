@@ -186,7 +186,7 @@ class StageRecord:
         wall_s = time.time() - self.t0
         res = (metrics or {}).get("resilience") or {}
         if res.get("interruptions"):
-            # Attempts lost before this flow run (moe/resilience.py): their machines were
+            # Attempts lost before this flow run (moe/train/resilience.py): their machines were
             # paid. compute_s is left out: a resumed run's training time includes the kept
             # work of those attempts, already inside their spans.
             lost_attempts_s = sum(

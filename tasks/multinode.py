@@ -49,9 +49,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from moe.checkpoint import step_of
+from moe.checkpoint.store import step_of
 from moe.errors import InputError
-from moe.train import TrainResult
+from moe.train.trainer import TrainResult
 from tasks.config import Config, PoolSpec, load_config
 from tasks.storage import ObjectStore, open_store, pull_files, push_files
 

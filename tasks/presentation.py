@@ -254,7 +254,7 @@ def run_report(
     """The run's markdown report (reports/evaluate/report.md): the bill per stage, every
     stage's model on the held-out sets (per kind of query too), samples, the saving against
     running everything on the dearest pool, and the plots."""
-    from moe.sqlgen import KINDS as TEMPLATES
+    from moe.sql.generator import KINDS as TEMPLATES
 
     trained = [s for s in STAGES if s in metrics]  # the training stages, in order
     lines = [

@@ -2,7 +2,7 @@
 
 `export_model_dir` is what `moe-pipeline model export` runs: the model folder a training stage
 wrote (or an import) becomes what `AutoModelForCausalLM.from_pretrained` and vLLM load
-(moe/hf.py), with the tokenizer the model was trained with and a README.md that says where it
+(moe/hf/convert.py), with the tokenizer the model was trained with and a README.md that says where it
 came from: the lineage's input and code hashes, the evaluation table and the bill, when the
 pipeline's reports are there.
 """
@@ -14,10 +14,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from moe.data.tokenizer import load_tokenizer, specials
 from moe.errors import InputError
-from moe.hf import ExportPlan, export_hf, export_plan, load_model_dir, native_tokenizer_config
-from moe.model import MoETransformer
-from moe.tokenizer import load_tokenizer, specials
+from moe.hf.convert import (
+    ExportPlan,
+    export_hf,
+    export_plan,
+    load_model_dir,
+    native_tokenizer_config,
+)
+from moe.model.transformer import MoETransformer
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -142,7 +148,7 @@ def export_model_dir(
         (tok_dir / "tokenizer.json").write_bytes(tok_path.read_bytes())
         beside = tok_path.parent
         if (beside / "tokenizer_config.json").is_file():
-            from moe.hf import copy_tokenizer
+            from moe.hf.convert import copy_tokenizer
 
             copy_tokenizer(beside, tok_dir)
         else:  # our own tokenizer: say which tokens are special, for AutoTokenizer
@@ -177,8 +183,14 @@ def ask(
     time-limited connection."""
     import torch
 
-    from moe.sql import SqlPair, prompt_text
-    from moe.sqldb import ReadOnlyDb, SchemaStyle, inspect_database, open_checked, serialize_schema
+    from moe.sql.pairs import SqlPair, prompt_text
+    from moe.sql.sandbox import (
+        ReadOnlyDb,
+        SchemaStyle,
+        inspect_database,
+        open_checked,
+        serialize_schema,
+    )
 
     con = open_checked(db)
     try:
@@ -197,7 +209,7 @@ def ask(
             f"the question with the schema of {db} is {len(prompt)} tokens; the model reads"
             f" {model.cfg.seq_len}: ask about a smaller database"
         )
-    from moe.evaluate import stop_ids
+    from moe.sql.evaluate import stop_ids
 
     stop = stop_ids(tok, sp.eos)
     out = model.generate_batch([prompt], min(max_new_tokens, room), stop)[0]

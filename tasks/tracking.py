@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from moe.stats import flat_metrics
+from moe.model.stats import flat_metrics
 from tasks.config import Config
 
 log = logging.getLogger(__name__)

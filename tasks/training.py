@@ -21,23 +21,23 @@ from prefect import task
 from prefect.cache_policies import NONE
 from prefect.tasks import exponential_backoff
 
-from moe import distributed as D
-from moe.checkpoint import load_model_tensors
+from moe.checkpoint.store import load_model_tensors
 from moe.config import FinetuneConfig
-from moe.data import BatchSampler, MixedBatches, SFTBatches, SFTExample, TokenStore
+from moe.data.tokenizer import Specials, encode_ids, load_tokenizer, specials
+from moe.data.tokens import BatchSampler, MixedBatches, SFTBatches, SFTExample, TokenStore
 from moe.errors import InputError
-from moe.hf import (
+from moe.hf.convert import (
     build_init_model,
     init_model_skeleton,
     load_model_dir,
     model_dir_skeleton,
     save_model_dir,
 )
-from moe.model import MoETransformer
-from moe.resilience import AttemptJournal
-from moe.sql import load_pairs, prompt_text, response_text
-from moe.tokenizer import Specials, encode_ids, load_tokenizer, specials
-from moe.train import Budget, Resilience, Trainer, TrainResult, Validation
+from moe.model.transformer import MoETransformer
+from moe.sql.pairs import load_pairs, prompt_text, response_text
+from moe.train import distributed as D
+from moe.train.resilience import AttemptJournal
+from moe.train.trainer import Budget, Resilience, Trainer, TrainResult, Validation
 from tasks import retry_unless_input_error
 from tasks.checkpoints import checkpoint_store, offload_checkpoints
 from tasks.config import Config, PoolSpec
@@ -57,7 +57,7 @@ TRAIN_RETRIES = dict(
 
 
 def save_model(model: MoETransformer, out_dir: Path) -> Path:
-    """The stage's model folder (moe/hf.py): what the next stage, `model export` and
+    """The stage's model folder (moe/hf/convert.py): what the next stage, `model export` and
     `ask` read. A model started from model.init keeps the import's source record."""
     extra = {}
     if model.cfg.init and (Path(model.cfg.init) / "model.json").is_file():
@@ -217,7 +217,7 @@ def _pretrain(
             )
     else:
         # Under torchrun the model is built on the meta device: each rank draws the same
-        # weights one process would, and keeps only its shards (moe/distributed.py).
+        # weights one process would, and keeps only its shards (moe/train/distributed.py).
         with torch.device("meta" if sharded else "cpu"):
             model = MoETransformer(cfg.model, cfg.moe, train_store.vocab_size)
     log.info(

@@ -22,11 +22,11 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from moe import distributed as D
-from moe.checkpoint import CheckpointStore, model_tensors
+from moe.checkpoint.store import CheckpointStore, model_tensors
 from moe.config import ModelConfig, MoEConfig, PretrainConfig
-from moe.model import MoETransformer
-from moe.train import Trainer
+from moe.model.transformer import MoETransformer
+from moe.train import distributed as D
+from moe.train.trainer import Trainer
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 64
 

@@ -1,4 +1,4 @@
-"""Contract of moe/checkpoint.py: tiered, verified checkpoints. Every restorable checkpoint is
+"""Contract of moe/checkpoint/store.py: tiered, verified checkpoints. Every restorable checkpoint is
 one bit-exact training state (deltas included, across retention); damaged or half-written ones
 are skipped naming why; nothing outside the folder is read; hot/cold tiers follow the load;
 the lossy fp16 cold tier says so."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe.checkpoint import (
+from moe.checkpoint.store import (
     WRITER,
     CheckpointStore,
     flatten_optimizer,
@@ -200,8 +200,8 @@ def test_process_killed_mid_save_leaves_previous_restorable(tmp_path: Path) -> N
     script = textwrap.dedent(
         f"""
         import sys, time, torch
-        import moe.checkpoint as C
-        from moe.checkpoint import CheckpointStore
+        import moe.checkpoint.store as C
+        from moe.checkpoint.store import CheckpointStore
         store = CheckpointStore({str(tmp_path)!r}, cold_codec="bg-lzma")
         store.save(1, {{"w": torch.ones(4)}}, {{}}, {{}}, {{"step": 1}})
         print("saved", flush=True)

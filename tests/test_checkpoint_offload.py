@@ -97,7 +97,7 @@ def test_training_resumes_from_a_checkpoint_that_lives_in_s3(
     S3: fetched, verified, and the run ends with the weights of one never interrupted."""
     import shutil
 
-    from moe.checkpoint import model_tensors, weights_digest
+    from moe.checkpoint.store import model_tensors, weights_digest
     from tests.test_train import _data, _trainer
 
     boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1").create_bucket(

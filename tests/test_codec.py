@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe.codec import CODECS, decode, encode
+from moe.checkpoint.codec import CODECS, decode, encode
 
 
 def _weights(dtype: torch.dtype, n: int = 65536, seed: int = 0) -> torch.Tensor:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe.checkpoint import CheckpointStore, model_tensors
+from moe.checkpoint.store import CheckpointStore, model_tensors
 from tests.test_train import _data, _trainer
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
@@ -45,7 +45,7 @@ def test_bf16_training_on_cuda_learns_checkpoints_and_resumes(tmp_path: Path) ->
 @cuda
 def test_the_model_on_cuda_equals_itself_on_cpu() -> None:
     from moe.config import ModelConfig, MoEConfig
-    from moe.model import MoETransformer
+    from moe.model.transformer import MoETransformer
 
     torch.manual_seed(0)
     model = MoETransformer(

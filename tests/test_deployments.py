@@ -83,7 +83,7 @@ def _moe_modules(path: Path) -> set[str]:
 def test_a_stage_reruns_when_any_code_it_runs_changes() -> None:
     """A stage's skip decision hashes the .py deps dvc.yaml lists for it (as DVC does): every
     moe/ module its task modules import, directly or through other moe/ modules, must be
-    listed, or a change there (the SFT batches of moe/data.py, say) would leave the stage
+    listed, or a change there (the SFT batches of moe/data/tokens.py, say) would leave the stage
     skipped with stale outputs; so must the task modules those import from tasks/ to compute
     outputs (evaluate loads models through tasks/training.py). moe/config.py and
     moe/errors.py are exempt: their effect on a run is the params, tracked as params. The

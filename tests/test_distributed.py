@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load as load_file_bytes
 from safetensors.torch import load_file
 
-from moe.checkpoint import CheckpointStore
+from moe.checkpoint.store import CheckpointStore
 from moe.config import ModelConfig, MoEConfig, PretrainConfig
 from tasks.config import Config
 from tests import dist_worker as W
@@ -199,7 +199,7 @@ def test_a_dead_rank_fails_the_run_fast(tmp_path: Path) -> None:
 
 
 def test_expert_count_and_degree_must_divide() -> None:
-    from moe.distributed import expert_degree
+    from moe.train.distributed import expert_degree
 
     with pytest.raises(ValueError, match="num_experts=6 does not divide over 4 processes"):
         expert_degree(0, 4, 6)
@@ -267,7 +267,7 @@ def test_continued_pretraining_of_a_hugging_face_model_runs_sharded(tmp_path: Pa
     """model.init names transformers' own Qwen3-MoE folder and pretrain.nproc is 2: the first
     process streams the import once, each rank reads its part of it into the model built on
     the meta device, and training ends where one process (loading the model whole) ends."""
-    from moe.hf import init_architecture
+    from moe.hf.convert import init_architecture
     from tasks.training import pretrain_model
     from tests.test_hf import hf_model
     from tests.test_train import _data

@@ -61,7 +61,7 @@ def _budgeted_training(tmp_path: Path) -> tuple[str, Any]:
     from prefect import flow
     from prefect.runtime import flow_run
 
-    from moe.train import Budget
+    from moe.train.trainer import Budget
     from tasks.config import Config
     from tasks.training import _fit_and_save
     from tests.test_resilience import _clocked

@@ -1,4 +1,4 @@
-"""Expert growth and pruning (moe/growth.py): orthogonal new experts, output unchanged at the
+"""Expert growth and pruning (moe/model/growth.py): orthogonal new experts, output unchanged at the
 moment of growth, optimizer steps after growth and pruning, checkpoints across a change in
 expert count, and a trigger that fires on skewed load and not on balanced load."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe.checkpoint import (
+from moe.checkpoint.store import (
     CheckpointStore,
     flatten_optimizer,
     load_model_tensors,
@@ -17,7 +17,7 @@ from moe.checkpoint import (
     unflatten_optimizer,
 )
 from moe.config import GrowthConfig, ModelConfig, MoEConfig
-from moe.growth import (
+from moe.model.growth import (
     GrowthManager,
     LayerState,
     experts_per_layer,
@@ -26,7 +26,7 @@ from moe.growth import (
     prune,
     resize_model,
 )
-from moe.model import MoETransformer
+from moe.model.transformer import MoETransformer
 
 
 def _model(E: int = 4) -> MoETransformer:
@@ -175,8 +175,8 @@ def test_training_with_growth_resumes_bit_identically(tmp_path: Path) -> None:
     import json
 
     from moe.config import PretrainConfig
-    from moe.data import BatchSampler, TokenStore
-    from moe.train import Trainer
+    from moe.data.tokens import BatchSampler, TokenStore
+    from moe.train.trainer import Trainer
     from tests.test_train import VOCAB, _data
 
     data = _data(tmp_path / "data")

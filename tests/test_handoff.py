@@ -83,7 +83,7 @@ def test_a_manifest_cannot_write_outside_the_working_folder(cwd: Path) -> None:
 
 def test_up_to_date_follows_params_inputs_and_outputs(cwd: Path) -> None:
     (cwd / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
-    for dep in ("moe/train.py", "tasks/training.py", "moe/model.py"):
+    for dep in ("moe/train/trainer.py", "tasks/training.py", "moe/model/transformer.py"):
         (cwd / dep).parent.mkdir(parents=True, exist_ok=True)
         (cwd / dep).write_text((ROOT / dep).read_text())
     cfg = load_config(None, [f"storage.root={cwd / 'bucket'}"])
@@ -111,7 +111,7 @@ def test_up_to_date_follows_params_inputs_and_outputs(cwd: Path) -> None:
     assert up_to_date(cfg, "pretrain", out, inputs, outputs) is None
     (out / "model.safetensors").write_bytes(b"weights" * 100)
     assert up_to_date(cfg, "pretrain", out, inputs, outputs) is not None
-    (cwd / "moe/train.py").write_text("# changed\n")
+    (cwd / "moe/train/trainer.py").write_text("# changed\n")
     assert up_to_date(cfg, "pretrain", out, inputs, outputs) is None
 
 

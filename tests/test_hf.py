@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (moe/hf.py), against transformers itself.
+"""Hugging Face checkpoints in and out (moe/hf/convert.py), against transformers itself.
 
 Nothing is downloaded: transformers builds tiny random models of each architecture from a
 config (`from_config`, `save_pretrained`), and reads back what we export (`from_pretrained`
@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from moe.config import ModelConfig, MoEConfig
 from moe.errors import InputError
-from moe.hf import export_hf, export_plan, import_model, load_hf_model, load_model_dir
-from moe.model import MoETransformer
+from moe.hf.convert import export_hf, export_plan, import_model, load_hf_model, load_model_dir
+from moe.model.transformer import MoETransformer
 
 transformers = pytest.importorskip("transformers")
 
@@ -152,7 +152,7 @@ def perturbed(model: MoETransformer) -> MoETransformer:
 
 
 def tokenizer_dir(tmp: Path) -> Path:
-    from moe.tokenizer import train_tokenizer
+    from moe.data.tokenizer import train_tokenizer
 
     folder = tmp / "tok"
     folder.mkdir()
@@ -333,8 +333,8 @@ def test_the_streamed_import_writes_what_the_whole_model_would(
     """`model import` writes the weights tensor by tensor (the model never whole in memory):
     the file, read by safetensors itself, holds exactly what loading the whole model and
     saving it gives (every tensor, dtype and bit; routing state at its defaults)."""
-    from moe.checkpoint import model_tensors
-    from moe.hf import stream_hf_weights
+    from moe.checkpoint.store import model_tensors
+    from moe.hf.convert import stream_hf_weights
 
     hf_model(model_type, tmp_path / "hf")
     skeleton, _ = stream_hf_weights(tmp_path / "hf", tmp_path / "w.safetensors", MOE, seq_len=64)
@@ -347,7 +347,7 @@ def test_the_streamed_import_writes_what_the_whole_model_would(
 
 
 def test_a_refused_streamed_import_leaves_no_file(tmp_path: Path) -> None:
-    from moe.hf import stream_hf_weights
+    from moe.hf.convert import stream_hf_weights
 
     hf_model("qwen2_moe", tmp_path / "hf")
     weights = tmp_path / "hf" / "model.safetensors"
@@ -376,8 +376,8 @@ def test_qwen3s_own_tokenizer_prepares_into_uint32_token_files(tmp_path: Path) -
     tokenizer_config.json (eos <|im_end|>, pad <|endoftext|>, no bos)."""
     from tokenizers import Tokenizer
 
-    from moe.data import TokenStore
-    from moe.tokenizer import specials
+    from moe.data.tokenizer import specials
+    from moe.data.tokens import TokenStore
     from tasks.config import Config
     from tasks.data import build_tokenizer, tokenize_corpus
     from tests.qwen3_tokenizer import qwen3_tokenizer

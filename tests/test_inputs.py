@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from moe.data.tokenizer import load_tokenizer
 from moe.errors import InputError
-from moe.sql import load_pairs
-from moe.tokenizer import load_tokenizer
+from moe.sql.pairs import load_pairs
 from tests.conftest import cli_env, pipeline_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def test_stage_without_its_inputs_exits_2_and_writes_nothing(
 # ----------------------------------------------------------------- corpus inputs (data issue)
 
 from moe.config import ConfigError  # noqa: E402
-from moe.data import CorpusStats, iter_documents  # noqa: E402
+from moe.data.tokens import CorpusStats, iter_documents  # noqa: E402
 from tasks.config import load_config  # noqa: E402
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from moe.config import ModelConfig, MoEConfig
-from moe.experts import GroupedExperts, reference_moe
-from moe.model import MoETransformer
-from moe.routing import Router, capacity_mask
+from moe.model.experts import GroupedExperts, reference_moe
+from moe.model.routing import Router, capacity_mask
+from moe.model.transformer import MoETransformer
 
 
 def _layer(E: int = 4, D: int = 16, F: int = 32, K: int = 2, cf: float = 0.0, seed: int = 0):
@@ -321,7 +321,7 @@ def test_layer_matches_hugging_face_qwen3_moe_block() -> None:
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    from moe.model import MoEAux, MoELayer
+    from moe.model.transformer import MoEAux, MoELayer
 
     torch.manual_seed(0)
     D, E, K, F = 32, 8, 2, 64

@@ -263,7 +263,7 @@ def test_two_nodes_train_like_one_machine_and_resume_on_new_machines(
     assert store.exists(f"{mirror_prefix(run_key())}/manifest.json")
     # Saved sharded, each node its own rank's files: those of the node that did not write the
     # manifest are named where the mirror holds them (no rank gathered the whole state).
-    from moe.checkpoint import Manifest
+    from moe.checkpoint.store import Manifest
 
     m = Manifest.read(out / "checkpoints" / "step_00000040")
     assert m.sharded and {"r000.L0.bin", "r001.L0.bin", "r001.L1.bin"} <= set(m.files)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from moe.config import ModelConfig, MoEConfig
-from moe.hf import save_model_dir
-from moe.model import MoETransformer
-from moe.tokenizer import train_tokenizer
+from moe.data.tokenizer import train_tokenizer
+from moe.hf.convert import save_model_dir
+from moe.model.transformer import MoETransformer
 from tasks.publish import export_final, publish_model
 from tests.test_storage import FakeHfApi, _cfg
 

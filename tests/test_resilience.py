@@ -1,4 +1,4 @@
-"""Contract of moe/resilience.py and its use by the trainer: the Young/Daly interval minimises
+"""Contract of moe/train/resilience.py and its use by the trainer: the Young/Daly interval minimises
 the expected wall time under exponential interruptions, `checkpoint.every: auto` saves at the
 interval it logs, and an interrupted attempt is accounted for (steps redone, time lost,
 goodput) while the resumed run still ends bit-identical."""
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from moe.checkpoint import CheckpointStore, model_tensors, weights_digest
-from moe.resilience import (
+from moe.checkpoint.store import CheckpointStore, model_tensors, weights_digest
+from moe.train.resilience import (
     AttemptJournal,
     choose_interval,
     daly_interval_s,

@@ -18,9 +18,9 @@ SCRIPT = textwrap.dedent(
     import json, sys
     from pathlib import Path
     import numpy as np
-    from moe.checkpoint import CheckpointStore, weights_digest
+    from moe.checkpoint.store import CheckpointStore, weights_digest
     from tasks.config import load_config
-    from moe.data import token_dtype, write_token_store
+    from moe.data.tokens import token_dtype, write_token_store
     from tasks.training import pretrain_model
 
     work = Path(sys.argv[1])
@@ -120,7 +120,7 @@ def test_checkpoint_every_auto_reaches_the_trainer_from_the_stage_pool(tmp_path:
     set on the trainer by hand), and the chosen interval is in the stage's result."""
     import numpy as np
 
-    from moe.data import token_dtype, write_token_store
+    from moe.data.tokens import token_dtype, write_token_store
     from tasks.config import load_config
     from tasks.training import pretrain_model
 

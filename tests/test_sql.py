@@ -19,11 +19,13 @@ import numpy as np
 import pytest
 
 from moe.config import DataConfig
-from moe.data import SFTBatches, SFTExample
+from moe.data.tokenizer import train_tokenizer
+from moe.data.tokens import SFTBatches, SFTExample
 from moe.errors import InputError
-from moe.evaluate import _score_one
-from moe.sql import Limits, SqlPair, build_sql_sets, load_pairs, prompt_text
-from moe.sqldb import (
+from moe.sql.evaluate import _score_one
+from moe.sql.generator import KINDS, kind_of
+from moe.sql.pairs import Limits, SqlPair, build_sql_sets, load_pairs, prompt_text
+from moe.sql.sandbox import (
     ReadOnlyDb,
     SchemaStyle,
     inspect_database,
@@ -32,8 +34,6 @@ from moe.sqldb import (
     same_result,
     serialize_schema,
 )
-from moe.sqlgen import KINDS, kind_of
-from moe.tokenizer import train_tokenizer
 from tests import chinook
 
 SETS = ("generic", "generic_test_seen", "generic_test_heldout", "domain_train", "domain_test")
@@ -159,7 +159,7 @@ def test_schema_is_read_from_the_database(tmp_path: Path) -> None:
     # Questions generated from it quote what must be quoted, and run.
     import random
 
-    from moe.sqlgen import QuestionGenerator
+    from moe.sql.generator import QuestionGenerator
 
     gen = QuestionGenerator(schema)
     assert set(gen.kinds) == set(KINDS)
@@ -635,7 +635,7 @@ def test_user_pair_weights_reach_the_finetuning_examples(tmp_path: Path, tok) ->
     path = tmp_path / "domain_train.jsonl"
     path.write_text(mine.to_json() + "\n" + generated.to_json() + "\n")
 
-    from moe.tokenizer import Specials
+    from moe.data.tokenizer import Specials
 
     examples = sft_examples(path, tok, Specials(eos=0, pad=1))
     assert [ex.weight for ex in examples] == [3.0, 1.0]

@@ -322,7 +322,7 @@ def test_a_machine_lost_twice_is_recovered_without_a_human(root: Path, pipeline:
     weights are those of an uninterrupted run; each kill cost at most one checkpoint interval
     of steps; the API links each recovery run to the run it replaces."""
     from flows.recovery import LINK, RECOVERY_TAG
-    from moe.checkpoint import weights_digest
+    from moe.checkpoint.store import weights_digest
     from tasks.training import pretrain_model
 
     seed = random.randrange(10**6)

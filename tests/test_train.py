@@ -1,4 +1,4 @@
-"""Contract of moe/train.py: training learns, and a run killed at any step and resumed ends
+"""Contract of moe/train/trainer.py: training learns, and a run killed at any step and resumed ends
 with weights bit-identical to an uninterrupted run (CPU); a checkpoint from other params is
 not resumed."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe.checkpoint import CheckpointStore, model_tensors, weights_digest
+from moe.checkpoint.store import CheckpointStore, model_tensors, weights_digest
 from moe.config import ModelConfig, MoEConfig, PretrainConfig
-from moe.data import BatchSampler, TokenStore, token_dtype, write_token_store
-from moe.model import MoETransformer
-from moe.train import Budget, Trainer, Validation, lr_at
+from moe.data.tokens import BatchSampler, TokenStore, token_dtype, write_token_store
+from moe.model.transformer import MoETransformer
+from moe.train.trainer import Budget, Trainer, Validation, lr_at
 
 VOCAB = 64
 
@@ -257,7 +257,7 @@ def test_schedules() -> None:
 # ----------------------------------------------------------------- early stopping
 
 from moe.config import EarlyStopConfig  # noqa: E402
-from moe.early_stop import EarlyStopper  # noqa: E402
+from moe.train.early_stop import EarlyStopper  # noqa: E402
 
 
 def test_patience_stops_on_a_plateau_and_scales_with_lr() -> None:

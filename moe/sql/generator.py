@@ -1,6 +1,6 @@
 """Question/SQL pairs generated from a database's own schema and rows.
 
-One generator for every database: the embedded default's themes (moe/sql.py builds their
+One generator for every database: the embedded default's themes (moe/sql/pairs.py builds their
 databases first), a user's own sqlite file, a Spider database. It reads what
 `inspect_database` found (tables, columns, keys, categorical values, numeric ranges) and
 writes questions of five kinds, drawn evenly:
@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from moe.sqldb import Column, Schema, Table, ident
+from moe.sql.sandbox import Column, Schema, Table, ident
 
 KINDS = ("filters", "ordering", "aggregates", "grouping", "joins")
 _AGGREGATES = ("COUNT(", "AVG(", "MIN(", "MAX(", "SUM(")

@@ -13,7 +13,7 @@ Summary = dict[str, float | list[float] | list[list[float]]]
 
 class ExpertLoad:
     """Accumulates tokens_per_expert per MoE layer over windows of steps. Layers may hold
-    different expert counts (expert growth and pruning, moe/growth.py)."""
+    different expert counts (expert growth and pruning, moe/model/growth.py)."""
 
     def __init__(self, num_layers: int, num_experts: int | list[int]) -> None:
         sizes = [num_experts] * num_layers if isinstance(num_experts, int) else list(num_experts)

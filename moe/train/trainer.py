@@ -24,22 +24,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.experimental import implicit_replication
 
-from moe import distributed as D
-from moe.checkpoint import (
+from moe.checkpoint.codec import dtype_from_name
+from moe.checkpoint.store import (
     CheckpointStore,
     flatten_optimizer,
     load_model_tensors,
     model_tensors,
     unflatten_optimizer,
 )
-from moe.codec import dtype_from_name
 from moe.config import OptimConfig
-from moe.early_stop import EarlyStopper
-from moe.growth import GrowthManager, experts_per_layer, resize_model
-from moe.model import MoETransformer
-from moe.resilience import AttemptJournal, IntervalChoice, choose_interval
-from moe.routing import AFTER_WARMUP
-from moe.stats import ExpertLoad, summarize
+from moe.model.growth import GrowthManager, experts_per_layer, resize_model
+from moe.model.routing import AFTER_WARMUP
+from moe.model.stats import ExpertLoad, summarize
+from moe.model.transformer import MoETransformer
+from moe.train import distributed as D
+from moe.train.early_stop import EarlyStopper
+from moe.train.resilience import AttemptJournal, IntervalChoice, choose_interval
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ class Trainer:
         file in the model's names) or, without it, with the initialisation one process
         would draw after the same seed."""
         self.device = resolve_device(cfg.device)
-        # Under torchrun: data parallel + expert parallel (moe/distributed.py). Each rank
+        # Under torchrun: data parallel + expert parallel (moe/train/distributed.py). Each rank
         # trains on its rows of every global batch and holds 1/world of the experts.
         self.rank, self.world = (
             (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -265,7 +265,7 @@ class Trainer:
             bf16 = self.amp_dtype == torch.bfloat16
             D.parallelize(model, self.meshes, param_dtype=torch.bfloat16 if bf16 else None)
             if meta:  # built on the meta device: each rank materialises its shards only
-                from moe.hf import init_buffers
+                from moe.hf.convert import init_buffers
 
                 model.to_empty(device=self.device)
                 init_buffers(model)
@@ -302,7 +302,7 @@ class Trainer:
         self.optimizer = build_optimizer(
             model, cfg, router_lr_mult, foreach=self.meshes is not None
         )
-        # Expert growth and pruning (moe/growth.py), pretraining only.
+        # Expert growth and pruning (moe/model/growth.py), pretraining only.
         self.growth = (
             GrowthManager(model, model.mcfg.growth, seed=cfg.seed)
             if model.mcfg.growth.enabled and expert_warmup
@@ -339,7 +339,7 @@ class Trainer:
 
     def _save(self, val_loss: float | None) -> Path | None:
         """World size 1: the whole state, tiered. Sharded: each rank writes its own shards
-        (DCP, moe/sharded.py), across machines through the store's `share` (the multi-node
+        (DCP, moe/checkpoint/sharded.py), across machines through the store's `share` (the multi-node
         mirror). Across machines without one, every rank takes part in gathering the state
         whole and rank 0 writes it."""
         if self.meshes is not None and (D.single_node() or self.store.share is not None):
@@ -615,7 +615,7 @@ class Trainer:
 
     def _choose_interval(self, save_s: float, step_s: float, restore_s: float) -> None:
         """checkpoint.every: auto: Young/Daly from the stall this save cost, the mean step
-        time of this run and the pool's mean time between interruptions (moe/resilience.py).
+        time of this run and the pool's mean time between interruptions (moe/train/resilience.py).
         Rank 0 decides and the others follow (a save is a collective)."""
         assert self.auto_mtbi_s is not None
         choice = choose_interval(

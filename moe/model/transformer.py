@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from moe.config import ModelConfig, MoEConfig
-from moe.experts import GroupedExperts
-from moe.routing import Router, recompute_context, recomputing
+from moe.model.experts import GroupedExperts
+from moe.model.routing import Router, recompute_context, recomputing
 
 
 @dataclass
@@ -292,7 +292,7 @@ def init_parameter_(name: str, t: torch.Tensor, cfg: ModelConfig) -> None:
     """One parameter's initialisation, in place (its draws from torch's global generator):
     biases zero, norms as built (ones), matrices normal(0, init_std), the residual-output
     projections scaled by 1/sqrt(2 * n_layer) as in GPT-2. The sharded engine draws the same
-    on a whole copy of each parameter (moe/distributed.py `init_like_one_process`)."""
+    on a whole copy of each parameter (moe/train/distributed.py `init_like_one_process`)."""
     if t.dim() == 1:
         if name.endswith(".bias"):
             t.zero_()

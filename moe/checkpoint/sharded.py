@@ -4,7 +4,7 @@ DCP plans which rank writes which chunk of which tensor (each rank its own shard
 replicated on several ranks once) and, on restore, which chunks each rank reads for the
 layout it has now: another world size or expert-parallel degree reads the same checkpoint.
 This module is DCP's storage layer, so a sharded checkpoint is a checkpoint of the store
-(moe/checkpoint.py) like any other:
+(moe/checkpoint/store.py) like any other:
 
 - each rank encodes its chunks into its own tier files, `rNNN.L0.bin` (shared tensors),
   `rNNN.L1.bin` (hot experts), `rNNN.L2.bin` (cold experts), with the tier's codec
@@ -57,11 +57,11 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from moe.codec import dtype_from_name, dtype_name, encode
+from moe.checkpoint.codec import dtype_from_name, dtype_name, encode
 from moe.hashing import sha256_file
 
 if TYPE_CHECKING:
-    from moe.checkpoint import CheckpointStore, TensorMeta
+    from moe.checkpoint.store import CheckpointStore, TensorMeta
 
 SHARDED_FORMAT = 3
 
@@ -124,7 +124,7 @@ class TieredWriter(StorageWriter):
         return [dataclasses.replace(p, storage_data=i) for i, p in enumerate(plans)]
 
     def _tier(self, key: str, expert: int | None) -> str:
-        from moe.checkpoint import expert_layer
+        from moe.checkpoint.store import expert_layer
 
         if expert is None:
             return "L0"
@@ -132,7 +132,7 @@ class TieredWriter(StorageWriter):
         return "L2" if expert in set(self.expert_tiers.get(layer, {}).get("cold", [])) else "L1"
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        from moe.checkpoint import expert_layer, tensor_meta
+        from moe.checkpoint.store import expert_layer, tensor_meta
 
         rank = int(plan.storage_data)
         self.tmp.mkdir(parents=True, exist_ok=True)
@@ -212,7 +212,7 @@ class TieredWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        from moe.checkpoint import TensorMeta
+        from moe.checkpoint.store import TensorMeta
 
         records: list[TensorMeta] = []
         files: dict[str, tuple[str, int, str]] = {}

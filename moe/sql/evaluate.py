@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from moe.data import BatchSampler
+from moe.data.tokens import BatchSampler
 from moe.errors import InputError
-from moe.model import MoETransformer
-from moe.sql import SqlPair, prompt_text
-from moe.sqldb import ReadOnlyDb, normalized_sql, orders, same_result
-from moe.sqlgen import KINDS
+from moe.model.transformer import MoETransformer
+from moe.sql.generator import KINDS
+from moe.sql.pairs import SqlPair, prompt_text
+from moe.sql.sandbox import ReadOnlyDb, normalized_sql, orders, same_result
 
 
 @torch.no_grad()
@@ -53,7 +53,7 @@ def sql_accuracy(
 ) -> dict[str, Any]:
     """Greedy-generate SQL for each pair (in batches, with a KV cache) and score it: valid
     (it runs on the pair's database), execution match (the same rows as the reference, as
-    Spider's and BIRD's evaluators compare them: moe/sqldb.py `same_result`) and exact match
+    Spider's and BIRD's evaluators compare them: moe/sql/sandbox.py `same_result`) and exact match
     (both queries equal after sqlglot normalises them); overall and per kind of query.
     Predicted SQL runs on a read-only connection that refuses writes, ATTACH, pragmas and
     extensions, within `time_limit_s` and `row_limit`; what exceeds them counts as wrong

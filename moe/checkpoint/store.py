@@ -13,7 +13,7 @@ checkpoint that holds its last full write (one level: a delta never points at a 
 Retention keeps the newest `max_retain`, the best by validation loss, and every checkpoint a
 kept one needs as a base.
 
-Layout: ROOT/step_00000100/{L0,L1,L2}.bin (concatenated encoded tensors, moe/codec.py) +
+Layout: ROOT/step_00000100/{L0,L1,L2}.bin (concatenated encoded tensors, moe/checkpoint/codec.py) +
 state.json + manifest.json. The manifest lists every tensor (file, offset, length, codec,
 dtype, shape, base step, lossy or not), the tier of every expert, and the sha256 of every
 file. A write goes to a temporary folder, every file is fsynced, the manifest is written
@@ -45,9 +45,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from moe.codec import LOSSY, decode, encode
+from moe.checkpoint.codec import LOSSY, decode, encode
+from moe.checkpoint.sharded import SHARDED_FORMAT
 from moe.hashing import sha256_file
-from moe.sharded import SHARDED_FORMAT
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,10 @@ def _writer() -> str:
 
 WRITER = _writer()
 FORMAT_VERSION = 2  # one process wrote every tensor whole
-READ_FORMATS = (FORMAT_VERSION, SHARDED_FORMAT)  # 3: each rank its shards (moe/sharded.py)
+READ_FORMATS = (
+    FORMAT_VERSION,
+    SHARDED_FORMAT,
+)  # 3: each rank its shards (moe/checkpoint/sharded.py)
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -239,7 +242,7 @@ class TensorMeta:
 
 
 def tensor_meta(enc: Any, **where: Any) -> TensorMeta:
-    """The manifest record of one encoded tensor (moe/codec.py `Encoded`): how it decodes,
+    """The manifest record of one encoded tensor (moe/checkpoint/codec.py `Encoded`): how it decodes,
     from the encoding, and where and which tensor it is, from `where`."""
     return TensorMeta(
         length=len(enc.data),
@@ -285,7 +288,7 @@ class Manifest:
     time: float = 0.0
     locations: dict[str, str] = field(default_factory=dict)
     format: int = FORMAT_VERSION
-    # Format 3: DCP's metadata as JSON (key -> dtype, global size, chunks; moe/sharded.py).
+    # Format 3: DCP's metadata as JSON (key -> dtype, global size, chunks; moe/checkpoint/sharded.py).
     dcp: dict[str, Any] = field(default_factory=dict)
     written_by: str = field(default_factory=lambda: WRITER)  # "moe-pipeline <version>"
 
@@ -518,7 +521,7 @@ class CheckpointStore:
         *,
         expert_load: dict[str, list[float]] | None = None,
     ) -> Path:
-        """Save one training state sharded (moe/sharded.py): every rank calls this with its
+        """Save one training state sharded (moe/checkpoint/sharded.py): every rank calls this with its
         shards (DTensors, or plain tensors, under "model.<fqn>", "optim.<fqn>.<moment>" and
         "rng.<rank>.<name>") and the same JSON `state`. Each rank writes its own files; rank 0
         writes the state and the manifest, renames the folder into place and keeps the
@@ -527,7 +530,7 @@ class CheckpointStore:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        from moe.sharded import TieredWriter, metadata_json
+        from moe.checkpoint.sharded import TieredWriter, metadata_json
 
         t0 = time.perf_counter()
         self._wait_sharded()
@@ -601,7 +604,7 @@ class CheckpointStore:
         in the checkpoint, see `sharded_keys`); returns its state.json."""
         import torch.distributed.checkpoint as dcp
 
-        from moe.sharded import TieredReader
+        from moe.checkpoint.sharded import TieredReader
 
         self.ensure_local(path)
         why = self.verify(path)
@@ -1050,7 +1053,7 @@ class CheckpointStore:
 
     def _assembled(self, path: Path, manifest: Manifest) -> dict[str, dict[str, torch.Tensor]]:
         """The tensors of a sharded checkpoint by group, each assembled whole."""
-        from moe.sharded import assemble, split_key
+        from moe.checkpoint.sharded import assemble, split_key
 
         whole = assemble(manifest.tensors, manifest.dcp, lambda r: self._read_entry(path, r, None))
         out: dict[str, dict[str, torch.Tensor]] = {g: {} for g in GROUPS}

@@ -6,7 +6,7 @@ pairs of the target domain (`data.sql_domain_database`). Either comes from:
 
 - the embedded default: databases built from the themes below (a parent table and a child
   that references it, random rows), then questions generated from each database's own
-  schema by moe/sqlgen.py, the same generator a user's database gets;
+  schema by moe/sql/generator.py, the same generator a user's database gets;
 - generic corpora people have: a folder in Spider's layout (`tables.json`,
   `database/<db_id>/<db_id>.sqlite`, pair files such as `train_spider.json` and `dev.json`),
   BIRD's (the same, `*_databases/` folders, `SQL` and `evidence` fields), or a JSONL file of
@@ -16,7 +16,7 @@ pairs of the target domain (`data.sql_domain_database`). Either comes from:
 
 Every pair's SQL is executed on its database before any compute (`check_records`); what does
 not run is named by file and line. The schema the model reads is serialised from the
-database itself (moe/sqldb.py), once, and stored in each pair: training and evaluation read
+database itself (moe/sql/sandbox.py), once, and stored in each pair: training and evaluation read
 the same text.
 """
 
@@ -32,14 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from moe.errors import InputError
-from moe.sqldb import (
+from moe.sql.generator import KINDS, QuestionGenerator, kind_of
+from moe.sql.sandbox import (
     ReadOnlyDb,
     SchemaStyle,
     copy_database,
     open_checked,
     serialize_schema,
 )
-from moe.sqlgen import KINDS, QuestionGenerator, kind_of
 
 # A theme: a parent table and a child table that references it:
 # (table, category column, its values, number columns with ranges)
@@ -256,8 +256,8 @@ class SqlPair:
     question: str
     sql: str
     db: str  # database file name, relative to the dbs folder
-    schema: str  # the schema text given to the model (moe/sqldb.py: serialize_schema)
-    kind: str = ""  # filters, ordering, aggregates, grouping, joins (moe/sqlgen.py: kind_of)
+    schema: str  # the schema text given to the model (moe/sql/sandbox.py: serialize_schema)
+    kind: str = ""  # filters, ordering, aggregates, grouping, joins (moe/sql/generator.py: kind_of)
     evidence: str = ""  # BIRD's external knowledge, given in the prompt
     weight: float = 1.0  # sampling weight in finetuning (user-written domain pairs > 1)
     origin: str = ""  # "FILE, line N" for a pair read from a file, "generated" otherwise

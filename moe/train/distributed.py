@@ -25,11 +25,11 @@ The layout follows torchtitan's (`apply_fsdp`, `apply_moe_ep_tp`):
   routes identically.
 
 State: every parameter is a DTensor whose global shape is the unsharded one, so a sharded
-checkpoint (moe/sharded.py, through torch.distributed.checkpoint) restores at any world size
+checkpoint (moe/checkpoint/sharded.py, through torch.distributed.checkpoint) restores at any world size
 and any expert-parallel degree, and `full_tensors` gathers the whole model only for the final
 export. World size 1 never comes here: it trains the plain module.
 
-Shape suffixes as in moe/experts.py; R = rows received from the EP group.
+Shape suffixes as in moe/model/experts.py; R = rows received from the EP group.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from moe.experts import GroupedExperts, grouped_mm, swiglu
-from moe.model import MoETransformer, init_parameter_
+from moe.model.experts import GroupedExperts, grouped_mm, swiglu
+from moe.model.transformer import MoETransformer, init_parameter_
 
 
 def init(timeout_s: float = 60.0, device: str = "auto") -> tuple[int, int]:
@@ -195,7 +195,7 @@ def parallelize(
     )
     blocks = list(model.blocks)
     if param_dtype is not None:
-        # The routers score in fp32 from fp32 weights (moe/routing.py): a unit of their own
+        # The routers score in fp32 from fp32 weights (moe/model/routing.py): a unit of their own
         # that gathers them unrounded.
         fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
         for layer in model.moe_layers:

@@ -131,7 +131,7 @@ class GroupedExperts(nn.Module):
 
     def compute(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """The experts on rows sorted by expert (counts_E rows each): the seam that expert
-        parallelism (moe/distributed.py) replaces with an exchange around the same math."""
+        parallelism (moe/train/distributed.py) replaces with an exchange around the same math."""
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         h_AG = grouped_mm(x_AD, self.w13_EDG, offs_E, counts_E)
         return grouped_mm(swiglu(h_AG), self.w2_EFD, offs_E, counts_E)

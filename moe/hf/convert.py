@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 
 from moe.config import GrowthConfig, ModelConfig, MoEConfig
 from moe.errors import InputError
-from moe.model import MoELayer, MoETransformer, rotary_tables
+from moe.model.transformer import MoELayer, MoETransformer, rotary_tables
 
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "ernie4_5_moe")
 DENSE_TYPES = ("llama", "qwen2", "qwen3")  # imported by upcycling
@@ -994,7 +994,7 @@ def save_model_dir(
     model: MoETransformer, out_dir: Path, extra: dict[str, Any] | None = None
 ) -> Path:
     """Our model folder: model.safetensors (our names) and model.json (the architecture)."""
-    from moe.checkpoint import model_tensors
+    from moe.checkpoint.store import model_tensors
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -1029,7 +1029,7 @@ def read_model_spec(model_dir: Path) -> dict[str, Any]:
 def model_dir_skeleton(model_dir: Path) -> MoETransformer:
     """The model a folder written by `save_model_dir` holds, on the meta device (shapes, no
     weights): for the sharded engine to fill each rank's part from `model.safetensors`."""
-    from moe.growth import resize_model
+    from moe.model.growth import resize_model
 
     spec = read_model_spec(Path(model_dir))
     moe_spec = dict(spec["moe"])
@@ -1044,7 +1044,7 @@ def model_dir_skeleton(model_dir: Path) -> MoETransformer:
 
 def load_model_dir(model_dir: Path, dtype: torch.dtype | None = None) -> MoETransformer:
     """A model folder written by `save_model_dir` (a stage's model or an import)."""
-    from moe.checkpoint import load_model_tensors
+    from moe.checkpoint.store import load_model_tensors
 
     model_dir = Path(model_dir)
     model = model_dir_skeleton(model_dir)
@@ -1090,7 +1090,7 @@ def import_model(src: Path, out_dir: Path, moe_defaults: MoEConfig, seq_len: int
 
 
 def native_tokenizer_config(eos: str, pad: str, max_len: int) -> dict[str, Any]:
-    """tokenizer_config.json for a tokenizer trained by moe/tokenizer.py."""
+    """tokenizer_config.json for a tokenizer trained by moe/data/tokenizer.py."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": eos,
@@ -1205,7 +1205,7 @@ def init_architecture(model: ModelConfig, moe: MoEConfig) -> tuple[ModelConfig, 
     arch_model.init_pretrain = model.init_pretrain
     arch_model.seq_len = model.seq_len
     arch_model.init_std = model.init_std
-    new_moe = MoEConfig(**{**asdict(moe), "growth": moe.growth, **shape})
+    new_moe = MoEConfig(**{**asdict(moe), "growth": moe.model.growth, **shape})
     return arch_model, new_moe
 
 
@@ -1261,7 +1261,7 @@ def init_model_skeleton(
 def build_init_model(model: ModelConfig, moe: MoEConfig) -> MoETransformer:
     """The model `model.init` names, in fp32 for training, built with the pipeline's
     (resolved) configuration: the checkpoint's weights under the pipeline's training knobs."""
-    from moe.checkpoint import load_model_tensors
+    from moe.checkpoint.store import load_model_tensors
 
     folder = Path(model.init)
     if not (folder / "model.json").is_file():
