@@ -82,7 +82,7 @@ def main() -> None:
         log_fn=rows.append,
     )
     result = trainer.fit()
-    trainer.store.close()
+    trainer.checkpointer.store.close()
     dist.barrier()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -36,7 +36,8 @@ import torch
 from moe.checkpoint.store import CheckpointStore
 from moe.data.tokens import BatchSampler, TokenStore
 from moe.model.transformer import MoETransformer
-from moe.train.trainer import Trainer, Validation
+from moe.train.trainer import Trainer
+from moe.train.validation import Validation
 from tasks.config import load_config
 
 

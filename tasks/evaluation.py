@@ -13,7 +13,7 @@ from moe.data.tokenizer import load_tokenizer, specials
 from moe.data.tokens import BatchSampler, TokenStore
 from moe.sql.evaluate import perplexity, sql_accuracy
 from moe.sql.pairs import load_pairs
-from moe.train.trainer import resolve_device
+from moe.train.ranks import resolve_device
 from tasks import retry_unless_input_error
 from tasks.config import Config
 from tasks.progress import progress

@@ -60,7 +60,7 @@ def processes(cfg: Config, stage: str) -> int:
     """How many training processes this stage launches here: `Config.processes` (nproc, or
     with nproc 0 one per GPU of the stage's pool), but one where nproc is 0 and this machine
     trains on the CPU (a laptop running the pipeline locally)."""
-    from moe.train.trainer import resolve_device
+    from moe.train.ranks import resolve_device
 
     sec = getattr(cfg, stage)
     n = cfg.processes(stage)

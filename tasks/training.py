@@ -37,7 +37,9 @@ from moe.model.transformer import MoETransformer
 from moe.sql.pairs import load_pairs, prompt_text, response_text
 from moe.train import distributed as D
 from moe.train.resilience import AttemptJournal
-from moe.train.trainer import Budget, Resilience, Trainer, TrainResult, Validation
+from moe.train.stop import Budget
+from moe.train.trainer import Resilience, Trainer, TrainResult
+from moe.train.validation import Validation
 from tasks import retry_unless_input_error
 from tasks.checkpoints import checkpoint_store, offload_checkpoints
 from tasks.config import Config, PoolSpec
@@ -113,24 +115,26 @@ def _fit_and_save(cfg: Config, trainer: Trainer, out_dir: Path, run_key: str) ->
     stage = run_key.split("/", 1)[0]
     try:
         with training_log(
-            stage, trainer.cfg.max_steps, trainer.log_fn, row_events(cfg, stage)
-        ) as trainer.log_fn:
+            stage, trainer.cfg.max_steps, trainer.metrics.log_fn, row_events(cfg, stage)
+        ) as trainer.metrics.log_fn:
             result = trainer.fit()
     finally:  # a failed run's checkpoint being written still lands (a retry resumes from it)
-        trainer.store.close()
+        trainer.checkpointer.store.close()
     model = trainer.model
-    if trainer.meshes is not None:
+    if trainer.ranks.meshes is not None:
         # The final weights whole (rank 0 alone keeps them; the optimizer stays sharded).
-        full = D.full_tensors(D.unique_state(model), keep=trainer.rank == 0)
-        if trainer.rank != 0:
+        full = D.full_tensors(D.unique_state(model), keep=trainer.ranks.rank == 0)
+        if trainer.ranks.rank != 0:
             return result
         model = MoETransformer(model.cfg, model.mcfg, model.vocab_size)
         load_model_tensors(model, full)
     if cfg.checkpoint.offload:
-        if trainer.world > 1:  # inside torchrun: no Prefect flow here; the parent task retries
-            offload_checkpoints.fn(cfg, trainer.store.root, run_key)
+        if (
+            trainer.ranks.world > 1
+        ):  # inside torchrun: no Prefect flow here; the parent task retries
+            offload_checkpoints.fn(cfg, trainer.checkpointer.store.root, run_key)
         else:
-            offload_checkpoints(cfg, trainer.store.root, run_key)
+            offload_checkpoints(cfg, trainer.checkpointer.store.root, run_key)
     save_model(model.to("cpu"), out_dir)
     write_metrics_csv(out_dir)
     return result

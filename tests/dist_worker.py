@@ -110,10 +110,10 @@ def train(
     )
     result = trainer.fit()
     store.close()
-    rank = trainer.rank
+    rank = trainer.ranks.rank
     full = (
         D.full_tensors(D.unique_state(trainer.model), keep=rank == 0)
-        if trainer.world > 1
+        if trainer.ranks.world > 1
         else model_tensors(trainer.model)
     )
     (out / f"{store_name}.rank{rank}.json").write_text(json.dumps(held(trainer)))
@@ -127,7 +127,7 @@ def train(
                     "loss": result.train_loss,
                     "backend": result.backend,
                     "world": result.world,
-                    "sharded": trainer.meshes is not None,
+                    "sharded": trainer.ranks.meshes is not None,
                     "expert_share": result.expert_share,
                 }
             )
@@ -152,7 +152,7 @@ def main() -> None:
             fingerprint="die",
             schedule="cosine",
         )
-        if trainer.rank == 1:
+        if trainer.ranks.rank == 1:
             os._exit(3)  # a machine that disappears: no exception, no goodbye
         trainer.fit()
     if torch.distributed.is_initialized():

@@ -109,7 +109,7 @@ def test_training_resumes_from_a_checkpoint_that_lives_in_s3(
 
     def trainer(stop_after: int | None = None):
         t = _trainer(data, root, 10, stop_after=stop_after)
-        t.store = checkpoint_store(cfg, root)
+        t.checkpointer.store = checkpoint_store(cfg, root)
         return t
 
     assert trainer(stop_after=7).fit().stop_reason == "stop_after"

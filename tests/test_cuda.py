@@ -20,7 +20,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device 
 def test_bf16_training_on_cuda_learns_checkpoints_and_resumes(tmp_path: Path) -> None:
     data = _data(tmp_path / "data")
     t = _trainer(data, tmp_path / "c", 30, lr=1e-2, device="cuda", dtype="auto")
-    assert t.device.type == "cuda" and t.amp_dtype == torch.bfloat16  # auto: bf16 on CUDA
+    assert (
+        t.ranks.device.type == "cuda" and t.ranks.amp_dtype == torch.bfloat16
+    )  # auto: bf16 on CUDA
     before = t.evaluate()
     result = t.fit()
     assert result.val_loss < before - 0.5

@@ -61,7 +61,7 @@ def _budgeted_training(tmp_path: Path) -> tuple[str, Any]:
     from prefect import flow
     from prefect.runtime import flow_run
 
-    from moe.train.trainer import Budget
+    from moe.train.stop import Budget
     from tasks.config import Config
     from tasks.training import _fit_and_save
     from tests.test_resilience import _clocked
@@ -74,7 +74,7 @@ def _budgeted_training(tmp_path: Path) -> tuple[str, Any]:
     def budgeted() -> tuple[str, Any]:
         t = _trainer(data, tmp_path / "ckpt", 40)
         _clocked(t, tick=0.5)  # two readings a step: one second a step
-        t.budget = Budget(price_per_hour=3600.0, left=10.0, alert=cfg.cost.alert_fraction)
+        t.stop.budget = Budget(price_per_hour=3600.0, left=10.0, alert=cfg.cost.alert_fraction)
         return str(flow_run.get_id()), _fit_and_save(cfg, t, tmp_path / "out", "pretrain/x")
 
     return budgeted()

@@ -94,8 +94,8 @@ def test_auto_interval_saves_where_it_says(tmp_path: Path) -> None:
     data = _data(tmp_path / "data")
     t = _trainer(data, tmp_path / "a", 40)
     _clocked(t)
-    t.auto_mtbi_s = 4.0  # a (very) unreliable pool: Young/Daly gives a few steps
-    t.store = CheckpointStore(tmp_path / "a", max_retain=100)
+    t.cadence.auto_mtbi_s = 4.0  # a (very) unreliable pool: Young/Daly gives a few steps
+    t.checkpointer.store = CheckpointStore(tmp_path / "a", max_retain=100)
     result = t.fit()
     rows = [json.loads(r) for r in (tmp_path / "a.jsonl").read_text().splitlines()]
     chosen = [r for r in rows if "checkpoint_interval" in r]
@@ -110,7 +110,7 @@ def test_auto_interval_saves_where_it_says(tmp_path: Path) -> None:
     assert result.resilience["checkpoint_interval"]["every_steps"] == expect
     # a pool without declared interruptions keeps the stage's checkpoint_every
     t2 = _trainer(data, tmp_path / "b", 12)
-    t2.auto_mtbi_s = 0.0
+    t2.cadence.auto_mtbi_s = 0.0
     t2.fit()
     rows = [json.loads(r) for r in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "checkpoint_stall_s" in r] == [3, 6, 9, 12]
@@ -124,10 +124,10 @@ def test_interrupted_attempt_is_recorded_and_the_resume_is_exact(tmp_path: Path)
     seconds = iter(range(10**6))  # a wall clock a second further at each reading: every
     wall = lambda: float(next(seconds))  # noqa: E731 - step's progress reaches the file
     first = _trainer(data, tmp_path / "b", 10, stop_after=5)  # dies after step 5
-    first.journal = AttemptJournal(journal, first.fingerprint, wall=wall)
+    first.journal = AttemptJournal(journal, first.checkpointer.fingerprint, wall=wall)
     assert first.fit().stop_reason == "stop_after"
     second = _trainer(data, tmp_path / "b", 10)
-    second.journal = AttemptJournal(journal, second.fingerprint, wall=wall)
+    second.journal = AttemptJournal(journal, second.checkpointer.fingerprint, wall=wall)
     result = second.fit()
     assert weights_digest(model_tensors(second.model)) == weights_digest(
         model_tensors(straight.model)

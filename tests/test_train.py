@@ -14,7 +14,10 @@ from moe.checkpoint.store import CheckpointStore, model_tensors, weights_digest
 from moe.config import ModelConfig, MoEConfig, PretrainConfig
 from moe.data.tokens import BatchSampler, TokenStore, token_dtype, write_token_store
 from moe.model.transformer import MoETransformer
-from moe.train.trainer import Budget, Trainer, Validation, lr_at
+from moe.train.optim import lr_at
+from moe.train.stop import Budget
+from moe.train.trainer import Trainer
+from moe.train.validation import Validation
 
 VOCAB = 64
 
@@ -123,12 +126,12 @@ t = _trainer(tmp / "data", tmp / "k", 10)
 def log_fn(row):
     if "loss" in row:
         if row["step"] == 4:  # the machine dies here, once step 3's checkpoint is on disk
-            while t.store.latest_valid() is None:  # (written on the writer thread)
+            while t.checkpointer.store.latest_valid() is None:  # (written on the writer thread)
                 time.sleep(0.01)
         print(row["step"], flush=True)
         if row["step"] == 4:
             time.sleep(600)
-t.log_fn = log_fn
+t.metrics.log_fn = log_fn
 t.fit()
 """
 
@@ -229,9 +232,9 @@ def test_bf16_autocast_on_cpu_learns(tmp_path: Path) -> None:
     bf16), the master weights and optimizer stay fp32, and the model still learns."""
     data = _data(tmp_path / "data")
     t = _trainer(data, tmp_path / "bf", 30, lr=1e-2, dtype="bfloat16")
-    assert t.device.type == "cpu" and t.amp_dtype == torch.bfloat16
+    assert t.ranks.device.type == "cpu" and t.ranks.amp_dtype == torch.bfloat16
     x, _, _ = BatchSampler(TokenStore(data, "train"), 2, 16, seed=3).batch_at(0)
-    with t._autocast():
+    with t.ranks.autocast():
         logits, _, _ = t.model(x)
     assert logits.dtype == torch.bfloat16
     before = t.evaluate()
@@ -305,7 +308,7 @@ def test_early_stop_in_training_is_recorded_and_checkpointed(tmp_path: Path) -> 
     data = _data(tmp_path / "data")
     t = _trainer(data, tmp_path / "e", 30, lr=1e-2)
     # A plateau threshold no real run meets: stop at the second evaluation.
-    t.stopper = EarlyStopper(EarlyStopConfig(patience=1, min_delta=100.0), initial_lr=1e-2)
+    t.state.stopper = EarlyStopper(EarlyStopConfig(patience=1, min_delta=100.0), initial_lr=1e-2)
     result = t.fit()
     assert result.stop_reason.startswith("patience") and result.steps == 10
     assert CheckpointStore(tmp_path / "e").latest_valid().name == "step_00000010"
@@ -334,7 +337,7 @@ def test_a_multi_node_budget_stop_comes_when_the_machines_total_reaches_it(
         t = _trainer(data, tmp_path / f"n{nodes}", 30)
         ticks = iter(range(10**6))
         t.clock = lambda ticks=ticks: next(ticks) / 16
-        t.budget = Budget(price_per_hour=_price(cfg, "pretrain"), left=0.5, alert=0.3)
+        t.stop.budget = Budget(price_per_hour=_price(cfg, "pretrain"), left=0.5, alert=0.3)
         result = t.fit()
         assert result.stop_reason.startswith("budget")
         stops[nodes] = result.steps
@@ -349,7 +352,7 @@ def test_budget_warns_then_stops_with_a_checkpoint(tmp_path: Path) -> None:
     # for this stage the alert (at 30%: $0.15) comes at step 3 and the stop at step 8.
     ticks = iter(range(10**6))
     t.clock = lambda: next(ticks) / 16
-    t.budget = Budget(price_per_hour=3600.0, left=0.5, alert=0.3)
+    t.stop.budget = Budget(price_per_hour=3600.0, left=0.5, alert=0.3)
     result = t.fit()
     assert result.stop_reason.startswith("budget") and result.steps == 8
     rows = [json.loads(r) for r in (tmp_path / "b.jsonl").read_text().splitlines()]

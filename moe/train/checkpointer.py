@@ -1,0 +1,250 @@
+"""The training state a checkpoint holds, collected from the parts that own it (the model,
+the optimizer, the RNGs, the progress counters, the expert load, early stopping, growth) and
+given back to them on resume. One process writes it whole and tiered; the sharded engine
+writes each rank's shards (DCP, moe/checkpoint/sharded.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moe.checkpoint.codec import dtype_from_name
+from moe.checkpoint.store import (
+    CheckpointStore,
+    flatten_optimizer,
+    load_model_tensors,
+    model_tensors,
+    unflatten_optimizer,
+)
+from moe.model.growth import GrowthManager, experts_per_layer, resize_model
+from moe.model.stats import ExpertLoad
+from moe.model.transformer import MoETransformer
+from moe.train import distributed as D
+from moe.train.early_stop import EarlyStopper
+from moe.train.optim import init_optimizer_state, optimizer_shards, param_names
+from moe.train.ranks import Ranks
+from moe.train.rng import rng_state, set_rng_state
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Progress:
+    """How far training is: steps, training time, tokens, the best validation loss."""
+
+    step: int = 0
+    elapsed_s: float = 0.0
+    tokens: int = 0
+    best_val: float | None = None
+
+
+@dataclass
+class TrainState:
+    """The stateful parts of a run. `new_optimizer` builds a fresh optimizer for the model
+    as it is (a checkpoint of a grown or pruned model resizes it)."""
+
+    model: MoETransformer
+    optimizer: torch.optim.Optimizer
+    load: ExpertLoad
+    progress: Progress
+    stopper: EarlyStopper | None
+    growth: GrowthManager | None
+    new_optimizer: Callable[[], torch.optim.Optimizer]
+
+
+class Checkpointer:
+    def __init__(
+        self, store: CheckpointStore, fingerprint: str, ranks: Ranks, state: TrainState
+    ) -> None:
+        self.store, self.fingerprint, self.ranks, self.state = store, fingerprint, ranks, state
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, val_loss: float | None) -> Path | None:
+        """World size 1: the whole state, tiered. Sharded: each rank writes its own shards,
+        across machines through the store's `share` (the multi-node mirror). Across machines
+        without one, every rank takes part in gathering the state whole and rank 0 writes it."""
+        st, ranks = self.state, self.ranks
+        if ranks.meshes is not None and (D.single_node() or self.store.share is not None):
+            return self._save_sharded(val_loss)
+        names = param_names(st.model, st.optimizer)
+        if ranks.meshes is not None:
+            opt_tensors, opt_rest = optimizer_shards(st.model, st.optimizer)
+            opt_tensors = D.full_tensors(opt_tensors, keep=ranks.rank == 0)
+            model_t = D.full_tensors(D.unique_state(st.model), keep=ranks.rank == 0)
+            if ranks.rank != 0:
+                return None
+        else:
+            opt_tensors, opt_rest = flatten_optimizer(st.optimizer.state_dict())
+            model_t = model_tensors(st.model)
+        rng_tensors, rng_meta = rng_state()
+        return self.store.save(
+            st.progress.step,
+            model_t,
+            opt_tensors,
+            rng_tensors,
+            self._state_json(val_loss, opt_rest, rng_meta),
+            param_names=names,
+            expert_load=self._expert_load(),
+        )
+
+    def _save_sharded(self, val_loss: float | None) -> Path:
+        rng_tensors, rng_meta = rng_state()
+        rng_tensors["meta"] = torch.frombuffer(
+            bytearray(json.dumps(rng_meta).encode()), dtype=torch.uint8
+        )
+        tensors = {
+            **self._sharded_targets(),
+            **{f"rng.{self.ranks.rank}.{k}": v for k, v in rng_tensors.items()},
+        }
+        _, opt_rest = optimizer_shards(self.state.model, self.state.optimizer)
+        return self.store.save_sharded(
+            self.state.progress.step,
+            tensors,
+            self._state_json(val_loss, opt_rest, {"sharded": "per rank"}),
+            expert_load=self._expert_load(),
+        )
+
+    def _state_json(self, val_loss: float | None, opt_rest: dict, rng_meta: dict) -> dict:
+        """What a checkpoint holds besides tensors (state.json), from each part."""
+        st = self.state
+        return {
+            "step": st.progress.step,
+            "fingerprint": self.fingerprint,
+            "optimizer": opt_rest,
+            "rng": rng_meta,
+            "elapsed_s": st.progress.elapsed_s,
+            "tokens": st.progress.tokens,
+            "val_loss": val_loss,
+            "best_val": st.progress.best_val,
+            "expert_counts_total": [t.tolist() for t in st.load.total],
+            "early_stop": st.stopper.state_dict() if st.stopper else None,
+            "growth": st.growth.state_dict() if st.growth else None,
+        }
+
+    def _sharded_targets(self) -> dict[str, torch.Tensor]:
+        st = self.state
+        init_optimizer_state(st.optimizer)
+        model = {f"model.{k}": v for k, v in D.unique_state(st.model).items()}
+        return {**model, **optimizer_shards(st.model, st.optimizer, by_name=True)[0]}
+
+    def _expert_load(self) -> dict[str, list[float]]:
+        """MoE layer prefix -> tokens routed to each expert so far (hot/cold tiers)."""
+        m = self.state.model
+        prefixes = [f"blocks.{i}.ffn" for i, b in enumerate(m.blocks) if b.ffn in m.moe_layers]
+        return {p: row.tolist() for p, row in zip(prefixes, self.state.load.total, strict=False)}
+
+    # ------------------------------------------------------------------ resume
+
+    def resume(self) -> int | None:
+        """Restore the newest valid checkpoint of these inputs into every part; the step it
+        resumes from, or None (no checkpoint, or checkpoints of other inputs: cleared)."""
+        path = self._chosen()
+        if path is None:
+            return None
+        manifest, state = self.store.read_state(path)
+        if state.get("fingerprint") != self.fingerprint:
+            log.warning(
+                "checkpoints in %s come from other inputs or params; starting fresh (DVC's cache keeps the old outputs)",
+                self.store.root,
+            )
+            if self.ranks.rank == 0:
+                self.store.clear()
+            if self.ranks.world > 1:
+                dist.barrier()
+            return None
+        if self.ranks.meshes is not None:
+            rng, rng_meta = self._restore_sharded(path, manifest, state)
+        else:
+            rng, rng_meta = self._restore_whole(path)
+        set_rng_state(rng, rng_meta)
+        st = self.state
+        st.progress.step = manifest.step
+        st.progress.elapsed_s = float(state["elapsed_s"])
+        st.progress.tokens = int(state["tokens"])
+        st.progress.best_val = state.get("best_val")
+        st.load.total = [
+            torch.tensor(row, dtype=torch.float64) for row in state["expert_counts_total"]
+        ]
+        if st.stopper and state.get("early_stop"):
+            st.stopper.load_state_dict(state["early_stop"])
+        log.info("resumed from %s (step %d)", path, st.progress.step)
+        return st.progress.step
+
+    def _chosen(self) -> Path | None:
+        """The newest valid checkpoint; rank 0's choice for every rank: folders on different
+        machines could disagree (a rank that cannot read it then fails, not another step)."""
+        path = self.store.latest_valid()
+        if self.ranks.world > 1:
+            chosen = [path.name if path is not None else None]
+            dist.broadcast_object_list(chosen, src=0)
+            path = self.store.root / chosen[0] if chosen[0] is not None else None
+        return path
+
+    def _restore_whole(self, path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+        """World size 1: the checkpoint whole (a sharded one assembled) into the module."""
+        st = self.state
+        ckpt = self.store.load(path)
+        if resize_model(st.model, experts_per_layer(ckpt.model, st.model)):
+            # The checkpoint comes from a grown or pruned model: new parameters, new optimizer.
+            st.optimizer = st.new_optimizer()
+            st.load = ExpertLoad(len(st.model.moe_layers), st.model.experts_per_layer())
+        if st.growth and ckpt.state.get("growth"):
+            st.growth.load_state_dict(ckpt.state["growth"])
+        load_model_tensors(st.model, ckpt.model)
+        opt, rng, rng_meta = ckpt.optimizer, ckpt.rng, ckpt.state["rng"]
+        if ckpt.sharded:  # moments by parameter name, RNG per rank: rank 0's carries on
+            index = {n: i for i, n in param_names(st.model, st.optimizer).items()}
+            opt = {f"{index[k.rsplit('.', 1)[0]]}.{k.rsplit('.', 1)[1]}": v for k, v in opt.items()}
+            rng = {k[2:]: v for k, v in rng.items() if k.startswith("0.")}
+            rng_meta = json.loads(bytes(rng.pop("meta").numpy()))
+        st.optimizer.load_state_dict(unflatten_optimizer(opt, ckpt.state["optimizer"]))
+        return rng, rng_meta
+
+    def _restore_sharded(
+        self, path: Path, manifest: Any, state: dict
+    ) -> tuple[dict[str, torch.Tensor], dict]:
+        """World size > 1: each rank reads its shards of a sharded checkpoint (DCP reshards
+        one written at another world size or expert-parallel degree), or its part of a whole
+        one (written at world size 1 or across machines). Each rank's RNG carries on where
+        the checkpoint has it, else rank 0's."""
+        if manifest.sharded:
+            return self._read_shards(path, manifest)
+        st = self.state
+        ckpt = self.store.load(path)  # whole: every rank keeps its part of each tensor
+        buffers = {n for n, _ in st.model.named_buffers()}
+        for k, t in D.unique_state(st.model).items():
+            if k in ckpt.model:
+                D.load_full(t, ckpt.model[k])
+            elif k not in buffers:
+                raise ValueError(f"checkpoint {path} does not fit the model: it has no {k}")
+        init_optimizer_state(st.optimizer)
+        for k, t in optimizer_shards(st.model, st.optimizer)[0].items():
+            if k in ckpt.optimizer:  # a parameter that had no gradient yet has no state
+                D.load_full(t, ckpt.optimizer[k])
+        return ckpt.rng, state["rng"]
+
+    def _read_shards(self, path: Path, manifest: Any) -> tuple[dict[str, torch.Tensor], dict]:
+        targets = self._sharded_targets()
+        missing = sorted(set(targets) - set(manifest.dcp))
+        if missing:
+            raise ValueError(
+                f"checkpoint {path} does not fit the model: it has no {', '.join(missing[:5])}"
+            )
+        mine = f"rng.{self.ranks.rank}."
+        prefix = mine if any(k.startswith(mine) for k in manifest.dcp) else "rng.0."
+        rng = {
+            k: torch.empty(v["size"], dtype=dtype_from_name(v["dtype"]))
+            for k, v in manifest.dcp.items()
+            if k.startswith(prefix)
+        }
+        self.store.load_sharded(path, {**targets, **rng})
+        rng = {k.removeprefix(prefix): v for k, v in rng.items()}
+        return rng, json.loads(bytes(rng.pop("meta").numpy()))

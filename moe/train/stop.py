@@ -1,0 +1,83 @@
+"""When training stops before max_steps: early stopping on the validation loss, the stage's
+share of the cost budget (an alert first), the time budget."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from moe.config import OptimConfig
+from moe.model.stats import ExpertLoad
+from moe.train.early_stop import EarlyStopper
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Budget:
+    """What a run costs and may cost: the hourly price of the machines it runs on, and what
+    is left of the pipeline's budget for this stage (0 = no budget): an alert at `alert` of
+    it, a stop with a checkpoint when it is spent."""
+
+    price_per_hour: float = 0.0
+    left: float = 0.0
+    alert: float = 0.8
+
+    def cost(self, seconds: float) -> float:
+        return seconds / 3600 * self.price_per_hour
+
+
+class StopPolicy:
+    """Why training stops after a step, or None. A stop is logged and recorded once; a
+    budget nearly spent is an alert, once."""
+
+    def __init__(
+        self,
+        cfg: OptimConfig,
+        budget: Budget | None,
+        emit: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.cfg, self.budget, self.emit = cfg, budget or Budget(), emit
+        self.budget_warned = False
+
+    def early_stop(
+        self,
+        stopper: EarlyStopper | None,
+        step: int,
+        val_loss: float,
+        lr: float,
+        elapsed_s: float,
+        load: ExpertLoad,
+    ) -> str | None:
+        """The early stopper's verdict on a validation (None without one)."""
+        if stopper is None:
+            return None
+        util = float(load.eval_window()["utilisation"])
+        cost_per_step = self.budget.cost(elapsed_s) / max(step, 1)
+        steps_left = self.cfg.max_steps - step
+        return stopper.update(step, val_loss, util, lr, cost_per_step, steps_left)
+
+    def spending(self, step: int, elapsed_s: float) -> str | None:
+        """The budget's verdict (alerting once when nearly spent) and the time budget's."""
+        reason = None
+        spent, left = self.budget.cost(elapsed_s), self.budget.left
+        if left > 0:
+            if spent >= left:
+                reason = (
+                    f"budget: this stage spent {spent:.4f} of the {left:.4f} left of cost.budget"
+                )
+            elif spent >= self.budget.alert * left and not self.budget_warned:
+                self.budget_warned = True
+                msg = f"{spent / left:.0%} of the budget left for this stage spent"
+                log.warning("step %d: %s", step, msg)
+                self.emit({"step": step, "budget_alert": msg, "cost": spent, "budget_left": left})
+        time_budget = self.cfg.time_budget_s
+        if reason is None and time_budget > 0 and elapsed_s >= time_budget:
+            reason = f"time budget of {time_budget:.0f} s used"
+        return reason
+
+    def record(self, step: int, reason: str, elapsed_s: float) -> None:
+        log.warning("stopping at step %d: %s", step, reason)
+        self.emit({"step": step, "early_stop": reason, "cost": self.budget.cost(elapsed_s)})

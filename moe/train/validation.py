@@ -1,0 +1,51 @@
+"""The held-out loss: what picks the best checkpoint and drives early stopping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from moe.model.transformer import MoETransformer
+from moe.train.ranks import Ranks
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+class BatchSource(Protocol):
+    def batch_at(self, step: int, micro: int = 0) -> Batch: ...
+
+
+@dataclass
+class Validation:
+    """The held-out loss: `batches` batches of `source` every `every` steps (and at the last
+    step). It picks the best checkpoint and drives early stopping."""
+
+    source: BatchSource
+    every: int
+    batches: int
+
+
+@torch.no_grad()
+def validation_loss(
+    model: MoETransformer, validation: Validation | None, ranks: Ranks
+) -> float | None:
+    """The mean loss over the validation batches (over ranks), or None without them."""
+    v = validation
+    if v is None or not v.batches:
+        return None
+    model.eval()
+    losses = []
+    for i in range(v.batches):
+        x, y, w = ranks.rows(v.source.batch_at(0, i))
+        with ranks.autocast():
+            _, loss, _ = model(
+                x.to(ranks.device),
+                y.to(ranks.device),
+                None if w is None else w.to(ranks.device),
+                logits=False,
+            )
+        losses.append(float(ranks.mean(loss.detach().float())))
+    model.train()
+    return sum(losses) / len(losses)
