@@ -29,7 +29,8 @@ import torch
 import zstandard
 
 from moe.checkpoint.codec import encode
-from moe.checkpoint.store import CheckpointStore, model_tensors
+from moe.checkpoint.store import CheckpointStore
+from moe.checkpoint.tensors import model_tensors
 from moe.data.tokens import BatchSampler, TokenStore
 from moe.model.transformer import MoETransformer
 from moe.train.trainer import Trainer

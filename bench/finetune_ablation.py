@@ -66,7 +66,8 @@ def pretrain(seed: int, work: Path, overrides: list[str]) -> Path:
 
 
 def run_arm(arm: str, seed: int, project: Path, overrides: list[str]) -> dict[str, float]:
-    from tasks.training import finetune_model, load_model, save_model
+    from tasks.finetuning import finetune_model
+    from tasks.training import load_model, save_model
 
     base = load_config(None, overrides)
     steps = base.finetune_sql.max_steps + base.finetune_domain.max_steps

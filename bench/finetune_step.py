@@ -18,7 +18,8 @@ from pathlib import Path
 from moe.data.tokenizer import load_tokenizer, specials
 from moe.data.tokens import BatchSampler, MixedBatches, SFTBatches, TokenStore
 from tasks.config import load_config
-from tasks.training import load_model, sft_examples
+from tasks.finetuning import sft_examples
+from tasks.training import load_model
 
 
 def main() -> None:

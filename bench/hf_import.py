@@ -1,4 +1,4 @@
-"""Import, a few finetune steps and export of a Hugging Face MoE checkpoint (moe/hf/convert.py).
+"""Import, a few finetune steps and export of a Hugging Face MoE checkpoint (moe/hf/).
 
 A Qwen3-MoE built by transformers itself (`from_config`, random weights, saved in bf16 with
 `save_pretrained`, sharded) is imported, trained for a few AdamW steps and exported, each in
@@ -84,11 +84,11 @@ def child(kind: str, src: str, work: str) -> None:
     sampler = AnonPeak()
     t0 = time.perf_counter()
     if kind == "import":
-        from moe.hf.convert import import_model
+        from moe.hf.importer import import_model
 
         import_model(Path(src), Path(work) / "model", MoEConfig(), seq_len=256)
     elif kind == "finetune":
-        from moe.hf.convert import load_model_dir
+        from moe.hf.model_dir import load_model_dir
 
         model = load_model_dir(Path(work) / "model", dtype=torch.float32)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -103,11 +103,12 @@ def child(kind: str, src: str, work: str) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             steps.append(time.perf_counter() - s0)
-        from moe.hf.convert import save_model_dir
+        from moe.hf.model_dir import save_model_dir
 
         save_model_dir(model.to(torch.bfloat16), Path(work) / "tuned")
     else:
-        from moe.hf.convert import export_hf, load_model_dir
+        from moe.hf.exporter import export_hf
+        from moe.hf.model_dir import load_model_dir
 
         model = load_model_dir(Path(work) / "tuned")
         export_hf(model, Path(work) / "export", Path(src), {"eos": 1, "pad": 1}, "card")
@@ -149,7 +150,7 @@ def main() -> None:
     from tokenizers import Tokenizer, models
 
     from moe.config import MoEConfig
-    from moe.hf.convert import load_hf_model
+    from moe.hf.importer import load_hf_model
 
     tmp = Path(tempfile.mkdtemp(prefix="hf_bench_"))
     src = tmp / "qwen3_moe"

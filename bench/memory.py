@@ -145,7 +145,7 @@ def worker(engine: str, quick: bool, steps: int, out: Path) -> None:
     _reset_peak()
     before = _vm("VmRSS")
     if engine == "replaced":
-        from moe.checkpoint.store import flatten_optimizer, model_tensors
+        from moe.checkpoint.tensors import flatten_optimizer, model_tensors
 
         opt_t, rest = flatten_optimizer(opt.state_dict())
         flat = [p for grp in opt.param_groups for p in grp["params"]]
@@ -162,7 +162,7 @@ def worker(engine: str, quick: bool, steps: int, out: Path) -> None:
         tensors[f"rng.{rank}.torch"] = torch.get_rng_state()
         store.save_sharded(1, tensors, {"step": 1})
     else:
-        from moe.checkpoint.store import flatten_optimizer, model_tensors
+        from moe.checkpoint.tensors import flatten_optimizer, model_tensors
 
         opt_t, rest = flatten_optimizer(opt.state_dict())
         store.save(1, model_tensors(model), opt_t, {}, {"step": 1, "optimizer": rest})

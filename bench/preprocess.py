@@ -28,8 +28,9 @@ import zstandard
 import tasks
 
 tasks.offline_defaults()
+from moe.data.sources import CorpusStats, iter_documents  # noqa: E402
 from moe.data.tokenizer import EOT, batch_encoder, train_tokenizer  # noqa: E402
-from moe.data.tokens import CorpusStats, iter_documents, token_dtype, write_token_store  # noqa: E402
+from moe.data.tokens import token_dtype, write_token_store  # noqa: E402
 
 
 def nanogpt_run(texts: list[str], tok: Any, vocab: int, out: Path) -> int:

@@ -98,8 +98,10 @@ def timing(project: Path, sets: list[str]) -> dict[str, float]:
 
     from moe.data.tokenizer import EOT, load_tokenizer
     from moe.sql.evaluate import sql_accuracy
-    from moe.sql.pairs import Limits, build_sql_sets, load_pairs
+    from moe.sql.fitting import Limits
+    from moe.sql.records import load_pairs
     from moe.sql.sandbox import ReadOnlyDb
+    from moe.sql.sets import build_sql_sets
     from tasks.config import load_config
     from tasks.training import load_model
 

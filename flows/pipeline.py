@@ -17,7 +17,8 @@ from typing import Any, Literal
 from prefect import flow
 from prefect.runtime import flow_run
 
-from flows.stages import REPORTS, STAGE_FLOWS, Params
+from flows.stage import REPORTS
+from flows.stages import STAGE_FLOWS, Params
 from moe.errors import InputError
 from tasks.config import STAGES, Config, load_config
 from tasks.form import StageName, as_params
@@ -74,22 +75,12 @@ def pipeline(
     return results
 
 
-def _dispatch(cfg: Config, stages: list[str], run: str) -> dict[str, Any]:
-    """Each stage as a run of its deployment (`<stage>/<stage>`) on its pool's worker."""
+def _check_pools(cfg: Config, stages: list[str]) -> None:
+    """Every pool the stages run on exists on the server; a pool with no worker online is
+    a warning (its stages wait until one starts)."""
     from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
     from prefect.exceptions import ObjectNotFound
 
-    from tasks.handoff import pull_inputs
-
-    if cfg.storage.backend == "local" and not Path(cfg.storage.root).is_absolute():
-        raise InputError(
-            f"storage.backend is local with a relative root ({cfg.storage.root!r}): stages on "
-            "other machines cannot reach it. Set storage.backend: s3 and storage.bucket (or hf), "
-            "or an absolute storage.root that every worker shares"
-        )
-    if cfg.pools.stages["prepare"] != cfg.pools.stages["publish"]:
-        log.info("prepare and publish run on different pools: the prepared data is handed off")
     with get_client(sync_client=True) as client:
         for pool in sorted({cfg.pools.stages[s] for s in stages}):
             try:
@@ -107,6 +98,25 @@ def _dispatch(cfg: Config, stages: list[str], run: str) -> dict[str, Any]:
                     pool,
                     pool,
                 )
+
+
+def _dispatch(cfg: Config, stages: list[str], run: str) -> dict[str, Any]:
+    """Each stage as a run of its deployment (`<stage>/<stage>`) on its pool's worker."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
+
+    from tasks.handoff import pull_inputs
+
+    if cfg.storage.backend == "local" and not Path(cfg.storage.root).is_absolute():
+        raise InputError(
+            f"storage.backend is local with a relative root ({cfg.storage.root!r}): stages on "
+            "other machines cannot reach it. Set storage.backend: s3 and storage.bucket (or hf), "
+            "or an absolute storage.root that every worker shares"
+        )
+    if cfg.pools.stages["prepare"] != cfg.pools.stages["publish"]:
+        log.info("prepare and publish run on different pools: the prepared data is handed off")
+    _check_pools(cfg, stages)
     params = cfg.to_dict()
     results: dict[str, Any] = {"handoff": run}
     log.info("hand-off run key %s: stages exchange outputs under runs/%s/", run, run)

@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
+from tasks.cluster import pool_image as image
 from tasks.config import Config
-from tasks.multinode import pool_image as image
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "infra" / "pools"
 Kind = Literal["process", "docker", "kubernetes"]

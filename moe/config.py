@@ -1,6 +1,6 @@
 """The library's configuration: typed sections for what moe/ does, and the checks behind them.
 
-Each section is a dataclass for one part of the library (data and tokenizer: moe/data/tokens.py;
+Each section is a dataclass for one part of the library (data and tokenizer: moe/data/sources.py;
 model and moe: moe/model/transformer.py, moe/model/routing.py, moe/model/growth.py; the training sections:
 moe/train/trainer.py; checkpoint: moe/checkpoint/store.py; evaluate: moe/sql/evaluate.py). Its defaults *are*
 the embedded default: a tiny model that runs the whole pipeline on a 2-core CPU in minutes.
@@ -346,7 +346,7 @@ class ModelConfig:
     # The model to start from: "" = our architecture from random weights (the embedded
     # default); a local Hugging Face folder (config.json, safetensors, tokenizer.json) or a
     # folder written by `moe-pipeline model import`. The architecture fields below are then
-    # read from it (moe/hf/convert.py) and what params.yaml says about them is not used.
+    # read from it (moe/hf/architecture.py) and what params.yaml says about them is not used.
     init: str = ""
     # With model.init: "continue" = the pretrain stage continues pretraining the imported
     # model on the corpus (set a small pretrain.lr); "skip" = it passes the model on as it is.
@@ -629,7 +629,7 @@ class FinetuneConfig(OptimConfig):
     checkpoint_every: int = knob(50, ge=1)
     max_len: int = knob(
         192, ge=8
-    )  # prompt + response tokens; prepare fits every example to it or refuses (moe/sql/pairs.py)
+    )  # prompt + response tokens; prepare fits every example to it or refuses (moe/sql/fitting.py)
     # Rows of pretraining text added to each batch, as a fraction of batch_size (replay:
     # keeps the model from forgetting what pretraining taught it).
     replay_ratio: float = knob(0.25, ge=0, le=4)

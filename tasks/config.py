@@ -538,7 +538,7 @@ def from_dict(
     every section's own checks, then those across sections; every problem at once.
 
     With model.init set (and `resolve_init`), the model's architecture replaces the model
-    section's shape fields and its tokenizer becomes tokenizer.path (moe/hf/convert.py
+    section's shape fields and its tokenizer becomes tokenizer.path (moe/hf/model_init.py
     `init_architecture`). A resolved configuration sent to another machine is not resolved
     again: that machine need not hold the imported folder."""
     p = Problems(lines, source)
@@ -547,7 +547,7 @@ def from_dict(
     # changes one entry of a mapping instead of replacing the whole mapping.
     cfg = build(Config, _deep_merge(Config().to_dict(), raw), p)
     if resolve_init and cfg.model.init and not p.items:
-        from moe.hf.convert import init_architecture
+        from moe.hf.model_init import init_architecture
 
         try:
             cfg.model, cfg.moe = init_architecture(cfg.model, cfg.moe)

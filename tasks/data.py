@@ -19,6 +19,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from moe.data.sources import CorpusStats, iter_documents
 from moe.data.tokenizer import (
     batch_encoder,
     load_tokenizer,
@@ -26,10 +27,10 @@ from moe.data.tokenizer import (
     tokenizer_hash,
     train_tokenizer,
 )
-from moe.data.tokens import CorpusStats, iter_documents, write_token_store
+from moe.data.tokens import write_token_store
 from moe.errors import InputError
-from moe.sql.pairs import Limits
-from moe.sql.pairs import build_sql_sets as build_sets
+from moe.sql.fitting import Limits
+from moe.sql.sets import build_sql_sets as build_sets
 from tasks import retry_unless_input_error
 from tasks.config import Config
 
@@ -161,7 +162,7 @@ def tokenize_corpus(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, 
     retry_condition_fn=retry_unless_input_error,
 )
 def build_sql_sets(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, Any]:
-    """The SQL pair sets (moe/sql/pairs.py), every pair executed on its database and every example
+    """The SQL pair sets (moe/sql/sets.py), every pair executed on its database and every example
     fitted to the model's lengths with the tokenizer it will be trained with. Returns what
     meta.json records under `sql`: counts per set and kind, sources, skipped records,
     schema notes and token lengths."""

@@ -18,7 +18,8 @@ import tasks
 tasks.offline_defaults()  # before Prefect and W&B read their settings
 from moe.train import distributed as D  # noqa: E402
 from tasks.config import load_config  # noqa: E402
-from tasks.training import finetune_model, pretrain_model  # noqa: E402
+from tasks.finetuning import finetune_model  # noqa: E402
+from tasks.pretraining import pretrain_model  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

@@ -11,9 +11,10 @@ from prefect.cache_policies import NONE
 
 from moe.data.tokenizer import load_tokenizer, specials
 from moe.data.tokens import BatchSampler, TokenStore
-from moe.sql.evaluate import perplexity, sql_accuracy
-from moe.sql.pairs import load_pairs
+from moe.sql.evaluate import sql_accuracy
+from moe.sql.records import load_pairs
 from moe.train.ranks import resolve_device
+from moe.train.validation import perplexity
 from tasks import retry_unless_input_error
 from tasks.config import Config
 from tasks.progress import progress
@@ -41,7 +42,7 @@ def evaluate_perplexity(cfg: Config, data_dir: Path, model_dir: Path) -> dict[st
     return out
 
 
-SQL_SETS = {  # what each SQL figure is measured on (moe/sql/pairs.py: build_sql_sets)
+SQL_SETS = {  # what each SQL figure is measured on (moe/sql/sets.py: build_sql_sets)
     "sql": "domain_test.jsonl",  # the target domain's held-out questions
     "generic_seen": "generic_test_seen.jsonl",  # new questions, databases trained on
     "generic_heldout": "generic_test_heldout.jsonl",  # new questions, schemas never trained on

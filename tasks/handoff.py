@@ -9,7 +9,7 @@ right digest is not fetched again, so a stage re-run after its worker died downl
 twice, and stages that share a pool's disk fetch nothing at all.
 
 The training data itself does not travel this way: publish uploads it once, and training
-stages download and verify it from the receipt (tasks/storage.py).
+stages download and verify it from the receipt (tasks/archive.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Every stage writes `lineage.json` beside its outputs (`StageRecord`): input and output content
 hashes, the resolved params, the code commit, the Prefect flow-run id, the W&B run id, the
 pool and worker, wall time and cost, with a copy in the object store. `up_to_date` reads it
-back to decide whether a stage can be skipped. Secrets never reach a record (`scrub`).
+back to decide whether a stage can be skipped, and `lineage_chain` follows the records from
+an output back to its corpus (`moe-pipeline lineage`). Secrets never reach a record (`scrub`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import platform
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from moe.errors import InputError
 from moe.hashing import sha256_file
 from tasks.config import Config
 from tasks.redact import scrub
@@ -148,8 +151,13 @@ def up_to_date(
 class StageRecord:
     """Times a stage and writes its lineage record (with its cost) beside its outputs."""
 
-    def __init__(self, cfg: Config, stage: str, out_dir: Path) -> None:
+    def __init__(
+        self, cfg: Config, stage: str, out_dir: Path, upstream: list[Path] | None = None
+    ) -> None:
+        """`upstream`: the lineage records of the stages before this one (the budget left,
+        the bill)."""
         self.cfg, self.stage, self.out_dir = cfg, stage, out_dir
+        self.upstream = upstream or []
         self.pool = cfg.pools.stages[stage]
         spec = cfg.pools.definitions[self.pool]
         self.pricing, self.price_per_hour = spec.pricing, spec.rate * cfg.machines(stage)
@@ -253,3 +261,107 @@ class StageRecord:
             log.warning(
                 "could not copy the %s lineage record to the object store: %s", self.stage, e
             )
+
+
+# --------------------------------------------------------------------------- the walk back
+
+
+def lineage_chain(
+    root: Path, output: str | Path, warn: Callable[[str], None] = log.warning
+) -> list[dict[str, Any]]:
+    """Follow lineage records (each stage writes one beside its outputs) from `output` (a
+    file or folder under `root`) back to the corpus: which stage made it, from which inputs,
+    under which params and code, and whether each file still has the hash the record holds.
+    One step per output, depth first; an output met again is a step marked `seen`. An
+    unreadable record is skipped with `warn`; an output no record lists is an InputError."""
+    producers = _producers(root, warn)
+    target = str(output)
+    start = _producer_of(producers, target)
+    if start is None:
+        known = ", ".join(sorted(producers)) or "none (run the pipeline first)"
+        raise InputError(
+            f"no stage's lineage record lists {target} as an output; known outputs: {known}"
+        )
+    chain: list[dict[str, Any]] = []
+    _visit(root, producers, start[0], start[1], 0, set(), chain)
+    return chain
+
+
+def _producers(root: Path, warn: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+    """Each output the lineage records under `root` list -> the record of its stage."""
+    records = []
+    for pattern in ("data/*/lineage.json", "models/*/lineage.json", "reports/**/lineage.json"):
+        for f in sorted(root.glob(pattern)):
+            try:
+                records.append(json.loads(f.read_text()))
+            except (OSError, json.JSONDecodeError) as e:
+                warn(f"{f} is unreadable ({e}); skipped")
+    producers: dict[str, dict[str, Any]] = {}
+    for r in records:
+        for out in r.get("outputs", {}).values():
+            producers[str(Path(out["path"]))] = r
+    return producers
+
+
+def _producer_of(
+    producers: dict[str, dict[str, Any]], path: str
+) -> tuple[str, dict[str, Any]] | None:
+    """The output `path` names, else the first output inside the folder `path`, with its
+    record."""
+    if path in producers:
+        return path, producers[path]
+    inside = [p for p in producers if p.startswith(path.rstrip("/") + "/")]
+    return (inside[0], producers[inside[0]]) if inside else None
+
+
+def _visit(
+    root: Path,
+    producers: dict[str, dict[str, Any]],
+    path: str,
+    rec: dict[str, Any],
+    depth: int,
+    seen: set[str],
+    chain: list[dict[str, Any]],
+) -> None:
+    if path in seen:
+        chain.append({"output": path, "depth": depth, "seen": True})
+        return
+    seen.add(path)
+    chain.append(_step(root, path, rec, depth))
+    for inp in rec.get("inputs", {}).values():
+        nxt = _producer_of(producers, str(Path(inp["path"])))
+        if nxt is not None:
+            _visit(root, producers, nxt[0], nxt[1], depth + 1, seen, chain)
+
+
+def _step(root: Path, path: str, rec: dict[str, Any], depth: int) -> dict[str, Any]:
+    """One output of the chain: its record's facts and whether the file still matches."""
+    recorded = next(o["sha256"] for o in rec["outputs"].values() if str(Path(o["path"])) == path)
+    local = root / path
+    now = content_hash(local) if local.exists() else None
+    step = {
+        "depth": depth,
+        "stage": rec.get("stage"),
+        "output": path,
+        "sha256": recorded,
+        "status": "ok" if now == recorded else ("missing" if now is None else "changed since"),
+        "inputs": {k: v["path"] for k, v in rec.get("inputs", {}).items()},
+        "code": rec.get("code", {}).get("commit"),
+        "flow_run_id": rec.get("flow_run_id"),
+        "wandb_run_id": rec.get("wandb_run_id"),
+        "pool": rec.get("pool"),
+        "started": rec.get("started"),
+        "wall_s": rec.get("wall_s"),
+        "cost": rec.get("cost"),
+    }
+    if rec.get("stage") == "prepare":
+        meta = root / path / "meta.json"
+        if meta.is_file():
+            m = json.loads(meta.read_text())
+            step["corpus"] = {
+                "source": m.get("source"),
+                "bytes": m.get("source_bytes"),
+                "sha256": m.get("source_sha256"),
+                "tokenizer_sha256": m.get("tokenizer_sha256"),
+            }
+    return step

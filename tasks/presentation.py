@@ -241,27 +241,9 @@ def plot_expert_load(metrics_file: Path, out: Path, title: str) -> Path | None:
     return out
 
 
-def run_report(
-    path: Path,
-    receipt: dict[str, Any],
-    commit: str,
-    metrics: dict[str, Any],
-    ledger: dict[str, Any],
-    cost_png: Path,
-    plot: Path | None,
-    heatmaps: list[Path | None],
-) -> Path:
-    """The run's markdown report (reports/evaluate/report.md): the bill per stage, every
-    stage's model on the held-out sets (per kind of query too), samples, the saving against
-    running everything on the dearest pool, and the plots."""
-    from moe.sql.generator import KINDS as TEMPLATES
-
-    trained = [s for s in STAGES if s in metrics]  # the training stages, in order
-    lines = [
-        "# Run report",
-        "",
-        f"Dataset {receipt['name']}/{receipt['version']}, code {commit[:12]}",
-        "",
+def _bill_lines(ledger: dict[str, Any]) -> list[str]:
+    """The report's bill: per stage, and the total with what interruptions cost."""
+    return [
         "| stage | pool | wall s | cost | interruptions (cost, goodput) |",
         "|---|---|---|---|---|",
         *(
@@ -282,6 +264,14 @@ def run_report(
             if ledger.get("interruptions", {}).get("count")
             else ""
         ),
+    ]
+
+
+def _model_lines(metrics: dict[str, Any], trained: list[str]) -> list[str]:
+    """The report's models: every stage's on the held-out sets, per kind of query, samples."""
+    from moe.sql.generator import KINDS as TEMPLATES
+
+    return [
         "",
         "Domain questions (held out), and generic questions never trained on, on the "
         "databases trained on (seen) and on schemas no training pair uses (held out):",
@@ -328,6 +318,30 @@ def run_report(
             f"  gold `{x['gold']}`  \n  got `{x['predicted']}`"
             for x in metrics["finetune_domain"]["sql"]["samples"]
         ),
+    ]
+
+
+def run_report(
+    path: Path,
+    receipt: dict[str, Any],
+    commit: str,
+    metrics: dict[str, Any],
+    ledger: dict[str, Any],
+    cost_png: Path,
+    plot: Path | None,
+    heatmaps: list[Path | None],
+) -> Path:
+    """The run's markdown report (reports/evaluate/report.md): the bill per stage, every
+    stage's model on the held-out sets (per kind of query too), samples, the saving against
+    running everything on the dearest pool, and the plots."""
+    trained = [s for s in STAGES if s in metrics]  # the training stages, in order
+    lines = [
+        "# Run report",
+        "",
+        f"Dataset {receipt['name']}/{receipt['version']}, code {commit[:12]}",
+        "",
+        *_bill_lines(ledger),
+        *_model_lines(metrics, trained),
     ]
     lines += [
         "",

@@ -2,7 +2,7 @@
 
 `export_model_dir` is what `moe-pipeline model export` runs: the model folder a training stage
 wrote (or an import) becomes what `AutoModelForCausalLM.from_pretrained` and vLLM load
-(moe/hf/convert.py), with the tokenizer the model was trained with and a README.md that says where it
+(moe/hf/exporter.py), with the tokenizer the model was trained with and a README.md that says where it
 came from: the lineage's input and code hashes, the evaluation table and the bill, when the
 pipeline's reports are there.
 """
@@ -16,13 +16,9 @@ from typing import Any
 
 from moe.data.tokenizer import load_tokenizer, specials
 from moe.errors import InputError
-from moe.hf.convert import (
-    ExportPlan,
-    export_hf,
-    export_plan,
-    load_model_dir,
-    native_tokenizer_config,
-)
+from moe.hf.exporter import ExportPlan, export_hf, export_plan
+from moe.hf.model_dir import load_model_dir
+from moe.hf.tokenizer_files import copy_tokenizer, native_tokenizer_config
 from moe.model.transformer import MoETransformer
 
 
@@ -43,6 +39,34 @@ def find_tokenizer(model_dir: Path, data_dir: Path) -> Path:
         f"no tokenizer.json in {model_dir} nor in {data_dir}: name the prepared data with"
         " --data (the folder the prepare stage wrote)"
     )
+
+
+def _evaluation_lines(summary: dict, metrics: dict, stage_name: str) -> list[str]:
+    """The card's evaluation: every stage's figures, and this model's per kind of question."""
+    lines = [
+        "",
+        "## Evaluation",
+        "| stage | perplexity | execution accuracy (domain) | generic |",
+        "|---|---|---|---|",
+    ]
+    for stage, row in summary.items():
+        if isinstance(row, dict) and "ppl" in row:
+            lines.append(
+                f"| {stage} | {row['ppl']} | {row['exec_acc']} |"
+                f" {row.get('generic_exec_acc', '')} |"
+            )
+    kinds = ((metrics.get(stage_name) or {}).get("sql") or {}).get("by_template") or {}
+    if kinds:
+        lines += [
+            "",
+            "Execution accuracy per kind of question (domain test set): "
+            + ", ".join(
+                f"{k} {v['execution_accuracy']:.2f} ({v['examples']})"
+                for k, v in sorted(kinds.items())
+                if isinstance(v, dict) and "execution_accuracy" in v
+            ),
+        ]
+    return lines
 
 
 def model_card(model_dir: Path, plan: ExportPlan, model: MoETransformer, reports: Path) -> str:
@@ -93,29 +117,7 @@ def model_card(model_dir: Path, plan: ExportPlan, model: MoETransformer, reports
         for key, entry in sorted((lineage.get("inputs") or {}).items()):
             lines.append(f"- input `{key}`: `{entry.get('path')}` sha256 `{entry.get('sha256')}`")
     if summary or metrics:
-        lines += [
-            "",
-            "## Evaluation",
-            "| stage | perplexity | execution accuracy (domain) | generic |",
-            "|---|---|---|---|",
-        ]
-        for stage, row in summary.items():
-            if isinstance(row, dict) and "ppl" in row:
-                lines.append(
-                    f"| {stage} | {row['ppl']} | {row['exec_acc']} |"
-                    f" {row.get('generic_exec_acc', '')} |"
-                )
-        kinds = ((metrics.get(model_dir.name) or {}).get("sql") or {}).get("by_template") or {}
-        if kinds:
-            lines += [
-                "",
-                "Execution accuracy per kind of question (domain test set): "
-                + ", ".join(
-                    f"{k} {v['execution_accuracy']:.2f} ({v['examples']})"
-                    for k, v in sorted(kinds.items())
-                    if isinstance(v, dict) and "execution_accuracy" in v
-                ),
-            ]
+        lines += _evaluation_lines(summary, metrics, model_dir.name)
     if cost:
         cur = cost.get("currency", "")
         lines += ["", "## The bill", "| stage | pool | cost |", "|---|---|---|"]
@@ -148,8 +150,6 @@ def export_model_dir(
         (tok_dir / "tokenizer.json").write_bytes(tok_path.read_bytes())
         beside = tok_path.parent
         if (beside / "tokenizer_config.json").is_file():
-            from moe.hf.convert import copy_tokenizer
-
             copy_tokenizer(beside, tok_dir)
         else:  # our own tokenizer: say which tokens are special, for AutoTokenizer
             names = {sp.eos: tok.id_to_token(sp.eos), sp.pad: tok.id_to_token(sp.pad)}
@@ -183,7 +183,8 @@ def ask(
     time-limited connection."""
     import torch
 
-    from moe.sql.pairs import SqlPair, prompt_text
+    from moe.sql.prompts import prompt_text
+    from moe.sql.records import SqlPair
     from moe.sql.sandbox import (
         ReadOnlyDb,
         SchemaStyle,

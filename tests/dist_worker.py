@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from moe.checkpoint.store import CheckpointStore, model_tensors
+from moe.checkpoint.store import CheckpointStore
+from moe.checkpoint.tensors import model_tensors
 from moe.config import ModelConfig, MoEConfig, PretrainConfig
 from moe.model.transformer import MoETransformer
 from moe.train import distributed as D

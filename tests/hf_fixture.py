@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from moe.data.tokens import CorpusStats, iter_documents
+from moe.data.sources import CorpusStats, iter_documents
 
 
 def make_tokenizer(folder: Path, vocab: int = 1024, extra: int = 0) -> int:

@@ -1,4 +1,4 @@
-"""A stand-in for a Kubernetes cluster, for tasks/multinode.py's launcher.
+"""A stand-in for a Kubernetes cluster (tasks/cluster.py), for tasks/multinode.py's launcher.
 
 Kubernetes cannot run on this machine (no container image can be pulled), so this class
 plays its API server and kubelet, and nothing more: it runs each pod of an Indexed Job as a
@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from tasks.multinode import JobState
+from tasks.cluster import JobState
 
 _JOBS: dict[str, dict[str, Any]] = {}  # shared by every instance (open_cluster makes new ones)
 _LOCK = threading.Lock()

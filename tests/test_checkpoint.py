@@ -15,13 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe.checkpoint.store import (
-    WRITER,
-    CheckpointStore,
-    flatten_optimizer,
-    unflatten_optimizer,
-    weights_digest,
-)
+from moe.checkpoint.manifest import WRITER
+from moe.checkpoint.store import CheckpointStore
+from moe.checkpoint.tensors import flatten_optimizer, unflatten_optimizer, weights_digest
 from tests.conftest import read_line
 
 E, D, F = 4, 8, 16
@@ -200,7 +196,7 @@ def test_process_killed_mid_save_leaves_previous_restorable(tmp_path: Path) -> N
     script = textwrap.dedent(
         f"""
         import sys, time, torch
-        import moe.checkpoint.store as C
+        import moe.checkpoint.whole as C
         from moe.checkpoint.store import CheckpointStore
         store = CheckpointStore({str(tmp_path)!r}, cold_codec="bg-lzma")
         store.save(1, {{"w": torch.ones(4)}}, {{}}, {{}}, {{"step": 1}})
@@ -267,7 +263,7 @@ def test_the_background_writer_writes_after_save_has_returned(tmp_path: Path) ->
 
     store = CheckpointStore(tmp_path, background=True, cold_codec="bg-lzma")
     gate, writers = threading.Event(), []
-    real_write = store._write
+    real_write = store._writer.write
 
     def gated_write(*job: object) -> None:
         writers.append(threading.current_thread())
@@ -275,7 +271,7 @@ def test_the_background_writer_writes_after_save_has_returned(tmp_path: Path) ->
         gate.wait()  # opened by the test after save() returned
         real_write(*job)
 
-    store._write = gated_write  # type: ignore[method-assign]
+    store._writer.write = gated_write
     big = {"blocks.0.ffn.experts.w": torch.randn(8, 64, 256)}
     load = {"blocks.0.ffn": [0.0] * 7 + [1.0]}
     path = store.save(1, big, {}, {}, {"step": 1}, expert_load=load)

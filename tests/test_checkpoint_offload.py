@@ -97,7 +97,7 @@ def test_training_resumes_from_a_checkpoint_that_lives_in_s3(
     S3: fetched, verified, and the run ends with the weights of one never interrupted."""
     import shutil
 
-    from moe.checkpoint.store import model_tensors, weights_digest
+    from moe.checkpoint.tensors import model_tensors, weights_digest
     from tests.test_train import _data, _trainer
 
     boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1").create_bucket(
@@ -179,7 +179,7 @@ def _offloading_stage(tmp_path: Path, moto_server: str, bucket: str) -> tuple[An
 def test_the_pretrain_stage_offloads_after_each_save(tmp_path: Path, moto_server: str) -> None:
     """The real pretrain task with `checkpoint.offload` on: while it trains, the checkpoints
     older than the newest are already in S3 (the after-save hook, on the writer thread)."""
-    from tasks.training import pretrain_model
+    from tasks.pretraining import pretrain_model
     from tests.test_train import _data
 
     cfg, steps_in_s3 = _offloading_stage(tmp_path, moto_server, "stage-offload")
@@ -209,7 +209,7 @@ def test_the_stage_offloads_at_its_end_what_the_saves_could_not(
     import threading
 
     import tasks.checkpoints as ck
-    from tasks.training import pretrain_model
+    from tasks.pretraining import pretrain_model
     from tests.test_train import _data
 
     cfg, steps_in_s3 = _offloading_stage(tmp_path, moto_server, "stage-offload-end")

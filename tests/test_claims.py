@@ -162,7 +162,7 @@ def test_a_finetune_stage_resumes_bit_exact(
     what a dying worker looks like to the task) and run again resumes from step 3 and ends
     with the weights of an uninterrupted run."""
     from tasks.config import load_config
-    from tasks.training import finetune_model
+    from tasks.finetuning import finetune_model
 
     root, _ = built
     cfg = load_config(root / "params.yaml", ["finetune_sql.log_every=1"])
@@ -199,9 +199,9 @@ def test_a_multi_node_finetune_runs_from_the_uploaded_start_model(
     from safetensors.torch import load_file
 
     import tasks.multinode as mn
+    from tasks.archive import publish_dataset
     from tasks.config import PoolSpec, StorageConfig, load_config
-    from tasks.storage import publish_dataset
-    from tasks.training import finetune_model
+    from tasks.finetuning import finetune_model
     from tests import local_cluster
     from tests.conftest import free_port
 

@@ -64,13 +64,13 @@ def test_a_multi_node_stage_is_billed_for_every_machine(tmp_path: Path) -> None:
     """The lineage price, the trainer's budget and reports/cost.json all count each of the
     stage's machines."""
     from tasks.lineage import StageRecord
-    from tasks.training import _price
+    from tasks.training import stage_price
 
     cfg = Config()
     cfg.pretrain.nodes = 4
     pool = cfg.pools.definitions[cfg.pools.stages["pretrain"]]
     assert pool.rate > 0
-    assert _price(cfg, "pretrain") == pytest.approx(4 * pool.rate)  # the trainer's Budget
+    assert stage_price(cfg, "pretrain") == pytest.approx(4 * pool.rate)  # the trainer's Budget
     record = StageRecord(cfg, "pretrain", tmp_path).build({}, {}, compute_s=3600.0)
     assert record["machines"] == 4 and record["price_per_hour"] == pytest.approx(4 * pool.rate)
     assert record["cost"] == pytest.approx(4 * pool.rate, rel=1e-4)  # one hour of 4 machines

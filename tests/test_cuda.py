@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe.checkpoint.store import CheckpointStore, model_tensors
+from moe.checkpoint.store import CheckpointStore
+from moe.checkpoint.tensors import model_tensors
 from tests.test_train import _data, _trainer
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
@@ -66,7 +67,8 @@ def test_the_model_on_cuda_equals_itself_on_cpu() -> None:
     torch.cuda.device_count() < 2, reason="NCCL data + expert parallel needs two GPUs"
 )
 def test_pretrain_under_torchrun_on_two_gpus_uses_nccl(tmp_path: Path) -> None:
-    from tasks.training import load_model, pretrain_model
+    from tasks.pretraining import pretrain_model
+    from tasks.training import load_model
     from tests.test_distributed import torchrun_config
 
     data = _data(tmp_path / "data")

@@ -1,6 +1,7 @@
-"""Contract of moe/data/tokens.py, moe/data/tokenizer.py and moe/sql/pairs.py: token stores round-trip with
-their meta, splits are by document, batches are a pure function of (seed, step), SFT batches
-put the loss on responses only, and every SQL pair runs on its database."""
+"""Contract of moe/data/sources.py, moe/data/tokens.py, moe/data/tokenizer.py and
+moe/sql/sets.py: corpora read as documents, token stores round-trip with their meta, splits
+are by document, batches are a pure function of (seed, step), SFT batches put the loss on
+responses only, and every SQL pair runs on its database."""
 
 from __future__ import annotations
 
@@ -12,15 +13,14 @@ import numpy as np
 import pytest
 import torch
 
+from moe.data.sources import CorpusStats, iter_documents
 from moe.data.tokenizer import EOT, load_tokenizer, train_tokenizer
 from moe.data.tokens import (
     BatchSampler,
-    CorpusStats,
     MixedBatches,
     SFTBatches,
     SFTExample,
     TokenStore,
-    iter_documents,
     token_dtype,
     write_token_store,
 )
@@ -113,7 +113,7 @@ def test_stdlib_corpus_skips_undecodable_and_caps(tmp_path: Path, monkeypatch) -
     (tmp_path / "pkg" / "latin.py").write_bytes("s = 'caf\u00e9'\n".encode("latin-1"))
     (tmp_path / "site-packages" / "c.py").write_text("installed = True\n")
     (tmp_path / "notes.txt").write_text("not python\n")
-    monkeypatch.setattr("moe.data.tokens.stdlib_root", lambda: tmp_path)
+    monkeypatch.setattr("moe.data.sources.stdlib_root", lambda: tmp_path)
     stats = CorpusStats()
     docs = list(iter_documents("stdlib", "text", 0, stats))
     assert docs == ["import os\n", "x = 'b' * 200\n"]
@@ -177,7 +177,7 @@ def test_missing_source_and_offline_hub_fail_clearly() -> None:
 def test_a_long_text_file_is_cut_into_bounded_documents_at_paragraph_breaks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import moe.data.tokens as data
+    import moe.data.sources as data
 
     monkeypatch.setattr(data, "READ_BLOCK", 7)  # blocks end inside multi-byte characters
     paragraphs = [f"Paragraph {i}: café, naïve, 東京. " * (1 + i % 5) for i in range(60)]
@@ -253,8 +253,8 @@ def test_mixed_batches_add_replay_rows_with_full_loss(tmp_path: Path) -> None:
 
 
 def test_fast_batch_encoder_gives_the_same_ids_as_encode_batch() -> None:
+    from moe.data.sources import CorpusStats, iter_documents
     from moe.data.tokenizer import batch_encoder, train_tokenizer
-    from moe.data.tokens import CorpusStats, iter_documents
 
     texts = list(iter_documents("stdlib", "text", 300_000, CorpusStats()))
     tok = train_tokenizer(texts, vocab_size=512)

@@ -233,7 +233,8 @@ def test_pretrain_stage_runs_under_torchrun_and_resumes(tmp_path: Path) -> None:
     """`pretrain.nproc: 2`: the pretrain task launches torchrun (gloo), rank 0 writes the model
     with every expert (it loads at world size 1), the metrics reach log_fn, and a relaunch
     resumes from the checkpoint."""
-    from tasks.training import load_model, pretrain_model
+    from tasks.pretraining import pretrain_model
+    from tasks.training import load_model
     from tests.test_train import _data
 
     data = _data(tmp_path / "data")
@@ -267,8 +268,8 @@ def test_continued_pretraining_of_a_hugging_face_model_runs_sharded(tmp_path: Pa
     """model.init names transformers' own Qwen3-MoE folder and pretrain.nproc is 2: the first
     process streams the import once, each rank reads its part of it into the model built on
     the meta device, and training ends where one process (loading the model whole) ends."""
-    from moe.hf.convert import init_architecture
-    from tasks.training import pretrain_model
+    from moe.hf.model_init import init_architecture
+    from tasks.pretraining import pretrain_model
     from tests.test_hf import hf_model
     from tests.test_train import _data
 

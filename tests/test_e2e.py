@@ -479,3 +479,40 @@ def test_dvc_metrics_and_experiments_read_at_a_glance(scratch: tuple[Path, dict[
     wide = {**env, "COLUMNS": "400"}  # a terminal wide enough that no column is cut
     table = _run(["dvc", "exp", "show", "--only-changed", "--no-pager"], root, wide).stdout
     assert "lr3e-4" in table and "finetune_domain.lr" in table and "0.0003" in table
+
+
+# A one-line edit to each module, and the stages it must (True) or must not (False) rerun:
+# the DVC graph follows the code each stage runs, not our file layout, so an edit to SQL,
+# Hugging Face export, evaluation or finetune-stage code never retrains the base model.
+CODE_EDITS = {
+    "moe/sql/generator.py": {"prepare": True, "pretrain": False},
+    "moe/sql/prompts.py": {"finetune_sql": True, "pretrain": False},
+    "moe/sql/evaluate.py": {"evaluate": True, "pretrain": False, "finetune_sql": False},
+    "moe/hf/exporter.py": {"evaluate": True, "pretrain": False, "finetune_domain": False},
+    "tasks/finetuning.py": {"finetune_sql": True, "finetune_domain": True, "pretrain": False},
+    "flows/bodies/finetune.py": {"finetune_domain": True, "pretrain": False},
+    "flows/bodies/evaluate.py": {"evaluate": True, "pretrain": False},
+    "tasks/evaluation.py": {"evaluate": True, "pretrain": False},
+    "moe/train/trainer.py": {"pretrain": True, "finetune_sql": True, "prepare": False},
+    "moe/model/routing.py": {"pretrain": True, "evaluate": True, "prepare": False},
+    "moe/checkpoint/store.py": {"pretrain": True, "prepare": False},
+}
+
+
+def test_an_edit_reruns_only_the_stages_that_run_that_code(
+    scratch: tuple[Path, dict[str, str]],
+) -> None:
+    """After a finished `dvc repro`, `dvc status` names the stages a one-line edit reruns."""
+    root, env = scratch
+    assert json.loads(_run(["dvc", "status", "--json"], root, env).stdout or "{}") == {}
+    for path, expected in CODE_EDITS.items():
+        module = root / path
+        before = module.read_text()
+        module.write_text(before + "# an edit\n")
+        try:
+            status = json.loads(_run(["dvc", "status", "--json"], root, env).stdout or "{}")
+        finally:
+            module.write_text(before)
+        changed = {name.split(":")[-1] for name in status}
+        for stage, reruns in expected.items():
+            assert (stage in changed) == reruns, f"{path}: {stage} {changed}"

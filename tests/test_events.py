@@ -63,7 +63,7 @@ def _budgeted_training(tmp_path: Path) -> tuple[str, Any]:
 
     from moe.train.stop import Budget
     from tasks.config import Config
-    from tasks.training import _fit_and_save
+    from tasks.training import fit_and_save
     from tests.test_resilience import _clocked
     from tests.test_train import _data, _trainer
 
@@ -75,7 +75,7 @@ def _budgeted_training(tmp_path: Path) -> tuple[str, Any]:
         t = _trainer(data, tmp_path / "ckpt", 40)
         _clocked(t, tick=0.5)  # two readings a step: one second a step
         t.stop.budget = Budget(price_per_hour=3600.0, left=10.0, alert=cfg.cost.alert_fraction)
-        return str(flow_run.get_id()), _fit_and_save(cfg, t, tmp_path / "out", "pretrain/x")
+        return str(flow_run.get_id()), fit_and_save(cfg, t, tmp_path / "out", "pretrain/x")
 
     return budgeted()
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe.checkpoint.store import (
-    CheckpointStore,
+from moe.checkpoint.store import CheckpointStore
+from moe.checkpoint.tensors import (
     flatten_optimizer,
     load_model_tensors,
     model_tensors,

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (moe/hf/convert.py), against transformers itself.
+"""Hugging Face checkpoints in and out (moe/hf/), against transformers itself.
 
 Nothing is downloaded: transformers builds tiny random models of each architecture from a
 config (`from_config`, `save_pretrained`), and reads back what we export (`from_pretrained`
@@ -18,7 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from moe.config import ModelConfig, MoEConfig
 from moe.errors import InputError
-from moe.hf.convert import export_hf, export_plan, import_model, load_hf_model, load_model_dir
+from moe.hf.exporter import export_hf, export_plan
+from moe.hf.importer import import_model, load_hf_model
+from moe.hf.model_dir import load_model_dir
 from moe.model.transformer import MoETransformer
 
 transformers = pytest.importorskip("transformers")
@@ -333,8 +335,8 @@ def test_the_streamed_import_writes_what_the_whole_model_would(
     """`model import` writes the weights tensor by tensor (the model never whole in memory):
     the file, read by safetensors itself, holds exactly what loading the whole model and
     saving it gives (every tensor, dtype and bit; routing state at its defaults)."""
-    from moe.checkpoint.store import model_tensors
-    from moe.hf.convert import stream_hf_weights
+    from moe.checkpoint.tensors import model_tensors
+    from moe.hf.importer import stream_hf_weights
 
     hf_model(model_type, tmp_path / "hf")
     skeleton, _ = stream_hf_weights(tmp_path / "hf", tmp_path / "w.safetensors", MOE, seq_len=64)
@@ -347,7 +349,7 @@ def test_the_streamed_import_writes_what_the_whole_model_would(
 
 
 def test_a_refused_streamed_import_leaves_no_file(tmp_path: Path) -> None:
-    from moe.hf.convert import stream_hf_weights
+    from moe.hf.importer import stream_hf_weights
 
     hf_model("qwen2_moe", tmp_path / "hf")
     weights = tmp_path / "hf" / "model.safetensors"

@@ -60,7 +60,7 @@ def test_prepare_uses_the_models_own_tokenizer(ran: tuple[Path, dict[str, str]])
     assert meta["eot_id"] == tok.token_to_id("</s>")  # read from tokenizer_config.json
     # An SFT example: bos once, in front; the tokenizer's post-processor adds none inside.
     from moe.data.tokenizer import specials
-    from tasks.training import sft_examples
+    from tasks.finetuning import sft_examples
 
     sp = specials(tok, root / "data/prepared/tokenizer.json")
     ex = sft_examples(root / "data/prepared/sql/domain_train.jsonl", tok, sp)[0]
@@ -97,7 +97,7 @@ def test_the_finetuned_model_exports_to_what_transformers_loads(
         root / "export", dtype=torch.float32, output_loading_info=True
     )
     assert not any(info.values()), info
-    from moe.hf.convert import load_model_dir
+    from moe.hf.model_dir import load_model_dir
 
     ours = load_model_dir(root / "models/finetune_domain", dtype=torch.float32).eval()
     idx = torch.randint(0, 66_000, (2, 24), generator=torch.Generator().manual_seed(0))

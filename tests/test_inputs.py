@@ -13,7 +13,7 @@ import pytest
 
 from moe.data.tokenizer import load_tokenizer
 from moe.errors import InputError
-from moe.sql.pairs import load_pairs
+from moe.sql.records import load_pairs
 from tests.conftest import cli_env, pipeline_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def test_stage_without_its_inputs_exits_2_and_writes_nothing(
 # ----------------------------------------------------------------- corpus inputs (data issue)
 
 from moe.config import ConfigError  # noqa: E402
-from moe.data.tokens import CorpusStats, iter_documents  # noqa: E402
+from moe.data.sources import CorpusStats, iter_documents  # noqa: E402
 from tasks.config import load_config  # noqa: E402
 
 
@@ -383,7 +383,7 @@ def test_importing_tasks_changes_no_environment() -> None:
     effect of importing the task library."""
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "DO_NOT_TRACK")}
     code = (
-        "import os, tasks.storage, tasks.training;"
+        "import os, tasks.storage, tasks.pretraining;"
         "print(os.environ.get('HF_HUB_OFFLINE'), os.environ.get('DO_NOT_TRACK'));"
         "import flows;"
         "print(os.environ.get('HF_HUB_OFFLINE'), os.environ.get('DO_NOT_TRACK'))"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from moe.data.tokens import CorpusStats, iter_documents
+from moe.data.sources import CorpusStats, iter_documents
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 SCRIPT = """
 import json, resource, sys, time
 from pathlib import Path
-from moe.data.tokens import CorpusStats, iter_documents, write_token_store
+from moe.data.sources import CorpusStats, iter_documents
+from moe.data.tokens import write_token_store
 from moe.data.tokenizer import EOT, batch_encoder, train_tokenizer
 src, out = sys.argv[1], Path(sys.argv[2])
 def peak_mb():

@@ -1,5 +1,7 @@
-"""The layering contract: moe/ is a pure library (imports neither prefect nor dvc), and
-tasks/ does not import flows/."""
+"""The layering contract: moe/ is a pure library (imports neither prefect nor dvc), tasks/
+does not import flows/, each moe/ package imports only the packages below it, no module
+imports itself in a circle (lazy imports inside functions included), and no file, class or
+function outgrows what a reader takes in."""
 
 from __future__ import annotations
 
@@ -75,3 +77,106 @@ def test_no_two_task_modules_import_each_other() -> None:
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
     assert "training" not in graph["multinode"] and "launch" not in graph["multinode"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # it sees one
+
+
+# What each moe/ package may import of the others (besides moe/config.py, moe/errors.py and
+# moe/hashing.py, the foundation every package stands on). README "How the pieces fit" and
+# docs/DESIGN.md draw the same picture.
+MAY_IMPORT = {
+    "model": set(),
+    "checkpoint": set(),
+    "data": set(),
+    "sql": {"model", "data"},
+    "hf": {"model", "checkpoint", "data"},
+    "train": {"model", "checkpoint"},
+}
+FOUNDATION = {"moe.config", "moe.errors", "moe.hashing"}
+
+
+def _module_of(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _edges(lazy: bool = True) -> dict[str, set[str]]:
+    """Every project module -> the project modules it imports (at the top, and with `lazy`
+    also inside functions). `from moe.train import distributed` names the module itself."""
+    modules = {
+        _module_of(f): f for d in ("moe", "tasks", "flows") for f in (ROOT / d).rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for name, f in modules.items():
+        tree = ast.parse(f.read_text())
+        nodes = ast.walk(tree) if lazy else iter(tree.body)
+        deps = set()
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    deps.add(full if full in modules else node.module)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = {d for d in deps if d in modules} - {name}
+    return graph
+
+
+def test_each_moe_package_imports_only_what_it_stands_on() -> None:
+    for name, deps in _edges().items():
+        parts = name.split(".")
+        if parts[0] != "moe" or len(parts) < 3:
+            continue
+        allowed = MAY_IMPORT[parts[1]] | {parts[1]}
+        for dep in deps - FOUNDATION:
+            assert dep.split(".")[1] in allowed, f"{name} imports {dep}"
+
+
+def test_no_import_circle_anywhere_lazy_imports_included() -> None:
+    """A circle hidden behind an import inside a function is still a circle."""
+    graph = _edges(lazy=True)
+    found = _cycle(graph)
+    assert found is None, " -> ".join(found or [])
+    assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]  # it sees one
+
+
+def test_moe_imports_its_own_modules_at_the_top() -> None:
+    """No moe/ function imports a moe/ module: such an import only ever hides a circle."""
+    for f in (ROOT / "moe").rglob("*.py"):
+        tree = ast.parse(f.read_text())
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("moe"):
+                assert id(node) in top, f"{f.relative_to(ROOT)}:{node.lineno}"
+
+
+# Declaration modules (typed config sections, data literals) may be longer: what they hold
+# is read one entry at a time.
+DECLARATIONS = {"moe/config.py", "tasks/config.py", "moe/sql/themes.py"}
+
+
+def test_no_file_class_or_function_outgrows_a_reading() -> None:
+    """Files under 500 lines, classes under 300, functions under 80 (declarations aside)."""
+    for d in ("moe", "tasks", "flows"):
+        for f in (ROOT / d).rglob("*.py"):
+            rel = f.relative_to(ROOT).as_posix()
+            text = f.read_text()
+            if rel not in DECLARATIONS:
+                assert len(text.splitlines()) <= 500, rel
+            for node in ast.walk(ast.parse(text)):
+                if not isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if isinstance(node, ast.ClassDef) and rel not in DECLARATIONS:
+                    assert lines <= 300, f"{rel}: class {node.name} has {lines} lines"
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    assert lines <= 80 or _declaration(node), (
+                        f"{rel}: {node.name} has {lines} lines"
+                    )
+
+
+def _declaration(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """A function that only builds and returns a literal (an argparse table, a manifest)."""
+    body = [
+        s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
+    ]
+    return len(body) == 1 and isinstance(body[0], ast.Return)

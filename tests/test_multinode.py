@@ -1,8 +1,8 @@
-"""Training across nodes (tasks/multinode.py): the Indexed Job, Service and ConfigMap the
-launcher renders, checked field by field against the Kubernetes API's own models; and two
-torchrun "nodes" on 127.0.0.1 joined by the c10d rendezvous, fed through a real S3 server
-(moto), run from those manifests by tests/local_cluster.py (Kubernetes itself cannot run
-here: no image can be pulled)."""
+"""Training across nodes (tasks/multinode.py, tasks/cluster.py): the Indexed Job, Service
+and ConfigMap the launcher renders, checked field by field against the Kubernetes API's own
+models; and two torchrun "nodes" on 127.0.0.1 joined by the c10d rendezvous, fed through a
+real S3 server (moto), run from those manifests by tests/local_cluster.py (Kubernetes itself
+cannot run here: no image can be pulled)."""
 
 from __future__ import annotations
 
@@ -18,16 +18,11 @@ import torch
 from safetensors.torch import load_file
 
 from moe.config import ConfigError
+from tasks.archive import publish_dataset
+from tasks.cluster import MOUNT, NodeJob, manifests
 from tasks.config import PoolSpec, StorageConfig, load_config
-from tasks.multinode import (
-    MOUNT,
-    NodeJob,
-    manifests,
-    mirror_prefix,
-    newest_mirrored_step,
-    run_on_cluster,
-)
-from tasks.storage import open_store, publish_dataset
+from tasks.multinode import mirror_prefix, newest_mirrored_step, run_on_cluster
+from tasks.storage import open_store
 from tests.conftest import free_port
 from tests.local_cluster import LocalCluster
 from tests.test_distributed import torchrun_config
@@ -176,7 +171,7 @@ def test_two_nodes_train_like_one_machine_and_resume_on_new_machines(
     from S3 on an empty disk. A node's machine dies after the first checkpoint: the Job fails.
     The next launch runs on two new machines, resumes from the mirrored checkpoint, and ends
     with the same weights as one machine running 2 processes without interruption."""
-    from tasks.training import pretrain_model
+    from tasks.pretraining import pretrain_model
     from tests.test_train import _data
 
     monkeypatch.chdir(tmp_path)
@@ -263,7 +258,7 @@ def test_two_nodes_train_like_one_machine_and_resume_on_new_machines(
     assert store.exists(f"{mirror_prefix(run_key())}/manifest.json")
     # Saved sharded, each node its own rank's files: those of the node that did not write the
     # manifest are named where the mirror holds them (no rank gathered the whole state).
-    from moe.checkpoint.store import Manifest
+    from moe.checkpoint.manifest import Manifest
 
     m = Manifest.read(out / "checkpoints" / "step_00000040")
     assert m.sharded and {"r000.L0.bin", "r001.L0.bin", "r001.L1.bin"} <= set(m.files)
@@ -329,7 +324,8 @@ def test_a_new_flow_run_follows_the_job_its_predecessor_launched(tmp_path: Path)
 def test_a_job_whose_pods_never_start_fails_instead_of_waiting(tmp_path: Path) -> None:
     """No free machine, or an image the nodes cannot pull: the pods stay pending. After
     multinode.join_timeout_s the launch fails saying so, and deletes the Job."""
-    from tasks.multinode import JobState, _follow
+    from tasks.cluster import JobState
+    from tasks.multinode import _follow
 
     class Pending:  # a cluster whose pods never run (a stand-in for the API server)
         deleted: list[str] = []
@@ -366,7 +362,8 @@ def test_a_job_whose_pods_all_run_outlives_the_join_timeout(tmp_path: Path) -> N
     """join_timeout_s is how long the pods may take to *start*; once all run, the Job
     trains as long as it needs. The timeout here is 0 s: already past at every poll, so
     only having seen every pod running keeps the Job alive (no wall-clock margin)."""
-    from tasks.multinode import JobState, _follow
+    from tasks.cluster import JobState
+    from tasks.multinode import _follow
 
     running = JobState(active=2, ready=2)
     cluster = Scripted([running] * 6 + [JobState(succeeded=2, complete=True)])

@@ -247,10 +247,10 @@ def test_the_watchdog_replaces_an_unhealthy_worker_and_spares_its_flow_runs(
 
     import psutil
 
-    from flows import stack
+    from flows import stack, stack_processes
 
     root = tmp_path
-    (root / stack.STATE_DIR / "work" / "cpu").mkdir(parents=True)
+    (root / stack_processes.STATE_DIR / "work" / "cpu").mkdir(parents=True)
     (root / "params.yaml").write_text((ROOT / "params.yaml").read_text())
     # a hung worker: alive, its health port answers nothing; it started a flow run
     hung = subprocess.Popen(
@@ -278,14 +278,14 @@ def test_the_watchdog_replaces_an_unhealthy_worker_and_spares_its_flow_runs(
             "worker-cpu": {
                 "pid": hung.pid,
                 "started": psutil.Process(hung.pid).create_time(),
-                "health_port": stack._free_port(),
+                "health_port": stack_processes.free_port(),
                 "pool": "cpu",
                 "query_seconds": 1,
                 "log": str(root / "hung.log"),
             },
         },
     }
-    stack._save(root, state)
+    stack_processes.save_state(root, state)
     said: list[str] = []
     started: list[psutil.Process] = []
     try:
@@ -298,26 +298,30 @@ def test_the_watchdog_replaces_an_unhealthy_worker_and_spares_its_flow_runs(
         assert said == ["worker-cpu failed its health check for 60 s: restarting it"]
         assert hung.wait(10) is not None
         assert flow_run.is_running()  # its flow run was not killed with it
-        new = stack.load_state(root)["procs"]["worker-cpu"]
-        worker = stack._proc(new)
+        new = stack_processes.load_state(root)["procs"]["worker-cpu"]
+        worker = stack_processes.live_process(new)
         assert worker is not None and worker.pid != hung.pid
         started.append(worker)
         deadline = time.monotonic() + 120  # a bound on the wait, not the verdict
         while not stack.healthy(new):
-            assert stack._proc(new) is not None, Path(new["log"]).read_text()[-2000:]
+            assert stack_processes.live_process(new) is not None, Path(new["log"]).read_text()[
+                -2000:
+            ]
             assert time.monotonic() < deadline, "the new worker never answered its health check"
             time.sleep(0.5)
 
         # the machine dies: no grace for a worker that is gone
-        stack.kill_tree(worker, sig="kill")
+        stack_processes.kill_tree(worker, sig="kill")
         said.clear()
-        stack._watch_once(root, stack.load_state(root), {}, grace=60, say=said.append)
+        stack._watch_once(root, stack_processes.load_state(root), {}, grace=60, say=said.append)
         assert said == ["worker-cpu is gone: starting it again"]
-        again = stack._proc(stack.load_state(root)["procs"]["worker-cpu"])
+        again = stack_processes.live_process(
+            stack_processes.load_state(root)["procs"]["worker-cpu"]
+        )
         assert again is not None and again.pid != worker.pid
         started.append(again)
     finally:
-        stack.kill_trees([p for p in started if p.is_running()], timeout=10)
+        stack_processes.kill_trees([p for p in started if p.is_running()], timeout=10)
         for p in (hung, flow_run):
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from moe.checkpoint.store import CheckpointStore, model_tensors, weights_digest
+from moe.checkpoint.store import CheckpointStore
+from moe.checkpoint.tensors import model_tensors, weights_digest
 from moe.train.resilience import (
     AttemptJournal,
     choose_interval,

@@ -18,7 +18,8 @@ SCRIPT = textwrap.dedent(
     import json, sys
     from pathlib import Path
     import numpy as np
-    from moe.checkpoint.store import CheckpointStore, weights_digest
+    from moe.checkpoint.store import CheckpointStore
+    from moe.checkpoint.tensors import weights_digest
     from tasks.config import load_config
     from moe.data.tokens import token_dtype, write_token_store
     from tasks.training import pretrain_model
@@ -122,7 +123,7 @@ def test_checkpoint_every_auto_reaches_the_trainer_from_the_stage_pool(tmp_path:
 
     from moe.data.tokens import token_dtype, write_token_store
     from tasks.config import load_config
-    from tasks.training import pretrain_model
+    from tasks.pretraining import pretrain_model
 
     data = tmp_path / "data"
     data.mkdir()

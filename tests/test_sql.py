@@ -23,8 +23,10 @@ from moe.data.tokenizer import train_tokenizer
 from moe.data.tokens import SFTBatches, SFTExample
 from moe.errors import InputError
 from moe.sql.evaluate import _score_one
+from moe.sql.fitting import Limits
 from moe.sql.generator import KINDS, kind_of
-from moe.sql.pairs import Limits, SqlPair, build_sql_sets, load_pairs, prompt_text
+from moe.sql.prompts import prompt_text
+from moe.sql.records import SqlPair, load_pairs
 from moe.sql.sandbox import (
     ReadOnlyDb,
     SchemaStyle,
@@ -34,6 +36,7 @@ from moe.sql.sandbox import (
     same_result,
     serialize_schema,
 )
+from moe.sql.sets import build_sql_sets
 from tests import chinook
 
 SETS = ("generic", "generic_test_seen", "generic_test_heldout", "domain_train", "domain_test")
@@ -628,7 +631,7 @@ def test_sft_refuses_an_example_longer_than_max_len_and_draws_by_weight() -> Non
 
 
 def test_user_pair_weights_reach_the_finetuning_examples(tmp_path: Path, tok) -> None:
-    from tasks.training import sft_examples
+    from tasks.finetuning import sft_examples
 
     mine = SqlPair("q1", "SELECT 1", "d.sqlite", "t(a)", weight=3.0, origin="mine.jsonl, line 1")
     generated = SqlPair("q2", "SELECT 2", "d.sqlite", "t(a)", origin="generated")

@@ -24,7 +24,7 @@ import psutil
 import pytest
 import yaml
 
-from flows import stack
+from flows import stack, stack_processes, stack_server
 from tasks.config import STAGES, load_config
 from tests.conftest import ROOT, browse, merge, tiny_params, ui_settings
 
@@ -82,7 +82,7 @@ def test_the_ui_reaches_its_own_api_and_lists_the_deployments(
 ) -> None:
     """The link `stack up` prints opens a UI that talks to this stack's server (not the
     default port 4200) and lists every deployment of prefect.yaml."""
-    state = stack.load_state(root)
+    state = stack_processes.load_state(root)
     ui = stack.status(root)["ui_url"]
     assert ui == state["api_url"].removesuffix("/api")
     assert ui_settings(ui)["api_url"] == state["api_url"]
@@ -127,12 +127,12 @@ def test_the_run_form_shows_every_section_and_refuses_what_the_config_refuses(
 
 
 def _client(root: Path) -> Any:
-    return stack.api_client(stack.load_state(root))
+    return stack_server.api_client(stack_processes.load_state(root))
 
 
 def _s3(root: Path) -> tuple[Any, str]:
-    state = stack.load_state(root)
-    return stack.s3_client(state), state["bucket"]
+    state = stack_processes.load_state(root)
+    return stack_server.s3_client(state), state["bucket"]
 
 
 def _objects(root: Path) -> dict[str, bytes]:
@@ -176,11 +176,11 @@ def _heartbeat_gaps(root: Path, flow_run_id: Any) -> list[float]:
 
 
 def _start(root: Path, deployment: str, parameters: dict[str, Any]) -> Any:
-    return stack.start_deployment(stack.load_state(root), deployment, parameters)
+    return stack_server.start_deployment(stack_processes.load_state(root), deployment, parameters)
 
 
 def _wait(root: Path, flow_run_id: Any, timeout: float = 400) -> Any:
-    return stack.wait_flow_run(stack.load_state(root), flow_run_id, timeout)
+    return stack_server.wait_flow_run(stack_processes.load_state(root), flow_run_id, timeout)
 
 
 def _field(page: Any, description: str) -> Any:
@@ -293,7 +293,7 @@ def test_pipeline_runs_every_stage_on_its_pools_worker(root: Path, pipeline: dic
         [fr] = [r for r in pipeline["stage_runs"][stage] if r.parameters["handoff"] == handoff]
         assert f"- {stage}: [{fr.id}](" in report.data
     # no shared disk: each pool's folder holds what its stages made or fetched
-    work = root / stack.STATE_DIR / "work"
+    work = root / stack_processes.STATE_DIR / "work"
     assert (work / "gpu-h100/models/pretrain/checkpoints/latest").is_file()
     assert not (work / "gpu-h100/data/prepared/train.bin").exists()
     # the user's side (cpu) gets the final model's export back, and no stage's own model
@@ -322,13 +322,13 @@ def test_a_machine_lost_twice_is_recovered_without_a_human(root: Path, pipeline:
     weights are those of an uninterrupted run; each kill cost at most one checkpoint interval
     of steps; the API links each recovery run to the run it replaces."""
     from flows.recovery import LINK, RECOVERY_TAG
-    from moe.checkpoint.store import weights_digest
-    from tasks.training import pretrain_model
+    from moe.checkpoint.tensors import weights_digest
+    from tasks.pretraining import pretrain_model
 
     seed = random.randrange(10**6)
     rng = random.Random(seed)
     print(f"kill moments from seed {seed}")
-    state = stack.load_state(root)
+    state = stack_processes.load_state(root)
     every, steps = 25, 300
     cfg = load_config(
         root / "params.yaml",
@@ -349,7 +349,7 @@ def test_a_machine_lost_twice_is_recovered_without_a_human(root: Path, pipeline:
             if key.startswith(old):
                 new = key.replace(pipeline["handoff"], handoff, 1)
                 s3.copy_object(Bucket=bucket, Key=new, CopySource={"Bucket": bucket, "Key": key})
-    work = root / stack.STATE_DIR / "work/gpu-h100"
+    work = root / stack_processes.STATE_DIR / "work/gpu-h100"
     journal = work / "models/pretrain/checkpoints/attempts.json"
     before = _journal(journal)["fingerprint"]
     run = _start(
@@ -372,9 +372,13 @@ def test_a_machine_lost_twice_is_recovered_without_a_human(root: Path, pipeline:
             assert time.time() < deadline, f"attempt {attempt} did not reach step {at}: {j}"
             time.sleep(0.05)
         time.sleep(rng.uniform(0, 0.3))
-        worker = stack._proc(stack.load_state(root)["procs"]["worker-gpu-h100"])
+        worker = stack_processes.live_process(
+            stack_processes.load_state(root)["procs"]["worker-gpu-h100"]
+        )
         assert worker is not None
-        stack.kill_tree(worker, sig="kill")  # the machine dies: worker and flow run at once
+        stack_processes.kill_tree(
+            worker, sig="kill"
+        )  # the machine dies: worker and flow run at once
         killed_at.append(_journal(journal)["attempts"][-1]["last_step"])
     # From here on the test only watches. Meanwhile (the lost run is noticed only after
     # crashed_after_s), the same training uninterrupted, here, from the data the worker verified
@@ -467,13 +471,13 @@ def test_down_stops_exactly_what_up_started(tmp_path: Path) -> None:
 
 
 def _down_stops_exactly_what_up_started(root: Path) -> None:
-    state = stack.load_state(root)
+    state = stack_processes.load_state(root)
     family = []
     for entry in state["procs"].values():
-        p = stack._proc(entry)
+        p = stack_processes.live_process(entry)
         assert p is not None
         family += [p, *p.children(recursive=True)]
-    files_before = sorted((root / stack.STATE_DIR).rglob("*"))
+    files_before = sorted((root / stack_processes.STATE_DIR).rglob("*"))
     stopped = stack.down(root, say=lambda m: None)
     assert set(stopped) == {
         "prefect-server",

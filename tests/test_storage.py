@@ -1,6 +1,6 @@
-"""Contract of tasks/storage.py: publish writes a content-addressed zstd archive + sha256
-manifest; download verifies every hash and refuses damaged data; S3 is tested against a real
-S3 API (moto's server mode on 127.0.0.1)."""
+"""Contract of tasks/storage.py and tasks/archive.py: publish writes a content-addressed zstd
+archive + sha256 manifest; download verifies every hash and refuses damaged data; S3 is tested
+against a real S3 API (moto's server mode on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import boto3
 import pytest
 
 from moe.errors import InputError
+from tasks.archive import download_dataset, publish_dataset
 from tasks.config import Config, StorageConfig
-from tasks.storage import HfObjectStore, LocalObjectStore, download_dataset, publish_dataset
+from tasks.storage import HfObjectStore, LocalObjectStore
 from tests.conftest import ROOT, free_port, read_line
 
 
@@ -103,7 +104,7 @@ def test_every_file_is_checked_against_its_own_sha256(tmp_path: Path) -> None:
     a file other than the one the manifest lists (content republished under the same
     version) is refused, naming the file, and nothing is left in the cache."""
     from moe.hashing import sha256_file
-    from tasks.storage import pack
+    from tasks.archive import pack
 
     cfg = _cfg(tmp_path)
     prepared = _prepared(tmp_path)
@@ -227,7 +228,7 @@ OUTAGE_SCRIPT = """
 import json, sys, time
 from pathlib import Path
 from tasks.config import Config, StorageConfig
-from tasks.storage import publish_dataset, download_dataset
+from tasks.archive import publish_dataset, download_dataset
 work, endpoint = Path(sys.argv[1]), sys.argv[2]
 cfg = Config(storage=StorageConfig(backend="s3", bucket="outage", endpoint_url=endpoint, cache_dir=str(work / "cache")))
 # the shipped tasks, with their own retry policy (tasks.storage.RETRIES)

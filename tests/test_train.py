@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe.checkpoint.store import CheckpointStore, model_tensors, weights_digest
+from moe.checkpoint.store import CheckpointStore
+from moe.checkpoint.tensors import model_tensors, weights_digest
 from moe.config import ModelConfig, MoEConfig, PretrainConfig
 from moe.data.tokens import BatchSampler, TokenStore, token_dtype, write_token_store
 from moe.model.transformer import MoETransformer
@@ -321,11 +322,11 @@ def test_early_stop_in_training_is_recorded_and_checkpointed(tmp_path: Path) -> 
 def test_a_multi_node_budget_stop_comes_when_the_machines_total_reaches_it(
     tmp_path: Path,
 ) -> None:
-    """The stage's price is its pool's rate times its machines (tasks/training.py `_price`):
+    """The stage's price is its pool's rate times its machines (tasks/training.py `stage_price`):
     on 2 machines at $1800/hour each, $0.5 is spent at step 8 (1/16 s a step), half the
     steps one machine would take."""
     from tasks.config import Config
-    from tasks.training import _price
+    from tasks.training import stage_price
 
     data = _data(tmp_path / "data")
     stops = {}
@@ -337,7 +338,7 @@ def test_a_multi_node_budget_stop_comes_when_the_machines_total_reaches_it(
         t = _trainer(data, tmp_path / f"n{nodes}", 30)
         ticks = iter(range(10**6))
         t.clock = lambda ticks=ticks: next(ticks) / 16
-        t.stop.budget = Budget(price_per_hour=_price(cfg, "pretrain"), left=0.5, alert=0.3)
+        t.stop.budget = Budget(price_per_hour=stage_price(cfg, "pretrain"), left=0.5, alert=0.3)
         result = t.fit()
         assert result.stop_reason.startswith("budget")
         stops[nodes] = result.steps

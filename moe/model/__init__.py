@@ -1,3 +1,7 @@
-"""The MoE transformer: blocks and attention, routing and load balancing, the grouped experts,
-expert growth and pruning, and the routing statistics training reports. Imports nothing of
-training, checkpoints, data, SQL or Hugging Face."""
+"""The MoE transformer. Imports nothing of training, checkpoints, data, SQL or Hugging Face.
+
+- transformer.py: the decoder (attention, rotary positions, dense and MoE blocks, generation);
+- routing.py: the router and every load-balancing method; experts.py: the grouped experts;
+- buffers.py: what a model built on the meta device lacks once it has storage;
+- growth.py: expert growth and pruning while training; stats.py: routing statistics.
+"""

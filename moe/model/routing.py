@@ -149,26 +149,9 @@ class Router(nn.Module):
         tokens_per_expert_E = torch.bincount(experts_TK.flatten(), minlength=E)
         if self.training and not recomputing():  # counted once, not again in a recompute
             self.load_E += tokens_per_expert_E.to(self.load_E.dtype)
-        counts_E, assignments = tokens_per_expert_E.float(), T * K
-        if self.balance_group is not None and self.training and "aux_loss" in self.methods:
-            # The routed fraction of the whole batch, not of this rank's share: every rank's
-            # loss is then the one-process loss's share (P_E is a mean over equal shares).
-            counts_E = counts_E.clone()
-            dist.all_reduce(counts_E, group=self.balance_group)
-            assignments *= dist.get_world_size(self.balance_group)
-        f_E = counts_E / max(assignments, 1)
-        P_E = probs_TE.mean(dim=0)
-        aux_loss = E * (f_E * P_E).sum()
-        z_loss = torch.logsumexp(logits_TE, dim=-1).pow(2).mean()
-        soft_load_E = probs_TE.sum(dim=0)
-        cv_loss = soft_load_E.std(unbiased=False) / soft_load_E.mean().clamp_min(1e-9)
-        balance = torch.zeros((), device=x_TD.device)
-        if "aux_loss" in self.methods:
-            balance = balance + cfg.aux_loss_coef * aux_loss
-        if "z_loss" in self.methods:
-            balance = balance + cfg.z_loss_coef * z_loss
-        if "cv_penalty" in self.methods:
-            balance = balance + cfg.cv_penalty_coef * cv_loss
+        balance, aux_loss, z_loss, cv_loss = self._balance_losses(
+            logits_TE, probs_TE, tokens_per_expert_E, T * K
+        )
 
         keep_TK = None
         dropped = torch.zeros((), device=x_TD.device)
@@ -192,6 +175,37 @@ class Router(nn.Module):
             cv_loss,
             dropped,
         )
+
+    def _balance_losses(
+        self,
+        logits_TE: torch.Tensor,
+        probs_TE: torch.Tensor,
+        tokens_per_expert_E: torch.Tensor,
+        assignments: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The balancing loss of the chosen methods, and each term (aux, z, CV) for the logs."""
+        cfg, E = self.cfg, self.num_experts
+        counts_E = tokens_per_expert_E.float()
+        if self.balance_group is not None and self.training and "aux_loss" in self.methods:
+            # The routed fraction of the whole batch, not of this rank's share: every rank's
+            # loss is then the one-process loss's share (P_E is a mean over equal shares).
+            counts_E = counts_E.clone()
+            dist.all_reduce(counts_E, group=self.balance_group)
+            assignments *= dist.get_world_size(self.balance_group)
+        f_E = counts_E / max(assignments, 1)
+        P_E = probs_TE.mean(dim=0)
+        aux_loss = E * (f_E * P_E).sum()
+        z_loss = torch.logsumexp(logits_TE, dim=-1).pow(2).mean()
+        soft_load_E = probs_TE.sum(dim=0)
+        cv_loss = soft_load_E.std(unbiased=False) / soft_load_E.mean().clamp_min(1e-9)
+        balance = torch.zeros((), device=logits_TE.device)
+        if "aux_loss" in self.methods:
+            balance = balance + cfg.aux_loss_coef * aux_loss
+        if "z_loss" in self.methods:
+            balance = balance + cfg.z_loss_coef * z_loss
+        if "cv_penalty" in self.methods:
+            balance = balance + cfg.cv_penalty_coef * cv_loss
+        return balance, aux_loss, z_loss, cv_loss
 
     def _warmup_blend(self) -> float:
         """0 during expert warm-up (uniform routing), rising to 1 (the router's own choice)."""

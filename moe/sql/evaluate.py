@@ -1,34 +1,20 @@
-"""Evaluation: perplexity on held-out tokens, and SQL execution accuracy by generation."""
+"""SQL execution accuracy by generation: each test question answered greedily, the answer run
+read-only beside the gold query and scored as Spider (and BIRD) score it."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from moe.data.tokens import BatchSampler
 from moe.errors import InputError
 from moe.model.transformer import MoETransformer
 from moe.sql.generator import KINDS
-from moe.sql.pairs import SqlPair, prompt_text
+from moe.sql.prompts import prompt_text
+from moe.sql.records import SqlPair
 from moe.sql.sandbox import ReadOnlyDb, normalized_sql, orders, same_result
-
-
-@torch.no_grad()
-def perplexity(model: MoETransformer, sampler: BatchSampler, batches: int) -> dict[str, float]:
-    """Mean loss over `batches` fixed windows of the validation split, and its exp."""
-    model.eval()
-    device = model.embed.weight.device
-    losses = []
-    for i in range(batches):
-        x, y, _ = sampler.batch_at(0, i)
-        _, loss, _ = model(x.to(device), y.to(device), logits=False)
-        losses.append(float(loss))
-    mean = sum(losses) / len(losses)
-    return {"loss": mean, "perplexity": math.exp(min(mean, 50))}
 
 
 @torch.no_grad()
@@ -72,16 +58,7 @@ def sql_accuracy(
             prompts = [
                 [*prefix, *tok.encode(prompt_text(p), add_special_tokens=False).ids] for p in chunk
             ]
-            too_long = [
-                (len(ids), p) for ids, p in zip(prompts, chunk, strict=True) if len(ids) > keep
-            ]
-            if too_long:  # prepare fits every prompt; a later change of lengths must not cut one
-                n, p = max(too_long, key=lambda t: t[0])
-                raise InputError(
-                    f"{len(too_long)} prompt(s) longer than model.seq_len - evaluate.max_new_tokens"
-                    f" = {keep} tokens (the longest {n}, {p.origin or p.question!r}): raise"
-                    " model.seq_len or lower evaluate.max_new_tokens, and prepare again"
-                )
+            _refuse_long_prompts(prompts, chunk, keep)
             outs = model.generate_batch(prompts, max_new_tokens, stop)
             for pair, out in zip(chunk, outs, strict=True):
                 if pair.db not in dbs:
@@ -93,28 +70,10 @@ def sql_accuracy(
         for db in dbs.values():
             db.close()
 
-    def score(rs: list[dict[str, Any]]) -> dict[str, Any]:
-        n = max(len(rs), 1)
-        return {
-            "examples": len(rs),
-            "valid_sql": sum(r["valid"] for r in rs) / n,
-            "execution_accuracy": sum(r["execution_match"] for r in rs) / n,
-            "exact_match": sum(r["exact"] for r in rs) / n,
-            **{
-                key: sum(r["status"] == status for r in rs)
-                for key, status in (
-                    ("timeouts", "timeout"),
-                    ("row_limits", "row_limit"),
-                    ("denied", "denied"),
-                    ("reference_failures", "reference_failed"),
-                )
-            },
-        }
-
     return {
-        **score(rows),
+        **_score(rows),
         "by_template": {
-            t: score([r for r in rows if r["template"] == t])
+            t: _score([r for r in rows if r["template"] == t])
             for t in KINDS
             if any(r["template"] == t for r in rows)
         },
@@ -123,6 +82,38 @@ def sql_accuracy(
             {k: r[k] for k in ("question", "gold", "predicted", "execution_match")}
             for r in rows[:5] + [r for r in rows[5:] if not r["execution_match"]][:5]
         ],
+    }
+
+
+def _refuse_long_prompts(prompts: list[list[int]], chunk: list[SqlPair], keep: int) -> None:
+    """Prepare fits every prompt; a later change of lengths must not cut one."""
+    too_long = [(len(ids), p) for ids, p in zip(prompts, chunk, strict=True) if len(ids) > keep]
+    if too_long:
+        n, p = max(too_long, key=lambda t: t[0])
+        raise InputError(
+            f"{len(too_long)} prompt(s) longer than model.seq_len - evaluate.max_new_tokens"
+            f" = {keep} tokens (the longest {n}, {p.origin or p.question!r}): raise"
+            " model.seq_len or lower evaluate.max_new_tokens, and prepare again"
+        )
+
+
+def _score(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures of a set of scored rows (`_score_one`)."""
+    n = max(len(rs), 1)
+    return {
+        "examples": len(rs),
+        "valid_sql": sum(r["valid"] for r in rs) / n,
+        "execution_accuracy": sum(r["execution_match"] for r in rs) / n,
+        "exact_match": sum(r["exact"] for r in rs) / n,
+        **{
+            key: sum(r["status"] == status for r in rs)
+            for key, status in (
+                ("timeouts", "timeout"),
+                ("row_limits", "row_limit"),
+                ("denied", "denied"),
+                ("reference_failures", "reference_failed"),
+            )
+        },
     }
 
 

@@ -1,6 +1,6 @@
 """Question/SQL pairs generated from a database's own schema and rows.
 
-One generator for every database: the embedded default's themes (moe/sql/pairs.py builds their
+One generator for every database: the embedded default's themes (moe/sql/sources.py builds their
 databases first), a user's own sqlite file, a Spider database. It reads what
 `inspect_database` found (tables, columns, keys, categorical values, numeric ranges) and
 writes questions of five kinds, drawn evenly:
@@ -119,9 +119,9 @@ def _id_like(c: Column) -> bool:
 Template = Callable[[random.Random], tuple[str, str] | None]
 
 
-class QuestionGenerator:
-    """An endless stream of (question, SQL) over one database's schema, the kinds drawn in
-    turn; `kinds` says which the schema supports."""
+class _Tables:
+    """What a database's schema offers the templates: each table's role, the foreign keys
+    to join on, and the pieces every template uses."""
 
     def __init__(self, schema: Schema) -> None:
         self.schema = schema
@@ -131,33 +131,6 @@ class QuestionGenerator:
             for child, fk, parent, pcol in schema.foreign_keys
             if child in self.roles and parent in self.roles and child != parent
         ]
-        self.templates: dict[str, list[Template]] = {
-            "filters": [self._f_cat, self._f_num, self._f_both, self._f_named, self._f_distinct],
-            "ordering": [self._o_top, self._o_one, self._o_sorted],
-            "aggregates": [self._a_count, self._a_count_cat, self._a_count_num, self._a_agg,
-                           self._a_agg_cat, self._a_distinct],
-            "grouping": [self._g_count, self._g_agg, self._g_having, self._g_most],
-            "joins": [self._j_names, self._j_count, self._j_agg, self._j_child, self._j_num],
-        }  # fmt: skip
-        probe = random.Random(0)
-        self.kinds = [k for k in KINDS if any(self._try(t, probe) for t in self.templates[k] * 4)]
-
-    @staticmethod
-    def _try(t: Template, rng: random.Random) -> tuple[str, str] | None:
-        return t(rng)
-
-    def stream(self, rng: random.Random) -> Iterator[tuple[str, str]]:
-        if not self.kinds:
-            return
-        while True:
-            for kind in self.kinds:
-                for _ in range(20):  # a template may not apply to the table it drew
-                    got = rng.choice(self.templates[kind])(rng)
-                    if got:
-                        yield got
-                        break
-
-    # ----------------------------------------------------------------- pieces
 
     def _pick(self, rng: random.Random, need: str) -> _Role | None:
         ok = [r for r in self.roles.values() if getattr(r, need)]
@@ -178,7 +151,19 @@ class QuestionGenerator:
     def _lbl(self, r: _Role) -> str:
         return plural(words(r.label.name))
 
-    # ----------------------------------------------------------------- filters
+    def _join(self, rng: random.Random) -> tuple[_Role, str, _Role, str, str] | None:
+        if not self.joins:
+            return None
+        child, fk, parent, pcol = rng.choice(self.joins)
+        on = (
+            f"{ident(parent.table.name)} AS T1 JOIN {ident(child.table.name)} AS T2"
+            f" ON T1.{ident(pcol)} = T2.{ident(fk)}"
+        )
+        return child, fk, parent, pcol, on
+
+
+class _Filters(_Tables):
+    """The `filters` templates: rows selected by a value or a comparison."""
 
     def _f_cat(self, rng: random.Random) -> tuple[str, str] | None:
         r = self._pick(rng, "cats")
@@ -242,7 +227,9 @@ class QuestionGenerator:
             f"SELECT DISTINCT {ident(c.name)} FROM {ident(r.table.name)} WHERE {ident(n.name)} {op} {_literal(x)}",
         )
 
-    # ----------------------------------------------------------------- ordering
+
+class _Ordering(_Tables):
+    """The `ordering` templates: `ORDER BY`, with or without `LIMIT`."""
 
     def _o_top(self, rng: random.Random) -> tuple[str, str] | None:
         r = self._pick(rng, "nums")
@@ -279,7 +266,9 @@ class QuestionGenerator:
             f"SELECT {ident(r.label.name)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {_literal(v)} ORDER BY {ident(n.name)} {'DESC' if high else 'ASC'}",
         )
 
-    # ----------------------------------------------------------------- aggregates
+
+class _Aggregates(_Tables):
+    """The `aggregates` templates: `COUNT`/`AVG`/`MIN`/`MAX`/`SUM`."""
 
     def _a_count(self, rng: random.Random) -> tuple[str, str] | None:
         r = rng.choice(list(self.roles.values())) if self.roles else None
@@ -343,7 +332,9 @@ class QuestionGenerator:
             f"SELECT COUNT(DISTINCT {ident(c.name)}) FROM {ident(r.table.name)}",
         )
 
-    # ----------------------------------------------------------------- grouping
+
+class _Grouping(_Tables):
+    """The `grouping` templates: `GROUP BY`, with `HAVING` or ordered."""
 
     def _g_count(self, rng: random.Random) -> tuple[str, str] | None:
         r = self._pick(rng, "cats")
@@ -388,17 +379,9 @@ class QuestionGenerator:
             f"SELECT {ident(c.name)} FROM {ident(r.table.name)} GROUP BY {ident(c.name)} ORDER BY COUNT(*) {'DESC' if most else 'ASC'} LIMIT 1",
         )
 
-    # ----------------------------------------------------------------- joins
 
-    def _join(self, rng: random.Random) -> tuple[_Role, str, _Role, str, str] | None:
-        if not self.joins:
-            return None
-        child, fk, parent, pcol = rng.choice(self.joins)
-        on = (
-            f"{ident(parent.table.name)} AS T1 JOIN {ident(child.table.name)} AS T2"
-            f" ON T1.{ident(pcol)} = T2.{ident(fk)}"
-        )
-        return child, fk, parent, pcol, on
+class _Joins(_Tables):
+    """The `joins` templates: across a foreign key."""
 
     def _j_names(self, rng: random.Random) -> tuple[str, str] | None:
         j = self._join(rng)
@@ -459,3 +442,36 @@ class QuestionGenerator:
             f"How many {child.nouns} belong to {parent.nouns} with {words(n.name)} {op_w} {x}?",
             f"SELECT COUNT(*) FROM {on} WHERE T1.{ident(n.name)} {op} {_literal(x)}",
         )
+
+
+class QuestionGenerator(_Filters, _Ordering, _Aggregates, _Grouping, _Joins):
+    """An endless stream of (question, SQL) over one database's schema, the kinds drawn in
+    turn; `kinds` says which the schema supports."""
+
+    def __init__(self, schema: Schema) -> None:
+        super().__init__(schema)
+        self.templates: dict[str, list[Template]] = {
+            "filters": [self._f_cat, self._f_num, self._f_both, self._f_named, self._f_distinct],
+            "ordering": [self._o_top, self._o_one, self._o_sorted],
+            "aggregates": [self._a_count, self._a_count_cat, self._a_count_num, self._a_agg,
+                           self._a_agg_cat, self._a_distinct],
+            "grouping": [self._g_count, self._g_agg, self._g_having, self._g_most],
+            "joins": [self._j_names, self._j_count, self._j_agg, self._j_child, self._j_num],
+        }  # fmt: skip
+        probe = random.Random(0)
+        self.kinds = [k for k in KINDS if any(self._try(t, probe) for t in self.templates[k] * 4)]
+
+    @staticmethod
+    def _try(t: Template, rng: random.Random) -> tuple[str, str] | None:
+        return t(rng)
+
+    def stream(self, rng: random.Random) -> Iterator[tuple[str, str]]:
+        if not self.kinds:
+            return
+        while True:
+            for kind in self.kinds:
+                for _ in range(20):  # a template may not apply to the table it drew
+                    got = rng.choice(self.templates[kind])(rng)
+                    if got:
+                        yield got
+                        break

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from moe.checkpoint.codec import dtype_from_name
-from moe.checkpoint.store import (
-    CheckpointStore,
+from moe.checkpoint.store import CheckpointStore
+from moe.checkpoint.tensors import (
     flatten_optimizer,
     load_model_tensors,
     model_tensors,

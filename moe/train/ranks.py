@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from moe.config import OptimConfig
-from moe.hf.convert import init_buffers
+from moe.model.buffers import init_buffers
 from moe.model.transformer import MoETransformer
 from moe.train import distributed as D
 
@@ -123,3 +123,21 @@ class Ranks:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.broadcast(t, 0)
         return int(t)
+
+    def reduce_micro(
+        self, loss: torch.Tensor, y: torch.Tensor, counts: list[torch.Tensor]
+    ) -> tuple[float, int, list[torch.Tensor]]:
+        """A micro-batch's loss (mean over ranks), tokens and expert counts (summed), in one
+        small all-reduce."""
+        if self.world == 1:
+            return float(loss.detach()), int((y != -100).sum()), counts
+        packed = torch.cat(
+            [
+                loss.detach().float().reshape(1),
+                (y != -100).sum().float().reshape(1),
+                *[c.float() for c in counts],
+            ]
+        )
+        dist.all_reduce(packed)
+        counts = list(packed[2:].view(len(counts), -1)) if counts else []
+        return float(packed[0]) / self.world, int(packed[1]), counts

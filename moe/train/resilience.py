@@ -19,6 +19,7 @@ time to notice, restart and restore is lost. Two things follow, both pure arithm
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -26,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def daly_interval_s(save_s: float, mtbi_s: float) -> float:
@@ -225,3 +228,29 @@ class AttemptJournal:
             "productive_s": round(productive_s, 3),
             "goodput": round(min(1.0, productive_s / wall), 4) if wall > 0 else 1.0,
         }
+
+
+def begin_attempt(
+    journal: AttemptJournal,
+    started: float,
+    step: int,
+    restore_s: float,
+    emit: Callable[[dict[str, Any]], None],
+) -> None:
+    """Record this attempt in the journal, and what the interruption before it cost."""
+    lost = journal.begin(started, step, restore_s)
+    if lost:
+        log.warning(
+            "attempt %d of this stage was interrupted at step %d: %d steps redone, "
+            "%.1f s lost (%.1f s redoing work, %.1f s down, %.1f s restarting, "
+            "%.1f s restoring)",
+            lost["attempt"],
+            lost["at_step"],
+            lost["steps_lost"],
+            lost["lost_s"],
+            lost["redo_s"],
+            lost["down_s"],
+            lost["restart_s"],
+            lost["restore_s"],
+        )
+        emit({"step": step, "interruption": lost})

@@ -41,7 +41,7 @@ from moe.train.early_stop import EarlyStopper
 from moe.train.metrics import MetricsLog, Window
 from moe.train.optim import LrSchedule, build_optimizer
 from moe.train.ranks import Ranks
-from moe.train.resilience import AttemptJournal
+from moe.train.resilience import AttemptJournal, begin_attempt
 from moe.train.stop import Budget, StopPolicy
 from moe.train.validation import BatchSource, Validation, validation_loss
 
@@ -217,7 +217,8 @@ class Trainer:
         else:
             self.metrics.keep_until(resumed)
         if self.journal is not None and self.ranks.rank == 0:
-            self._journal_attempt(restore_s)
+            started = self.started_at if self.started_at is not None else self.journal.wall()
+            begin_attempt(self.journal, started, self.step, restore_s, self.metrics.emit)
         self.cadence.start(self.step)
         self.model.train()
         return _Run(
@@ -228,27 +229,6 @@ class Trainer:
             params=[p for p in self.model.parameters() if p.requires_grad],
             window=Window(self.clock()),
         )
-
-    def _journal_attempt(self, restore_s: float) -> None:
-        """Record this attempt, and what the interruption before it cost."""
-        assert self.journal is not None
-        started = self.started_at if self.started_at is not None else self.journal.wall()
-        lost = self.journal.begin(started, self.step, restore_s)
-        if lost:
-            log.warning(
-                "attempt %d of this stage was interrupted at step %d: %d steps redone, "
-                "%.1f s lost (%.1f s redoing work, %.1f s down, %.1f s restarting, "
-                "%.1f s restoring)",
-                lost["attempt"],
-                lost["at_step"],
-                lost["steps_lost"],
-                lost["lost_s"],
-                lost["redo_s"],
-                lost["down_s"],
-                lost["restart_s"],
-                lost["restore_s"],
-            )
-            self.metrics.emit({"step": self.step, "interruption": lost})
 
     def _set_lr(self) -> float:
         """This step's learning rate (and the routing schedule's position)."""
@@ -273,7 +253,7 @@ class Trainer:
                 )
                 total = loss + aux.balance_loss
             (total / cfg.grad_accum).backward()
-            loss_val, n_tok, counts = self._reduce(loss, y, aux.tokens_per_expert)
+            loss_val, n_tok, counts = ranks.reduce_micro(loss, y, aux.tokens_per_expert)
             loss_sum += loss_val
             self.state.load.add(counts, aux.dropped_fraction)
             step_counts = (
@@ -285,25 +265,6 @@ class Trainer:
             run.window.tokens += int(x.numel()) * ranks.world
         run.aux = aux
         return loss_sum / cfg.grad_accum, step_counts
-
-    def _reduce(
-        self, loss: torch.Tensor, y: torch.Tensor, counts: list[torch.Tensor]
-    ) -> tuple[float, int, list[torch.Tensor]]:
-        """A micro-batch's loss (mean over ranks), tokens and expert counts (summed)."""
-        world = self.ranks.world
-        if world == 1:
-            return float(loss.detach()), int((y != -100).sum()), counts
-        # One small all-reduce: loss, tokens, and every layer's expert counts.
-        packed = torch.cat(
-            [
-                loss.detach().float().reshape(1),
-                (y != -100).sum().float().reshape(1),
-                *[c.float() for c in counts],
-            ]
-        )
-        dist.all_reduce(packed)
-        counts = list(packed[2:].view(len(counts), -1)) if counts else []
-        return float(packed[0]) / world, int(packed[1]), counts
 
     def _optimizer_step(self, run: _Run, counts: list[torch.Tensor]) -> float:
         """Clip, step, update routing; grow or prune experts where due. Returns the
@@ -329,23 +290,8 @@ class Trainer:
             # The gate recalibration scales sharded router rows by a replicated factor.
             self.model.update_routing(self.step)
         if growth:
-            self._grow(run, growth)
+            _grow(self, run, growth)
         return grad_norm
-
-    def _grow(self, run: _Run, growth: GrowthManager) -> None:
-        for event in growth.act(self.step, self.optimizer):
-            self.state.load.resize(event["layer"], torch.tensor(event.pop("index")))
-            self.metrics.emit({"step": self.step, "expert_event": event})
-            self.expert_events.append(event)
-            log.warning(
-                "expert %s in layer %d at step %d: %s",
-                event["kind"],
-                event["layer"],
-                self.step,
-                event["trigger"],
-            )
-            run.params = [p for p in self.model.parameters() if p.requires_grad]
-        growth.ramp(self.step)
 
     def _account_time(self, t_step: float) -> None:
         progress = self.state.progress
@@ -436,23 +382,53 @@ class Trainer:
             resilience = self.journal.summary(self.state.progress.elapsed_s)
         if self.cadence.interval is not None:
             resilience["checkpoint_interval"] = self.cadence.interval.as_dict()
-        total = summarize(self.state.load.total)
-        progress = self.state.progress
-        return TrainResult(
-            steps=self.step,
-            resumed_from=run.resumed,
-            train_loss=run.last_loss,
-            val_loss=run.val_loss if run.val_loss is not None else self.evaluate(),
-            tokens=progress.tokens,
-            wall_s=progress.elapsed_s,
-            stop_reason=stop_reason,
-            checkpoint=str(path) if path else "",
-            tokens_per_s=progress.tokens / max(progress.elapsed_s, 1e-9),
-            expert_share=total["share"],  # type: ignore[arg-type]
-            expert_cv=float(total["cv"]),  # type: ignore[arg-type]
-            expert_events=self.expert_events,
-            experts_per_layer=self.model.experts_per_layer(),
-            resilience=resilience,
-            backend=str(dist.get_backend()) if dist.is_initialized() else "",
-            world=self.ranks.world,
+        val_loss = run.val_loss if run.val_loss is not None else self.evaluate()
+        return _report(self, run, stop_reason, path, val_loss, resilience)
+
+
+def _report(
+    trainer: Trainer,
+    run: _Run,
+    stop_reason: str,
+    path: Path | None,
+    val_loss: float | None,
+    resilience: dict[str, Any],
+) -> TrainResult:
+    """What a run of fit() reports."""
+    total = summarize(trainer.state.load.total)
+    progress = trainer.state.progress
+    return TrainResult(
+        steps=progress.step,
+        resumed_from=run.resumed,
+        train_loss=run.last_loss,
+        val_loss=val_loss,
+        tokens=progress.tokens,
+        wall_s=progress.elapsed_s,
+        stop_reason=stop_reason,
+        checkpoint=str(path) if path else "",
+        tokens_per_s=progress.tokens / max(progress.elapsed_s, 1e-9),
+        expert_share=total["share"],  # type: ignore[arg-type]
+        expert_cv=float(total["cv"]),  # type: ignore[arg-type]
+        expert_events=trainer.expert_events,
+        experts_per_layer=trainer.model.experts_per_layer(),
+        resilience=resilience,
+        backend=str(dist.get_backend()) if dist.is_initialized() else "",
+        world=trainer.ranks.world,
+    )
+
+
+def _grow(trainer: Trainer, run: _Run, growth: GrowthManager) -> None:
+    """Grow or prune experts where due; the load, metrics and trainable list follow."""
+    for event in growth.act(trainer.step, trainer.optimizer):
+        trainer.state.load.resize(event["layer"], torch.tensor(event.pop("index")))
+        trainer.metrics.emit({"step": trainer.step, "expert_event": event})
+        trainer.expert_events.append(event)
+        log.warning(
+            "expert %s in layer %d at step %d: %s",
+            event["kind"],
+            event["layer"],
+            trainer.step,
+            event["trigger"],
         )
+        run.params = [p for p in trainer.model.parameters() if p.requires_grad]
+    growth.ramp(trainer.step)

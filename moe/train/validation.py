@@ -1,7 +1,9 @@
-"""The held-out loss: what picks the best checkpoint and drives early stopping."""
+"""The held-out loss: what picks the best checkpoint and drives early stopping while
+training, and a trained model's perplexity on the validation split."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,3 +51,17 @@ def validation_loss(
         losses.append(float(ranks.mean(loss.detach().float())))
     model.train()
     return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def perplexity(model: MoETransformer, sampler: BatchSource, batches: int) -> dict[str, float]:
+    """Mean loss over `batches` fixed windows of the validation split, and its exp."""
+    model.eval()
+    device = model.embed.weight.device
+    losses = []
+    for i in range(batches):
+        x, y, _ = sampler.batch_at(0, i)
+        _, loss, _ = model(x.to(device), y.to(device), logits=False)
+        losses.append(float(loss))
+    mean = sum(losses) / len(losses)
+    return {"loss": mean, "perplexity": math.exp(min(mean, 50))}

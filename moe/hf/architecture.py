@@ -1,0 +1,242 @@
+"""What a Hugging Face config.json means for our model: reading it (`read_config`), and our
+ModelConfig and MoEConfig for it (`read_architecture` -> `Architecture`). Its family
+(moe/hf/families/) maps its own fields; the fields every family shares are read here. A field
+that changes the forward pass and that we do not implement (a RoPE scaling, sliding windows,
+qkv clipping, another activation...) is refused by name, never ignored."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moe.config import GrowthConfig, ModelConfig, MoEConfig
+from moe.errors import InputError
+from moe.hf.errors import refuse
+from moe.hf.families.protocol import Family, MoEShape
+from moe.hf.families.registry import FAMILIES
+
+# Config fields every architecture may carry without changing the forward pass.
+HARMLESS = {
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "_name_or_path",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "use_cache",
+    "initializer_range",
+    "output_router_logits",
+    "router_aux_loss_coef",
+    "attention_dropout",
+    "max_window_layers",
+    "layer_types",
+    "pretraining_tp",
+    "router_jitter_noise",
+    "max_position_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "hidden_act",
+    "tie_word_embeddings",
+    "sliding_window",
+    "use_sliding_window",
+    "id2label",
+    "label2id",
+    "return_dict",
+    "output_hidden_states",
+    "output_attentions",
+    "tokenizer_class",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "problem_type",
+    "torchscript",
+    "use_return_dict",
+    "router_z_loss_coef",
+}
+
+
+@dataclass
+class Architecture:
+    """What a Hugging Face config means for our model."""
+
+    model_type: str
+    model: ModelConfig
+    moe: MoEConfig
+    vocab_size: int
+    upcycled: bool
+    max_position_embeddings: int
+    special_ids: dict[str, int | None] = field(default_factory=dict)
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """config.json of a Hugging Face model folder, refused when it is not one."""
+    folder = Path(folder)
+    path = folder / "config.json"
+    if not folder.exists():
+        hint = (
+            " (it looks like a Hugging Face Hub id: this machine cannot download from the Hub;"
+            " download it elsewhere with `huggingface-cli download` and name the folder)"
+            if str(folder).count("/") == 1 and not str(folder).startswith((".", "/"))
+            else ""
+        )
+        raise InputError(f"model.init = {str(folder)!r}: no such folder{hint}")
+    if not path.is_file():
+        raise refuse(folder, "no config.json: not a Hugging Face model folder")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise refuse(path, f"not JSON (line {e.lineno}: {e.msg})") from e
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise refuse(path, "has no model_type")
+    return cfg
+
+
+def _family(path: Path, mtype: Any) -> Family:
+    supported = tuple(FAMILIES)
+    if mtype not in supported:
+        moe = [t for t, f in FAMILIES.items() if not f.upcycled]
+        dense = [t for t, f in FAMILIES.items() if f.upcycled]
+        raise refuse(
+            path,
+            f"model_type {mtype!r} is not supported; supported: {', '.join(moe)} (MoE)"
+            f" and {', '.join(dense)} (dense, upcycled to MoE)",
+        )
+    return FAMILIES[mtype]
+
+
+def _check_fields(path: Path, hf: dict[str, Any], family: Family) -> None:
+    """Refuse a field the family does not declare, and what we do not implement."""
+    mtype = family.model_type
+    for key, value in hf.items():
+        if key in HARMLESS or key in family.config_fields or key.startswith("_"):
+            continue
+        if value in (None, False, 0, 0.0, [], {}, ""):
+            continue
+        raise refuse(path, f"field {key!r} = {value!r} is not supported for {mtype}")
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise refuse(path, f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+    if family.sliding_window(hf):
+        raise refuse(path, "sliding-window attention is not implemented")
+    if hf.get("clip_qkv") is not None:
+        raise refuse(path, f"clip_qkv = {hf['clip_qkv']} is not implemented")
+    if hf.get("mlp_bias"):
+        raise refuse(path, "mlp_bias = true is not implemented")
+    why = family.refusal(hf)
+    if why:
+        raise refuse(path, why)
+
+
+def _rope_theta(path: Path, hf: dict[str, Any]) -> float:
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    for what in (params, scaling):
+        kind = what.get("rope_type", what.get("type", "default"))
+        if kind not in ("default", None):
+            raise refuse(
+                path,
+                f"RoPE scaling {kind!r} is not implemented (only plain RoPE); the model cannot"
+                " be imported exactly",
+            )
+    if "partial_rotary_factor" in params and params["partial_rotary_factor"] != 1.0:
+        raise refuse(path, "partial_rotary_factor != 1 is not implemented")
+    theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
+    return float(theta)
+
+
+def _dimensions(path: Path, hf: dict[str, Any], family: Family) -> dict[str, Any]:
+    """ModelConfig's attention and width fields, read (and refused) before the MoE shape."""
+    D, H = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    n_layer = int(hf["num_hidden_layers"])
+    head_dim = int(hf.get("head_dim") or 0)
+    if head_dim == D // H:
+        head_dim = 0
+    theta = _rope_theta(path, hf)
+    attn_bias = bool(hf.get("attention_bias") or hf.get("qkv_bias", family.qkv_bias))
+    return {
+        "n_layer": n_layer,
+        "n_head": H,
+        "head_dim": head_dim,
+        "d_model": D,
+        "qk_norm": family.qk_norm,
+        "attn_bias": attn_bias,
+        "rope_theta": theta,
+    }
+
+
+def _model_config(
+    folder: Path, hf: dict[str, Any], dims: dict[str, Any], shape: MoEShape, seq_len: int
+) -> ModelConfig:
+    H = dims["n_head"]
+    model = ModelConfig(
+        init=str(folder),
+        n_layer=dims["n_layer"],
+        n_head=H,
+        n_kv_head=int(hf.get("num_key_value_heads") or H),
+        head_dim=dims["head_dim"],
+        d_model=dims["d_model"],
+        seq_len=seq_len,
+        moe_every=shape.moe_every,
+        dense_layers=shape.dense_layers,
+        dense_hidden=int(hf["intermediate_size"]),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=dims["qk_norm"],
+        attn_bias=dims["attn_bias"],
+        rope_theta=dims["rope_theta"],
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+    )
+    if model.n_kv_head == H:
+        model.n_kv_head = 0
+    return model
+
+
+def _moe_config(moe_defaults: MoEConfig, shape: MoEShape) -> MoEConfig:
+    moe = MoEConfig(**{**asdict(moe_defaults), "growth": GrowthConfig()})
+    moe.num_experts, moe.top_k, moe.expert_hidden = (
+        shape.num_experts,
+        shape.top_k,
+        shape.expert_hidden,
+    )
+    moe.renormalize = shape.renormalize
+    moe.shared_expert, moe.shared_expert_hidden = shape.shared_expert, shape.shared_expert_hidden
+    moe.shared_expert_gate = shape.shared_expert_gate
+    if shape.shared_expert_hidden == shape.expert_hidden:
+        moe.shared_expert_hidden = 0
+    return moe
+
+
+def read_architecture(folder: Path, moe_defaults: MoEConfig, seq_len: int) -> Architecture:
+    """Our ModelConfig and MoEConfig for the Hugging Face model in `folder`. A dense model is
+    upcycled with `moe_defaults.num_experts` experts and top_k; routing and balancing knobs
+    (how it will train) come from `moe_defaults`, the shape from the checkpoint."""
+    folder = Path(folder)
+    hf = read_config(folder)
+    path = folder / "config.json"
+    family = _family(path, hf["model_type"])
+    _check_fields(path, hf, family)
+    dims = _dimensions(path, hf, family)
+    shape = family.moe_shape(hf, dims["n_layer"], moe_defaults)
+    model = _model_config(folder, hf, dims, shape, seq_len)
+    moe = _moe_config(moe_defaults, shape)
+    ids = {k: hf.get(f"{k}_token_id") for k in ("bos", "eos", "pad")}
+    return Architecture(
+        family.model_type,
+        model,
+        moe,
+        int(hf["vocab_size"]),
+        family.upcycled,
+        int(hf.get("max_position_embeddings") or seq_len),
+        {k: v if isinstance(v, int) else None for k, v in ids.items()},
+    )

@@ -1,0 +1,159 @@
+"""The protocol of a Hugging Face architecture family (`Family`), the shapes it answers in
+(`MoEShape`, `LayerNames`), and the building blocks families share.
+
+What a family says, in one module of moe/hf/families/ (the generic readers and writers in
+moe/hf/architecture.py, importer.py and exporter.py ask it; they branch on no model_type):
+
+- config.json in: the fields it may carry beyond the common ones (`config_fields`); what it
+  refuses beyond the common refusals (`sliding_window`, `refusal`); its attention
+  (`qkv_bias`, `qk_norm`) and its MoE shape (`moe_shape`); whether it is a dense model
+  upcycled to MoE (`upcycled`);
+- tensors, both ways: each layer's names (`names`, from `mlp_module`, `expert_proj`,
+  `shared_module`); its q/k rows against ours (`qk_from_hf`, `qk_to_hf`); the tensor holding
+  a selection bias, if it has one (`selection_bias`, `bias_from_hf`, `bias_to_hf`); the zero
+  biases its config asks for on export (`zero_biases`);
+- export: its transformers class (`architecture`; "" for an import-only family), its place
+  in the order exporters are tried (`export_priority`), why a model does not fit it
+  (`export_refusals`) and its own config.json fields (`hf_config_fields`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moe.config import ModelConfig, MoEConfig
+
+
+@dataclass
+class MoEShape:
+    """The MoE fields a checkpoint fixes (moe/hf/architecture.py puts them in MoEConfig and
+    ModelConfig)."""
+
+    num_experts: int
+    top_k: int
+    expert_hidden: int
+    renormalize: bool
+    moe_every: int = 1
+    dense_layers: list[int] = field(default_factory=list)
+    shared_expert: bool = False
+    shared_expert_hidden: int = 0
+    shared_expert_gate: bool = False
+
+
+@dataclass(frozen=True)
+class LayerNames:
+    """Where decoder layer i's tensors are in a transformers checkpoint."""
+
+    p: str  # the layer: "model.layers.{i}."
+    mlp: str  # its feed-forward (MoE) block
+    gate: str  # the router's weight
+    expert: str  # one expert, with an {e} to format
+    w1: str  # an expert's gate projection (ours: w1), up projection (w3), down projection (w2)
+    w3: str
+    w2: str
+    shared: str  # the shared expert
+
+
+class Family(ABC):
+    """One transformers architecture (or a few that differ only in their declared fields).
+    The defaults are the common case (Qwen's names, no q/k permutation, no selection bias);
+    a family overrides what differs."""
+
+    model_type: str = ""  # config.json's model_type
+    config_fields: frozenset[str] = frozenset()  # fields it adds, which moe_shape interprets
+    upcycled: bool = False  # dense: each feed-forward copied into every expert on import
+    qkv_bias: bool = False  # q/k/v projection biases when config.json does not say
+    qk_norm: str = "none"  # ModelConfig.qk_norm: "none", "head" or "full"
+    mlp_module: str = "mlp."
+    expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared_module: str = "shared_expert."
+    selection_bias: str = ""  # under the MoE block: the tensor of an aux-free selection bias
+    architecture: str = ""  # the transformers class exported to ("" = never exported to)
+    export_priority: int = 0  # lower is tried first (after the architecture imported from)
+
+    # ------------------------------------------------------------------ config.json in
+
+    def sliding_window(self, hf: dict[str, Any]) -> bool:
+        """Whether the config asks for sliding-window attention (refused)."""
+        return bool(hf.get("use_sliding_window"))
+
+    def refusal(self, hf: dict[str, Any]) -> str | None:
+        """Why the config cannot be imported exactly, beyond the common refusals."""
+        return None
+
+    @abstractmethod
+    def moe_shape(self, hf: dict[str, Any], n_layer: int, moe_defaults: MoEConfig) -> MoEShape:
+        """The MoE shape config.json says (a dense family: `moe_defaults`' experts)."""
+
+    # ------------------------------------------------------------------ tensor names
+
+    def names(self, i: int) -> LayerNames:
+        p = f"model.layers.{i}."
+        mlp = p + self.mlp_module
+        w1, w3, w2 = self.expert_proj
+        return LayerNames(
+            p=p,
+            mlp=mlp,
+            gate=mlp + "gate.weight",
+            expert=mlp + "experts.{e}.",
+            w1=w1,
+            w3=w3,
+            w2=w2,
+            shared=mlp + self.shared_module,
+        )
+
+    def qk_from_hf(
+        self, q: torch.Tensor, k: torch.Tensor, c: ModelConfig
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q and k projection rows (or biases) of a checkpoint in our order."""
+        return q, k
+
+    def qk_to_hf(
+        self, q: torch.Tensor, k: torch.Tensor, c: ModelConfig
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Our q and k projection rows (or biases) in the checkpoint's order."""
+        return q, k
+
+    def bias_from_hf(self, t: torch.Tensor) -> torch.Tensor:
+        """The `selection_bias` tensor as our router's expert_bias_E."""
+        return t
+
+    def bias_to_hf(self, bias_E: torch.Tensor) -> torch.Tensor:
+        """Our router's expert_bias_E as the `selection_bias` tensor."""
+        return bias_E
+
+    def zero_biases(self, c: ModelConfig) -> bool:
+        """Whether the exported config declares biases on every projection but the experts'
+        (written as zeros: we have none)."""
+        return False
+
+    # ------------------------------------------------------------------ export
+
+    def export_refusals(self, c: ModelConfig, m: MoEConfig) -> list[str]:
+        """Why a model of this configuration is not this architecture ([] = it is)."""
+        raise NotImplementedError(f"{self.model_type} is never exported to")
+
+    def hf_config_fields(self, c: ModelConfig, m: MoEConfig) -> dict[str, Any]:
+        """config.json's fields of this architecture, after the common ones."""
+        raise NotImplementedError(f"{self.model_type} is never exported to")
+
+
+def sparse_moe_shape(hf: dict[str, Any], renormalize: bool) -> MoEShape:
+    """The MoE shape in transformers' common fields (Qwen-MoE, Mixtral, OLMoE)."""
+    return MoEShape(
+        num_experts=int(hf.get("num_experts") or hf.get("num_local_experts")),
+        top_k=int(hf["num_experts_per_tok"]),
+        expert_hidden=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
+        renormalize=renormalize,
+        moe_every=int(hf.get("decoder_sparse_step", 1)),
+        dense_layers=[int(i) for i in hf.get("mlp_only_layers") or []],
+    )
+
+
+def all_moe(c: ModelConfig) -> bool:
+    """Whether every block of the model is an MoE block."""
+    return all(c.is_moe_block(i) for i in range(c.n_layer))

@@ -1,0 +1,150 @@
+"""Safetensors files in and out: the shards of a checkpoint folder (with or without its index),
+read lazily through memory maps (`Shards`); a file written one tensor at a time, in any order
+(`StreamingSafetensors`); and Hugging Face weight shards of at most SHARD_BYTES each, with an
+index when there are several (`write_shards`). Knows file layouts, not model names."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moe.hf.errors import refuse
+
+# safetensors' dtype names
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+SHARD_BYTES = 2 << 30
+
+
+def shard_files(folder: Path) -> tuple[list[str], dict[str, str]]:
+    """The safetensors files of a checkpoint folder (named by its index when it has one) and
+    the index's tensor -> file map ({} without an index)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+        weight_map = {}
+    if not files:
+        raise refuse(folder, "no *.safetensors weights (a .bin checkpoint: convert it first)")
+    return files, weight_map
+
+
+class Shards:
+    """The tensors of a folder's safetensors files, read lazily through memory maps."""
+
+    def __init__(self, folder: Path) -> None:
+        files, weight_map = shard_files(folder)
+        self.folder = folder
+        self.handles = {}
+        for name in files:
+            if not (folder / name).is_file():
+                raise refuse(folder, f"{name} is named in the index but missing")
+            self.handles[name] = safe_open(str(folder / name), framework="pt")
+        self.where = {k: weight_map.get(k) for k in weight_map}
+        for name, h in self.handles.items():
+            for k in h.keys():
+                self.where[k] = name
+        self.used: set[str] = set()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.where
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.where:
+            raise refuse(self.folder, f"tensor {key!r} is missing from the checkpoint")
+        self.used.add(key)
+        return self.handles[self.where[key]].get_tensor(key)
+
+    def dtype(self, key: str) -> torch.dtype:
+        """A tensor's dtype from the file's header, without reading the tensor."""
+        if key not in self.where:
+            raise refuse(self.folder, f"tensor {key!r} is missing from the checkpoint")
+        return DTYPES[self.handles[self.where[key]].get_slice(key).get_dtype()]
+
+    def unused(self) -> list[str]:
+        return sorted(set(self.where) - self.used)
+
+
+class StreamingSafetensors:
+    """A safetensors file written one tensor at a time, in any order: the header (every
+    name, dtype, shape and offset, known from the model's shapes) first, then each tensor's
+    bytes at its offset as it comes. `safetensors.torch.save_file` needs every tensor in
+    memory at once; an import of a 30B-parameter model cannot afford that. What it writes is
+    read back by safetensors itself (tests/test_hf.py)."""
+
+    def __init__(self, path: Path, layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        names = {v: k for k, v in DTYPES.items()}
+        header: dict[str, Any] = {}
+        offset = 0
+        for name, (dtype, shape) in layout.items():
+            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {
+                "dtype": names[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + n],
+            }
+            offset += n
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.layout, self.header, self.left = layout, header, set(layout)
+        self.path = Path(path)
+        self.f = open(self.path, "wb")
+        self.f.write(struct.pack("<Q", len(raw)) + raw)
+        self.base = 8 + len(raw)
+        self.f.truncate(self.base + offset)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        dtype, shape = self.layout[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(t.shape)}, the file expects {shape}")
+        start, end = self.header[name]["data_offsets"]
+        data = t.detach().to(dtype).contiguous().reshape(-1).view(torch.uint8)
+        assert data.numel() == end - start
+        self.f.seek(self.base + start)
+        self.f.write(data.numpy().tobytes())
+        self.left.discard(name)
+
+    def close(self) -> None:
+        if self.left:
+            raise ValueError(f"{self.path}: no data for {sorted(self.left)[:5]}")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
+def write_shards(tensors: Iterable[tuple[str, torch.Tensor]], out: Path) -> list[str]:
+    """Safetensors shards of at most SHARD_BYTES each, with an index when there are several."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if size and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.detach().contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        names.append(name)
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
+    return names

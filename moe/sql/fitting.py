@@ -1,0 +1,136 @@
+"""Fitting a database's schema text to the model's lengths: `Limits` (what an example must
+fit) and `fit_schema`, which shortens the schema by the stated rule (sample values first,
+then column types) until every example on the database fits, or says which does not.
+The schema the model reads is serialised from the database itself (moe/sql/sandbox.py),
+once, and stored in each pair: training and evaluation read the same text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe.errors import InputError
+from moe.sql.prompts import prompt_text
+from moe.sql.records import Record, SqlPair
+from moe.sql.sandbox import SchemaStyle
+
+# An example too long for its limits: (prompt + answer + end, prompt, answer, role, record)
+_Over = tuple[int, int, int, str, Record]
+
+
+@dataclass
+class Limits:
+    """What an example must fit: `count(text)` gives its tokens; the prompt at most
+    `prompt_max` (model.seq_len - evaluate.max_new_tokens), a test answer at most
+    `response_max` (evaluate.max_new_tokens), prompt + answer + end token at most
+    `total_max[set]` (the finetune stage's max_len). `keys` names them in messages."""
+
+    count: Callable[[list[str]], list[int]]
+    prompt_max: int
+    response_max: int
+    total_max: dict[str, int]
+    keys: dict[str, str]
+
+
+def _prompt(schema: str, r: Record) -> str:
+    return prompt_text(SqlPair(r.question, r.sql, "", schema, evidence=r.evidence))
+
+
+def fit_schema(
+    db: Path,
+    schema_of: Callable[[SchemaStyle], str],
+    members: list[tuple[str, Record]],
+    style: SchemaStyle,
+    limits: Limits,
+) -> tuple[str, str | None, int, int, set[int]]:
+    """The schema text for one database: the fullest `style` under which every example on it
+    fits (sample values are dropped first, then column types), a note saying what was left
+    out, the longest example kept, the schema's tokens, and the ids of generated records that
+    do not fit even then (left out, counted by the caller). A pair of the user's or of an
+    outside corpus that does not fit is refused with the numbers. `members` are the
+    records on the database, each with the role whose limits it must fit."""
+    first = style
+    while True:
+        text = schema_of(style)
+        prompts = limits.count([_prompt(text, r) for _, r in members])
+        answers = limits.count([r.sql + "\n" for _, r in members])
+        over = _too_long(members, prompts, answers, limits)
+        schema_tokens = limits.count([text])[0]
+        nxt = style.shorter()
+        if not over or nxt is None:
+            break
+        style = nxt
+    _refuse_theirs(db, over, schema_tokens, limits)
+    dropped = {id(o[4]) for o in over}
+    longest = max(
+        (
+            p + a + 1
+            for (_, r), p, a in zip(members, prompts, answers, strict=True)
+            if id(r) not in dropped
+        ),
+        default=0,
+    )
+    note = _note(db, first, style, longest, over, dropped)
+    return text, note, longest, schema_tokens, dropped
+
+
+def _too_long(
+    members: list[tuple[str, Record]], prompts: list[int], answers: list[int], limits: Limits
+) -> list[_Over]:
+    """The examples over their limits: the prompt's, their role's total, and (a test's) the
+    answer's."""
+    return [
+        (p + a + 1, p, a, name, r)
+        for (name, r), p, a in zip(members, prompts, answers, strict=True)
+        if p > limits.prompt_max
+        or p + a + 1 > limits.total_max[name] + 1
+        or (name not in ("train", "train_domain") and a > limits.response_max)
+    ]
+
+
+def _refuse_theirs(db: Path, over: list[_Over], schema_tokens: int, limits: Limits) -> None:
+    """A pair of the user's or of an outside corpus that does not fit even with the
+    shortest schema: refused, with the numbers of the longest."""
+    theirs = [o for o in over if o[4].where != "generated"]
+    if theirs:
+        total, p, a, name, r = max(theirs, key=lambda t: t[0])
+        raise InputError(
+            f"{r.where} on {db.name}: the example does not fit the model: prompt {p}"
+            f" tokens (the schema alone {schema_tokens}) + SQL {a} tokens + end = {total};"
+            f" allowed: {limits.keys[name]} = {limits.total_max[name]} for prompt + SQL,"
+            f" {limits.keys['prompt']} = {limits.prompt_max} for the prompt and"
+            f" {limits.keys['response']} = {limits.response_max} for a test answer."
+            f" Raise model.seq_len and the finetune stages' max_len (to at least {total}),"
+            f" or shorten the schema (fewer tables or columns)"
+        )
+
+
+def _note(
+    db: Path,
+    first: SchemaStyle,
+    style: SchemaStyle,
+    longest: int,
+    over: list[_Over],
+    dropped: set[int],
+) -> str | None:
+    """What the fitted schema left out and how many generated pairs were too long, if any."""
+    left = []
+    if first.values and not style.values:
+        left.append("sample values")
+    if first.types and not style.types:
+        left.append("column types")
+    notes = []
+    if left:
+        notes.append(
+            f"{' and '.join(left)} left out of the schema so that the examples fit"
+            f" (longest example {longest} tokens)"
+        )
+    if dropped:
+        notes.append(
+            f"{len(dropped)} generated pair(s) longer than the model's lengths left out"
+            f" (longest {max(o[0] for o in over)} tokens; raise model.seq_len and the"
+            " finetune stages' max_len to keep them)"
+        )
+    return f"{db.name}: {'; '.join(notes)}" if notes else None

@@ -1,0 +1,373 @@
+"""Where each pair set's records come from, split so that no test question was trained on.
+
+Finetuning runs in two stages: ~10,000 generic pairs (`data.sql_generic_source`), then ~500
+pairs of the target domain (`data.sql_domain_database`). Either comes from:
+
+- the embedded default: databases built from the themes (moe/sql/themes.py: a parent table
+  and a child that references it, random rows), then questions generated from each
+  database's own schema by moe/sql/generator.py, the same generator a user's database gets;
+- generic corpora people have: a folder in Spider's layout (`tables.json`,
+  `database/<db_id>/<db_id>.sqlite`, pair files such as `train_spider.json` and `dev.json`),
+  BIRD's (the same, `*_databases/` folders, `SQL` and `evidence` fields), or a JSONL file of
+  `{question, sql, db}` with `db` a sqlite path relative to the file (moe/sql/records.py
+  reads them);
+- the user's domain: their sqlite file, their own `{question, sql}` pairs (JSONL), and pairs
+  generated from that database's schema and rows when they have few or none.
+
+Each source gives its training records and its test records: for the generic sets, test
+pairs on databases trained on ('seen') and on databases never trained on ('held out');
+test sets are stratified over the kinds of query.
+"""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from moe.errors import InputError
+from moe.sql.generator import KINDS, QuestionGenerator, kind_of
+from moe.sql.records import (
+    Databases,
+    Record,
+    check_records,
+    drop_trained_questions,
+    norm_question,
+    norm_sql,
+    read_corpus_folder,
+    read_jsonl,
+    settle,
+)
+from moe.sql.sandbox import copy_database, open_checked
+from moe.sql.themes import DOMAIN_THEME, GENERIC_THEMES, HELD_OUT_THEMES, SYLLABLES, Theme
+
+Split = tuple[list[Record], list[Record], list[Record]]  # training, test seen, test held out
+
+# --------------------------------------------------------------------------- databases, pairs
+
+
+def _name(rng: random.Random) -> str:
+    return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
+
+
+def build_database(path: Path, theme: Theme, rng: random.Random, rows: int = 30) -> None:
+    """Create a sqlite database for `theme` with random rows: the embedded default's
+    databases, which the generator then reads like any other."""
+    (pt, pcat, pvals, pnums), (ct, ccat, cvals, cnums) = theme
+    path.unlink(missing_ok=True)
+    con = sqlite3.connect(path)
+    pcols = [
+        "id INTEGER PRIMARY KEY",
+        "name TEXT",
+        f"{pcat} TEXT",
+        *(f"{n} INTEGER" for n, _, _ in pnums),
+    ]
+    ccols = [
+        "id INTEGER PRIMARY KEY",
+        f"{pt}_id INTEGER REFERENCES {pt}(id)",
+        f"{ccat} TEXT",
+        *(f"{n} INTEGER" for n, _, _ in cnums),
+    ]
+    con.execute(f"CREATE TABLE {pt} ({', '.join(pcols)})")
+    con.execute(f"CREATE TABLE {ct} ({', '.join(ccols)})")
+    for i in range(1, rows + 1):
+        con.execute(
+            f"INSERT INTO {pt} VALUES ({', '.join('?' * (3 + len(pnums)))})",
+            (i, _name(rng), rng.choice(pvals), *(rng.randint(lo, hi) for _, lo, hi in pnums)),
+        )
+    for i in range(1, 2 * rows + 1):
+        con.execute(
+            f"INSERT INTO {ct} VALUES ({', '.join('?' * (3 + len(cnums)))})",
+            (
+                i,
+                rng.randint(1, rows),
+                rng.choice(cvals),
+                *(rng.randint(lo, hi) for _, lo, hi in cnums),
+            ),
+        )
+    con.commit()
+    con.close()
+
+
+def generate_records(
+    db_path: Path,
+    dbs: Databases,
+    rng: random.Random,
+    count: int,
+    seen: set[tuple[Path, str]],
+) -> list[Record]:
+    """Up to `count` new (question, SQL) pairs generated from the database's own schema and
+    rows, each executed before it is kept; `seen` holds what any set already has."""
+    db = dbs.get(db_path)
+    stream = QuestionGenerator(db.schema()).stream(rng)
+    out: list[Record] = []
+    for _ in range(count * 50):
+        if len(out) >= count:
+            break
+        got = next(stream, None)
+        if got is None:
+            break
+        q, sql = got
+        keys = {(db_path, sql), (db_path, norm_question(q)), (db_path, norm_sql(sql))}
+        if keys & seen or not db.run(sql).ok:
+            continue
+        seen.update(keys)
+        out.append(Record(q, sql, db_path, "generated"))
+    return out
+
+
+# --------------------------------------------------------------------------- splitting
+
+
+def _stratified(records: list[Record], count: int, share: float = 1.0) -> list[Record]:
+    """Up to `count` records taken round-robin over the kinds, so that a test set is not
+    all of the kind with the most distinct questions; at most `share` of each kind."""
+    by: dict[str, list[Record]] = {k: [r for r in records if kind_of(r.sql) == k] for k in KINDS}
+    cap = {k: max(1, int(len(v) * share)) if v else 0 for k, v in by.items()}
+    out: list[Record] = []
+    taken = dict.fromkeys(KINDS, 0)
+    while len(out) < count and any(by[k] and taken[k] < cap[k] for k in KINDS):
+        for k in KINDS:
+            if by[k] and taken[k] < cap[k] and len(out) < count:
+                out.append(by[k].pop(0))
+                taken[k] += 1
+    return out
+
+
+def _split_pool(pool: list[Record], n_test: int, n_train: int) -> tuple[list[Record], list[Record]]:
+    """A stratified test set (every kind, at most half of each kind's pairs) and a training
+    set sharing neither a question nor a SQL text with it."""
+    test = _stratified(pool, n_test, share=0.5)
+    held = {norm_question(r.question) for r in test} | {r.sql for r in test}
+    train = [
+        r
+        for r in pool
+        if r not in test and norm_question(r.question) not in held and r.sql not in held
+    ]
+    return train[:n_train], test
+
+
+# --------------------------------------------------------------------------- the embedded default
+
+
+def generated_generic(
+    dbs_dir: Path, dbs: Databases, rng: random.Random, n_train: int, n_test: int
+) -> Split:
+    """The embedded default's generic sets: databases built from the training themes (three
+    of each) and their generated pairs, test questions new to training on those databases
+    ('seen') and on databases of the held-out themes ('held out')."""
+    seen: set[tuple[Path, str]] = set()
+    instances = 3  # each theme appears with three different data sets
+    train_themes = GENERIC_THEMES[:-HELD_OUT_THEMES]
+    n_dbs = len(train_themes) * instances
+    per_db = -(-n_train // n_dbs)
+    extra = 3 * -(-(n_test // 2) // n_dbs)  # test candidates per db, before filtering
+    train: list[Record] = []
+    candidates: list[Record] = []
+    for ti, theme in enumerate(train_themes):
+        for inst in range(instances):
+            path = dbs_dir / f"generic_{ti:02d}_{inst}.sqlite"
+            build_database(path, theme, rng)
+            got = generate_records(path, dbs, rng, per_db + extra, seen)
+            tr, te = _split_pool(got, extra, per_db)  # every kind among the test candidates
+            train += tr
+            candidates += te
+    rng.shuffle(train)
+    train = train[:n_train]
+    # A test question is new: neither its question nor its SQL appears in training on any
+    # database (sibling databases of a theme share the schema, so text could repeat).
+    trained = {norm_question(r.question) for r in train} | {r.sql for r in train}
+    rng.shuffle(candidates)
+    fresh = [
+        r for r in candidates if norm_question(r.question) not in trained and r.sql not in trained
+    ]
+    test_seen = _stratified(fresh, n_test // 2)
+    held: list[Record] = []
+    for hi, theme in enumerate(GENERIC_THEMES[-HELD_OUT_THEMES:]):
+        path = dbs_dir / f"generic_heldout_{hi:02d}.sqlite"
+        build_database(path, theme, rng)
+        held += generate_records(path, dbs, rng, 3 * (n_test - len(test_seen)), seen)
+    rng.shuffle(held)
+    return train, test_seen, _stratified(held, n_test - len(test_seen))
+
+
+# --------------------------------------------------------------------------- an outside corpus
+
+
+def outside_generic(
+    d: Any, dbs: Databases, rng: random.Random, bad: list[str], dropped: list[str]
+) -> Split:
+    """Training and test pairs of a Spider/BIRD folder or a `{question, sql, db}` JSONL file.
+    The test pairs are the `data.sql_generic_test_split` file's when the source has one,
+    else those of a held-out share of the databases (`data.sql_generic_heldout_dbs`) plus new
+    questions on the training databases; test pairs on a training database are 'seen',
+    the others 'held out'."""
+    records = check_records(_read_outside(d, bad), dbs, bad)
+    rng.shuffle(records)
+    test = [r for r in records if r.split == d.sql_generic_test_split]
+    if test:
+        train = [r for r in records if r.split != d.sql_generic_test_split]
+    else:
+        train, test = _hold_out_databases(d, records, rng)
+    train = train[: d.sql_generic_pairs]
+    test = _drop_repeats(test, train, dropped)
+    train_dbs = {r.db for r in train}
+    n = d.sql_generic_test_pairs
+    seen = _stratified([r for r in test if r.db in train_dbs], n // 2)
+    held = _stratified([r for r in test if r.db not in train_dbs], n - len(seen))
+    if len(held) < n - len(seen):  # fewer held-out databases than asked: more seen ones
+        seen = _stratified([r for r in test if r.db in train_dbs], n - len(held))
+    return train, seen, held
+
+
+def _read_outside(d: Any, bad: list[str]) -> list[Record]:
+    """The records of `data.sql_generic_source`: a Spider/BIRD folder or a JSONL file."""
+    src = Path(d.sql_generic_source).expanduser()
+    if src.is_dir():
+        return read_corpus_folder(src, bad)
+    if src.is_file():
+        return read_jsonl(src, None, bad)
+    raise InputError(
+        f"data.sql_generic_source = {d.sql_generic_source!r}: no such file or folder"
+        " (use 'generated', a Spider/BIRD folder or a JSONL file)"
+    )
+
+
+def _hold_out_databases(
+    d: Any, records: list[Record], rng: random.Random
+) -> tuple[list[Record], list[Record]]:
+    """(training, test) of a source without a test split: every pair of a held-out share of
+    the databases, and new questions on the others (sharing no text with their training)."""
+    ids = sorted({r.db for r in records})
+    rng.shuffle(ids)
+    k = 0
+    if len(ids) > 1 and d.sql_generic_heldout_dbs > 0:  # one at least, never all
+        k = min(max(1, round(len(ids) * d.sql_generic_heldout_dbs)), len(ids) - 1)
+    out_dbs = set(ids[:k])
+    test = [r for r in records if r.db in out_dbs]
+    rest = [r for r in records if r.db not in out_dbs]
+    seen_test = _stratified(rest, d.sql_generic_test_pairs // 2, share=0.2)
+    held_text = {norm_question(r.question) for r in seen_test} | {
+        norm_sql(r.sql) for r in seen_test
+    }
+    train = [
+        r
+        for r in rest
+        if r not in seen_test
+        and norm_question(r.question) not in held_text
+        and norm_sql(r.sql) not in held_text
+    ]
+    test += seen_test
+    return train, test
+
+
+def _drop_repeats(test: list[Record], train: list[Record], dropped: list[str]) -> list[Record]:
+    """An outside corpus may repeat a question or a query across its splits: such test pairs
+    are left out of the test (counted in `dropped`), since the user cannot be asked to fix
+    Spider."""
+    trained = {norm_question(r.question) for r in train} | {norm_sql(r.sql) for r in train}
+    repeats = [
+        r for r in test if norm_question(r.question) in trained or norm_sql(r.sql) in trained
+    ]
+    test = [r for r in test if r not in repeats]
+    dropped.extend(
+        f"{r.where}: test pair left out: its question or SQL is also a training one"
+        for r in repeats
+    )
+    return test
+
+
+# --------------------------------------------------------------------------- the domain
+
+
+def domain_records(
+    d: Any, dbs_dir: Path, dbs: Databases, rng: random.Random, bad: list[str]
+) -> tuple[list[Record], list[Record], dict[str, str]]:
+    """The domain's training and test pairs on dbs/domain.sqlite: the user's database (a
+    copy; the file itself is only read) or the embedded default's, the user's pairs (weighted)
+    and pairs generated from the database for the rest of `data.sql_domain_train_pairs`. The
+    test set is only ever the user's pairs when there are any."""
+    path = dbs_dir / "domain.sqlite"
+    src: dict[str, str] = {}
+    _domain_database(d, path, rng, src)
+    user_train, user_test = _user_pairs(d, path, dbs, bad, src)
+    held = d.sql_domain_test
+    if user_train and not user_test and _is_fraction(held or "0.3"):
+        user_test, user_train = _split_user_pairs(d, user_train, rng, src)
+    for r in user_test:
+        r.weight = 1.0
+    user_test = drop_trained_questions(user_test, user_train, bad)
+    seen = {(r.db, r.sql) for r in user_train + user_test}
+    seen |= {(r.db, norm_sql(r.sql)) for r in user_train + user_test}
+    seen |= {(r.db, norm_question(r.question)) for r in user_train + user_test}
+    n_gen = max(0, d.sql_domain_train_pairs - len(user_train))
+    if user_test:
+        generated = generate_records(path, dbs, rng, n_gen, seen)
+        test = user_test
+    else:
+        pool = generate_records(path, dbs, rng, n_gen + 3 * d.sql_domain_test_pairs, seen)
+        generated, test = _split_pool(pool, d.sql_domain_test_pairs, n_gen)
+    src["domain_generated_pairs"] = str(len(generated))
+    return user_train + generated, test, src
+
+
+def _domain_database(d: Any, path: Path, rng: random.Random, src: dict[str, str]) -> None:
+    """Put the domain's database at `path`: a copy of the user's, checked first, or the
+    embedded default's, built from its theme."""
+    if d.sql_domain_database:
+        user_db = Path(d.sql_domain_database).expanduser()
+        open_checked(user_db, "data.sql_domain_database").close()  # says what is wrong
+        copy_database(user_db, path)
+        src["domain_database"] = str(user_db)
+    else:
+        build_database(path, DOMAIN_THEME, rng, rows=40)
+        src["domain_database"] = "generated"
+
+
+def _user_pairs(
+    d: Any, path: Path, dbs: Databases, bad: list[str], src: dict[str, str]
+) -> tuple[list[Record], list[Record]]:
+    """The user's own training and test pairs of the domain that run on its database; bad
+    ones are refused or counted (data.on_bad_record) before they are split."""
+    user_train: list[Record] = []
+    user_test: list[Record] = []
+    if d.sql_domain_pairs:
+        user_train = read_jsonl(
+            Path(d.sql_domain_pairs).expanduser(), path, bad, d.sql_domain_pairs_weight
+        )
+        src["domain_pairs"] = d.sql_domain_pairs
+    held = d.sql_domain_test
+    if held and not _is_fraction(held):
+        user_test = read_jsonl(Path(held).expanduser(), path, bad)
+        src["domain_test"] = held
+    user_train = check_records(user_train, dbs, bad)
+    user_test = check_records(user_test, dbs, bad)
+    settle(bad, d.on_bad_record, "the domain's pairs")  # before they are split
+    if held and not _is_fraction(held) and not user_test:
+        raise InputError(f"{held}: no usable test pair left (data.sql_domain_test)")
+    return user_train, user_test
+
+
+def _split_user_pairs(
+    d: Any, user_train: list[Record], rng: random.Random, src: dict[str, str]
+) -> tuple[list[Record], list[Record]]:
+    """(test, training): the `data.sql_domain_test` share (0.3 unless given) of the user's
+    pairs, drawn at random, held out for the test."""
+    frac = float(d.sql_domain_test or "0.3")
+    if len(user_train) < 2:
+        raise InputError(
+            f"{d.sql_domain_pairs}: one usable pair cannot be split into training and test:"
+            " write more pairs, or give a test file (data.sql_domain_test)"
+        )
+    rng.shuffle(user_train)
+    cut = min(len(user_train) - 1, max(1, round(len(user_train) * frac)))
+    src["domain_test"] = f"{frac:g} of the user's pairs"
+    return user_train[:cut], user_train[cut:]
+
+
+def _is_fraction(s: str) -> bool:
+    try:
+        return 0 < float(s) < 1
+    except ValueError:
+        return False
