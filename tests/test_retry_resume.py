@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(
     from moe.checkpoint.tensors import weights_digest
     from tasks.config import load_config
     from moe.data.tokens import token_dtype, write_token_store
-    from tasks.training import pretrain_model
+    from tasks.pretraining import pretrain_model
 
     work = Path(sys.argv[1])
     data = work / "data"
