@@ -8,6 +8,7 @@ from typing import Any
 
 from moe.config import ModelConfig, MoEConfig
 from moe.hf.families.protocol import Family, MoEShape, sparse_moe_shape
+from moe.hf.families.qwen3_moe import qwen_sparse_fields
 
 
 class Qwen2Moe(Family):
@@ -42,15 +43,7 @@ class Qwen2Moe(Family):
 
     def hf_config_fields(self, c: ModelConfig, m: MoEConfig) -> dict[str, Any]:
         return {
-            "num_experts_per_tok": m.top_k,
-            "num_experts": m.num_experts,
-            "norm_topk_prob": m.renormalize,
-            "intermediate_size": c.dense_hidden,
-            "moe_intermediate_size": m.expert_hidden,
-            "decoder_sparse_step": c.moe_every,
-            "mlp_only_layers": list(c.dense_layers),
-            "use_sliding_window": False,
-            "sliding_window": None,
+            **qwen_sparse_fields(c, m),
             "qkv_bias": True,
             "shared_expert_intermediate_size": m.shared_expert_hidden or m.expert_hidden,
         }

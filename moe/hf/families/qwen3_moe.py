@@ -37,18 +37,22 @@ class Qwen3Moe(Family):
         return reasons
 
     def hf_config_fields(self, c: ModelConfig, m: MoEConfig) -> dict[str, Any]:
-        return {
-            "num_experts_per_tok": m.top_k,
-            "num_experts": m.num_experts,
-            "norm_topk_prob": m.renormalize,
-            "intermediate_size": c.dense_hidden,
-            "moe_intermediate_size": m.expert_hidden,
-            "decoder_sparse_step": c.moe_every,
-            "mlp_only_layers": list(c.dense_layers),
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "attention_bias": c.attn_bias,
-        }
+        return {**qwen_sparse_fields(c, m), "attention_bias": c.attn_bias}
+
+
+def qwen_sparse_fields(c: ModelConfig, m: MoEConfig) -> dict[str, Any]:
+    """The sparse-MoE config fields Qwen2-MoE and Qwen3-MoE write alike."""
+    return {
+        "num_experts_per_tok": m.top_k,
+        "num_experts": m.num_experts,
+        "norm_topk_prob": m.renormalize,
+        "intermediate_size": c.dense_hidden,
+        "moe_intermediate_size": m.expert_hidden,
+        "decoder_sparse_step": c.moe_every,
+        "mlp_only_layers": list(c.dense_layers),
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
 
 
 QWEN3_MOE = Qwen3Moe()
