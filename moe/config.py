@@ -557,6 +557,41 @@ class EarlyStopConfig:
 
 
 @dataclass
+class LoraTargets:
+    """Which projections carry adapters (moe/model/lora.py). All on by default: the QLoRA
+    paper and LLaMA-Factory's `all` found adapters on every linear layer needed to match full
+    finetuning; attention only (the original LoRA paper) learns less per step."""
+
+    attention: bool = True  # q, k, v and the output projection
+    mlp: bool = True  # the dense blocks' SwiGLU (gate, up, down)
+    shared_expert: bool = True  # the MoE layers' shared expert (gate, up, down)
+    # The routed experts' 3-D weights: one low-rank pair per expert and projection, computed
+    # through the same grouped dispatch as the experts (PEFT's `target_parameters`).
+    experts: bool = True
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters for `method: lora | qlora`: W x + (alpha / rank) B A x with B = 0 at
+    the start (PEFT's and torchtune's rule), the base frozen. Rank 8 with alpha 16 (a scale of
+    2) is LLaMA-Factory's and torchtune's default; dropout 0 is Unsloth's and LLaMA-Factory's."""
+
+    rank: int = knob(8, ge=1)
+    alpha: float = knob(16.0, gt=0)  # scale = alpha / rank
+    dropout: float = knob(0.0, ge=0, lt=1)  # on the adapters' input only
+    targets: LoraTargets = field(default_factory=LoraTargets)
+    # The routed experts' rank: "same" gives every expert `rank`; "divided" gives each
+    # rank // num_experts (at least 1), so all experts together hold about one adapter's
+    # parameters (PEFT's advice for `target_parameters`, whose rank is per expert).
+    expert_rank: Literal["same", "divided"] = "same"
+    train_embeddings: bool = False  # the token embeddings stay frozen unless asked
+    train_head: bool = False  # the output head stays frozen unless asked
+    # QLoRA: the frozen base in NF4 (torchao), this many weights per quantisation block
+    # (64: the QLoRA paper's and torchao's default); adapters in fp32, compute in bf16 on CUDA.
+    nf4_block: int = knob(64, ge=16)
+
+
+@dataclass
 class OptimConfig:
     """What every training stage shares: steps and batches, the optimiser, where and how it
     runs, how often it logs and saves, and on how many processes and machines."""
@@ -600,6 +635,24 @@ class OptimConfig:
     # pods (tasks/multinode.py, the `multinode` section); data, the start model and the
     # checkpoints reach every node through the object store.
     nodes: int = knob(1, ge=1)
+    # What trains: "full" (every weight, AdamW state for all of them), "lora" (low-rank
+    # adapters on a frozen base: the `lora` section) or "qlora" (the same on a base stored in
+    # 4-bit NF4). The adapted model is merged into the stage's model folder when it ends, so
+    # the next stage, `ask` and the export read it as any model; the adapters alone are kept
+    # beside it (adapter.safetensors) for `model export`'s PEFT folder.
+    method: Literal["full", "lora", "qlora"] = "full"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    # The routers under this stage: "trained" (gate weights learn, the aux-free bias moves),
+    # "frozen" (nothing moves: a narrow domain cannot collapse the routing the base learned),
+    # "bias-only" (only the aux-free bias moves, so the load still balances). "auto": frozen
+    # under lora and qlora (as PEFT, which does not adapt routers), trained under full.
+    router: Literal["auto", "trained", "frozen", "bias-only"] = "auto"
+
+    def router_policy(self) -> str:
+        """The router policy this stage runs with ("auto" resolved)."""
+        if self.router != "auto":
+            return self.router
+        return "trained" if self.method == "full" else "frozen"
 
 
 @dataclass

@@ -611,6 +611,7 @@ def _check_training_stage(cfg: Config, stage: str, p: Problems) -> None:
             sec.max_len,
             f"must be <= model.seq_len ({cfg.model.seq_len})",
         )
+    _check_method(cfg, stage, sec, p)
     if sec.nodes < 1 or sec.nproc < 0:
         return  # refused by the section's own ranges; the splits below need a count
     n = cfg.processes(stage)
@@ -664,6 +665,27 @@ def _check_training_stage(cfg: Config, stage: str, p: Problems) -> None:
         f"is more than the {pool.gpus if pool else 0} GPU(s) its pool {pool_name} gives "
         f"(pools.definitions.{pool_name}.gpus): raise that, or lower nproc (processes "
         f"on the CPU: set {stage}.device to cpu)",
+    )
+
+
+def _check_method(cfg: Config, stage: str, sec: Any, p: Problems) -> None:
+    """LoRA and QLoRA adapt a model that exists: pretraining takes them only from model.init
+    (continued pretraining); QLoRA runs in one process (its NF4 base is not sharded)."""
+    if sec.method == "full":
+        return
+    p.require(
+        stage != "pretrain" or bool(cfg.model.init),
+        f"{stage}.method",
+        sec.method,
+        "adapts a pretrained model: set model.init to one (continued pretraining), or "
+        "train from scratch with method: full",
+    )
+    p.require(
+        sec.method != "qlora" or (sec.nodes == 1 and sec.nproc <= 1),
+        f"{stage}.method",
+        sec.method,
+        "runs in one process (the NF4 base is not sharded): set nproc 1 and nodes 1, or use "
+        "lora (sharded with FSDP2 + EP)",
     )
 
 

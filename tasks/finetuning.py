@@ -20,6 +20,7 @@ from moe.errors import InputError
 from moe.hf.model_dir import model_dir_skeleton
 from moe.sql.prompts import prompt_text, response_text
 from moe.sql.records import load_pairs
+from moe.train.method import apply_method
 from moe.train.stop import Budget
 from moe.train.trainer import Trainer, TrainResult
 from tasks.checkpoints import checkpoint_store
@@ -98,6 +99,8 @@ def _finetune(
     # Under torchrun each rank reads only its shards of the start model (never whole).
     sharded = dist.is_initialized()
     model = model_dir_skeleton(init_dir) if sharded else load_model(init_dir)
+    # LoRA / QLoRA: the base frozen and adapters added; the router policy (moe/train/method.py)
+    plan = apply_method(model, f, stage)
     if f.max_len > model.cfg.seq_len:
         raise InputError(
             f"{stage}.max_len={f.max_len} exceeds the model's seq_len={model.cfg.seq_len}: lower it"
@@ -131,5 +134,7 @@ def _finetune(
         metrics_path=out_dir / "metrics.jsonl",
         resilience=stage_resilience(cfg, stage, out_dir / "checkpoints", fingerprint),
         weights=init_dir / "model.safetensors" if sharded else None,
+        # the frozen base, by the digest of the file it came from (the fingerprint's too)
+        base_sha256=fingerprint.split(":")[1] if plan is not None else None,
     )
-    return fit_and_save(cfg, trainer, out_dir, run_key)
+    return fit_and_save(cfg, trainer, out_dir, run_key, init_dir)

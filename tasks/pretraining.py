@@ -16,10 +16,13 @@ import torch.distributed as dist
 from prefect import task
 from prefect.cache_policies import NONE
 
+from moe.checkpoint.tensors import model_tensors, weights_digest
 from moe.data.tokens import BatchSampler, TokenStore
 from moe.errors import InputError
+from moe.hashing import sha256_file
 from moe.hf.model_init import build_init_model, init_model_skeleton
 from moe.model.transformer import MoETransformer
+from moe.train.method import apply_method
 from moe.train.stop import Budget
 from moe.train.trainer import Trainer, TrainResult
 from moe.train.validation import Validation
@@ -105,11 +108,26 @@ def _pretrain(
         model.num_params() / 1e6,
         model.num_params(active_only=True) / 1e6,
     )
+    base_sha256 = None  # continued pretraining with adapters: the frozen base's digest
+    if t.method != "full":
+        base_sha256 = (
+            sha256_file(weights) if weights is not None else weights_digest(model_tensors(model))
+        )
+    apply_method(model, t, "pretrain")
     fingerprint = training_fingerprint(cfg, "pretrain", data_dir)
     scratch = weights is not None and weights.parent == out_dir / ".init"
     try:
         trainer = _pretrainer(
-            cfg, model, train_store, val_store, out_dir, fingerprint, log_fn, budget_left, weights
+            cfg,
+            model,
+            train_store,
+            val_store,
+            out_dir,
+            fingerprint,
+            log_fn,
+            budget_left,
+            weights,
+            base_sha256,
         )
     except BaseException:
         if scratch and int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -119,7 +137,8 @@ def _pretrain(
         dist.barrier()  # every rank has read its part of the streamed import
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             shutil.rmtree(weights.parent, ignore_errors=True)
-    return fit_and_save(cfg, trainer, out_dir, f"pretrain/{fingerprint[:16]}")
+    init = Path(cfg.model.init) if cfg.model.init else None
+    return fit_and_save(cfg, trainer, out_dir, f"pretrain/{fingerprint[:16]}", init)
 
 
 def _pretrainer(
@@ -132,6 +151,7 @@ def _pretrainer(
     log_fn: Callable[[dict[str, Any]], None],
     budget_left: float,
     weights: Path | None,
+    base_sha256: str | None = None,
 ) -> Trainer:
     t = cfg.pretrain
     return Trainer(
@@ -153,6 +173,7 @@ def _pretrainer(
         metrics_path=out_dir / "metrics.jsonl",
         resilience=stage_resilience(cfg, "pretrain", out_dir / "checkpoints", fingerprint),
         weights=weights,
+        base_sha256=base_sha256,
     )
 
 

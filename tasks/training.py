@@ -7,6 +7,7 @@ before it starts), so a machine that dies costs at most `checkpoint_every` steps
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -16,7 +17,8 @@ import torch
 from prefect.tasks import exponential_backoff
 
 from moe.checkpoint.tensors import load_model_tensors
-from moe.hf.model_dir import load_model_dir, save_model_dir
+from moe.hf.model_dir import load_model_dir, save_adapter_dir, save_model_dir
+from moe.model.lora import add_adapters, dequantize_base, has_adapters, merge_adapters
 from moe.model.transformer import MoETransformer
 from moe.train import distributed as D
 from moe.train.resilience import AttemptJournal
@@ -87,7 +89,21 @@ def write_metrics_csv(out_dir: Path) -> Path:
     return dest
 
 
-def fit_and_save(cfg: Config, trainer: Trainer, out_dir: Path, run_key: str) -> TrainResult:
+def adapter_spec(trainer: Trainer, init: Path | None) -> dict:
+    """adapter.json's body: the method and its settings, the router policy, the base."""
+    c = trainer.cfg
+    return {
+        "method": c.method,
+        "lora": dataclasses.asdict(c.lora),
+        "router": c.router_policy(),
+        "base_sha256": trainer.checkpointer.base_sha256,
+        "base": str(init) if init else None,
+    }
+
+
+def fit_and_save(
+    cfg: Config, trainer: Trainer, out_dir: Path, run_key: str, init: Path | None = None
+) -> TrainResult:
     """Train (resuming if a checkpoint fits), then write the final weights and the CSV log.
     Under torchrun every rank trains; the experts are gathered and rank 0 writes. A bar on a
     terminal and a Prefect progress artifact follow the steps (tasks/progress.py)."""
@@ -100,12 +116,15 @@ def fit_and_save(cfg: Config, trainer: Trainer, out_dir: Path, run_key: str) -> 
     finally:  # a failed run's checkpoint being written still lands (a retry resumes from it)
         trainer.checkpointer.store.close()
     model = trainer.model
+    adapted = has_adapters(model)
     if trainer.ranks.meshes is not None:
         # The final weights whole (rank 0 alone keeps them; the optimizer stays sharded).
         full = D.full_tensors(D.unique_state(model), keep=trainer.ranks.rank == 0)
         if trainer.ranks.rank != 0:
             return result
         model = MoETransformer(model.cfg, model.mcfg, model.vocab_size)
+        if adapted:
+            add_adapters(model, trainer.cfg.lora, seed=trainer.cfg.seed)
         load_model_tensors(model, full)
     if cfg.checkpoint.offload:
         if (
@@ -114,7 +133,12 @@ def fit_and_save(cfg: Config, trainer: Trainer, out_dir: Path, run_key: str) -> 
             offload_checkpoints.fn(cfg, trainer.checkpointer.store.root, run_key)
         else:
             offload_checkpoints(cfg, trainer.checkpointer.store.root, run_key)
-    save_model(model.to("cpu"), out_dir)
+    model = model.to("cpu")
+    if adapted:  # the adapters alone beside the model, then the model with them merged
+        save_adapter_dir(model, out_dir, adapter_spec(trainer, init))
+        dequantize_base(model)  # QLoRA: the merge adds to the weights the adapters trained on
+        merge_adapters(model)
+    save_model(model, out_dir)
     write_metrics_csv(out_dir)
     return result
 

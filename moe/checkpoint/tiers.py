@@ -22,8 +22,9 @@ from moe.checkpoint.manifest import Manifest
 
 TIERS = ("L0", "L1", "L2")
 
-# Expert weights: 3-D parameters under `<layer>.experts.`, experts along dim 0.
-_EXPERT_PARAM = re.compile(r"^(?P<layer>.+)\.experts\.[A-Za-z0-9_]+$")
+# Expert weights: 3-D parameters under `<layer>.experts.`, experts along dim 0; their LoRA
+# adapters (`<layer>.experts.lora.`, moe/model/lora.py) too, so they share their expert's tier.
+_EXPERT_PARAM = re.compile(r"^(?P<layer>.+)\.experts\.(?:lora\.)?[A-Za-z0-9_]+$")
 
 
 def expert_layer(param_name: str) -> str | None:

@@ -11,9 +11,13 @@ the fast path equal to (outputs and gradients).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from moe.model.quant import dequantize, is_nf4
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -83,13 +87,66 @@ def grouped_mm(
     return torch.cat([c @ w_EDF[e] for e, c in enumerate(chunks)], dim=0)
 
 
+class _NF4GroupedMM(torch.autograd.Function):
+    """grouped_mm over a frozen NF4 weight (QLoRA, moe/model/quant.py): dequantised for the
+    product and again for the input's gradient, never kept in between."""
+
+    @staticmethod
+    def forward(ctx, x_AD, w, offs_E, counts_E, shape):  # type: ignore[override]
+        ctx.w, ctx.shape = w, shape
+        ctx.save_for_backward(offs_E, counts_E)
+        return grouped_mm(x_AD, dequantize(w, shape), offs_E, counts_E)
+
+    @staticmethod
+    def backward(ctx, g_AF):  # type: ignore[override]
+        offs_E, counts_E = ctx.saved_tensors
+        w_EFD = dequantize(ctx.w, ctx.shape).transpose(1, 2).contiguous()
+        return grouped_mm(g_AF.contiguous(), w_EFD, offs_E, counts_E), None, None, None, None
+
+
+def _frozen_mm(
+    x_AD: torch.Tensor, w: torch.Tensor, offs_E: torch.Tensor, counts_E: torch.Tensor
+) -> torch.Tensor:
+    """grouped_mm, or its NF4 form when the expert weight is quantised ((E*D, F) stored)."""
+    if not is_nf4(w):
+        return grouped_mm(x_AD, w, offs_E, counts_E)
+    shape = (counts_E.numel(), w.shape[0] // counts_E.numel(), w.shape[1])
+    return _NF4GroupedMM.apply(x_AD, w, offs_E, counts_E, shape)
+
+
+def expert_swiglu(
+    x_AD: torch.Tensor,
+    w13_EDG: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    counts_E: torch.Tensor,
+    lora: Any = None,
+) -> torch.Tensor:
+    """The experts' SwiGLU on rows sorted by expert, with their adapters when present:
+    h = x w13 + s x A13 B13, y = swiglu(h) w2 + s swiglu(h) A2 B2, each product grouped over
+    the experts. `lora` is a moe/model/lora.py ExpertLoRA (or None)."""
+    offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+    h_AG = _frozen_mm(x_AD, w13_EDG, offs_E, counts_E)
+    if lora is not None:
+        a13, b13, a2, b2 = lora.local()
+        low_Ar = grouped_mm(lora.dropout(x_AD), a13, offs_E, counts_E)
+        h_AG = h_AG + grouped_mm(low_Ar, b13, offs_E, counts_E) * lora.scale
+    g_AF = swiglu(h_AG)
+    y_AD = _frozen_mm(g_AF, w2_EFD, offs_E, counts_E)
+    if lora is not None:
+        low = grouped_mm(lora.dropout(g_AF), a2, offs_E, counts_E)
+        y_AD = y_AD + grouped_mm(low, b2, offs_E, counts_E) * lora.scale
+    return y_AD
+
+
 class GroupedExperts(nn.Module):
     """SwiGLU experts. The gate and up projections are one (E, D, 2F) weight, so one grouped
-    GEMM computes both (HF and torchtitan store them the same way)."""
+    GEMM computes both (HF and torchtitan store them the same way). `lora`: the experts'
+    adapters when a stage trains with LoRA (moe/model/lora.py ExpertLoRA)."""
 
     def __init__(self, num_experts: int, d_model: int, hidden: int) -> None:
         super().__init__()
         self.num_experts, self.hidden = num_experts, hidden
+        self.lora: nn.Module | None = None
         self.w13_EDG = nn.Parameter(torch.empty(num_experts, d_model, 2 * hidden))  # G = 2F
         self.w2_EFD = nn.Parameter(torch.empty(num_experts, hidden, d_model))  # down proj
 
@@ -132,9 +189,7 @@ class GroupedExperts(nn.Module):
     def compute(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """The experts on rows sorted by expert (counts_E rows each): the seam that expert
         parallelism (moe/train/distributed.py) replaces with an exchange around the same math."""
-        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        h_AG = grouped_mm(x_AD, self.w13_EDG, offs_E, counts_E)
-        return grouped_mm(swiglu(h_AG), self.w2_EFD, offs_E, counts_E)
+        return expert_swiglu(x_AD, self.w13_EDG, self.w2_EFD, counts_E, self.lora)
 
 
 def reference_moe(

@@ -88,6 +88,10 @@ class Router(nn.Module):
     # Sharded training: the process group whose routed counts the aux loss's f_E sums, so
     # the loss balances the global batch (Qiu et al. 2025), as one process computes it.
     balance_group: Any = None
+    # What a stage lets the router move (moe/model/lora.py set_router_policy): "trained"
+    # (the gate learns, the routing state moves), "frozen" (nothing), "bias-only" (the
+    # aux-free bias and utilisation average move; the gate and its recalibration do not).
+    policy: str = "trained"
 
     def __init__(self, d_model: int, cfg: MoEConfig) -> None:
         super().__init__()
@@ -245,6 +249,9 @@ class Router(nn.Module):
         total = float(load_E.sum())
         if total <= 0:
             return
+        if self.policy == "frozen":  # a stage that keeps the routing as it came
+            load_E.zero_()
+            return
         mean = load_E.mean()
         if "aux_free" in self.methods:
             self.expert_bias_E += self.cfg.aux_free_rate * torch.sign(mean - load_E)
@@ -252,7 +259,8 @@ class Router(nn.Module):
         if self.methods & {"util_aware", "rebalance"}:
             m = self.cfg.util_momentum
             self.util_E.mul_(m).add_((1 - m) * load_E / mean)
-        if "rebalance" in self.methods and step > 0 and step % self.cfg.rebalance_every == 0:
+        rebalance = "rebalance" in self.methods and self.policy == "trained"
+        if rebalance and step > 0 and step % self.cfg.rebalance_every == 0:
             factor_E = (1 - self.cfg.rebalance_beta * (self.util_E - 1)).clamp(0.5, 1.5)
             self.gate.weight.mul_(factor_E.to(self.gate.weight.dtype).unsqueeze(1))
         load_E.zero_()

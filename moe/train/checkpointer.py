@@ -23,6 +23,7 @@ from moe.checkpoint.tensors import (
     model_tensors,
     unflatten_optimizer,
 )
+from moe.errors import InputError
 from moe.model.growth import GrowthManager, experts_per_layer, resize_model
 from moe.model.stats import ExpertLoad
 from moe.model.transformer import MoETransformer
@@ -60,10 +61,30 @@ class TrainState:
 
 
 class Checkpointer:
+    """Saves and restores a TrainState. With `base_sha256` (a LoRA or QLoRA stage) the model
+    part is what trains plus the routing state: the frozen base is the stage's input, named
+    by that digest, and a checkpoint of adapters for another base is refused."""
+
     def __init__(
-        self, store: CheckpointStore, fingerprint: str, ranks: Ranks, state: TrainState
+        self,
+        store: CheckpointStore,
+        fingerprint: str,
+        ranks: Ranks,
+        state: TrainState,
+        base_sha256: str | None = None,
     ) -> None:
         self.store, self.fingerprint, self.ranks, self.state = store, fingerprint, ranks, state
+        self.base_sha256 = base_sha256
+
+    def _held(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model tensors a checkpoint holds: all, or (adapters) the trainable ones and
+        the buffers."""
+        if self.base_sha256 is None:
+            return tensors
+        m = self.state.model
+        keep = {n for n, p in m.named_parameters() if p.requires_grad}
+        keep |= {n for n, _ in m.named_buffers()}
+        return {k: v for k, v in tensors.items() if k in keep}
 
     # ------------------------------------------------------------------ save
 
@@ -78,12 +99,12 @@ class Checkpointer:
         if ranks.meshes is not None:
             opt_tensors, opt_rest = optimizer_shards(st.model, st.optimizer)
             opt_tensors = D.full_tensors(opt_tensors, keep=ranks.rank == 0)
-            model_t = D.full_tensors(D.unique_state(st.model), keep=ranks.rank == 0)
+            model_t = D.full_tensors(self._held(D.unique_state(st.model)), keep=ranks.rank == 0)
             if ranks.rank != 0:
                 return None
         else:
             opt_tensors, opt_rest = flatten_optimizer(st.optimizer.state_dict())
-            model_t = model_tensors(st.model)
+            model_t = self._held(model_tensors(st.model))
         rng_tensors, rng_meta = rng_state()
         return self.store.save(
             st.progress.step,
@@ -115,6 +136,7 @@ class Checkpointer:
     def _state_json(self, val_loss: float | None, opt_rest: dict, rng_meta: dict) -> dict:
         """What a checkpoint holds besides tensors (state.json), from each part."""
         st = self.state
+        adapter = {"adapter": {"base_sha256": self.base_sha256}} if self.base_sha256 else {}
         return {
             "step": st.progress.step,
             "fingerprint": self.fingerprint,
@@ -127,12 +149,13 @@ class Checkpointer:
             "expert_counts_total": [t.tolist() for t in st.load.total],
             "early_stop": st.stopper.state_dict() if st.stopper else None,
             "growth": st.growth.state_dict() if st.growth else None,
+            **adapter,
         }
 
     def _sharded_targets(self) -> dict[str, torch.Tensor]:
         st = self.state
         init_optimizer_state(st.optimizer)
-        model = {f"model.{k}": v for k, v in D.unique_state(st.model).items()}
+        model = {f"model.{k}": v for k, v in self._held(D.unique_state(st.model)).items()}
         return {**model, **optimizer_shards(st.model, st.optimizer, by_name=True)[0]}
 
     def _expert_load(self) -> dict[str, list[float]]:
@@ -160,6 +183,7 @@ class Checkpointer:
             if self.ranks.world > 1:
                 dist.barrier()
             return None
+        self._check_base(path, state)
         if self.ranks.meshes is not None:
             rng, rng_meta = self._restore_sharded(path, manifest, state)
         else:
@@ -178,6 +202,22 @@ class Checkpointer:
         log.info("resumed from %s (step %d)", path, st.progress.step)
         return st.progress.step
 
+    def _check_base(self, path: Path, state: dict) -> None:
+        """Adapters restore onto the base they were trained on, and only as adapters."""
+        saved = (state.get("adapter") or {}).get("base_sha256")
+        if saved == self.base_sha256:
+            return
+        if saved is None:
+            raise InputError(
+                f"checkpoint {path} holds a full model, not adapters: this stage trains adapters "
+                f"on the base {self.base_sha256}; delete {path.parent} to start over"
+            )
+        raise InputError(
+            f"checkpoint {path} holds adapters for the base model {saved}, but this stage's "
+            f"base is {self.base_sha256 or '(none: a full finetune)'}: restore it onto the "
+            f"model it was trained on, or delete {path.parent} to start over"
+        )
+
     def _chosen(self) -> Path | None:
         """The newest valid checkpoint; rank 0's choice for every rank: folders on different
         machines could disagree (a rank that cannot read it then fails, not another step)."""
@@ -192,13 +232,18 @@ class Checkpointer:
         """World size 1: the checkpoint whole (a sharded one assembled) into the module."""
         st = self.state
         ckpt = self.store.load(path)
-        if resize_model(st.model, experts_per_layer(ckpt.model, st.model)):
+        if self.base_sha256 is None and resize_model(
+            st.model, experts_per_layer(ckpt.model, st.model)
+        ):
             # The checkpoint comes from a grown or pruned model: new parameters, new optimizer.
             st.optimizer = st.new_optimizer()
             st.load = ExpertLoad(len(st.model.moe_layers), st.model.experts_per_layer())
         if st.growth and ckpt.state.get("growth"):
             st.growth.load_state_dict(ckpt.state["growth"])
-        load_model_tensors(st.model, ckpt.model)
+        if self.base_sha256 is None:
+            load_model_tensors(st.model, ckpt.model)
+        else:
+            _load_held(st.model, ckpt.model, path)
         opt, rng, rng_meta = ckpt.optimizer, ckpt.rng, ckpt.state["rng"]
         if ckpt.sharded:  # moments by parameter name, RNG per rank: rank 0's carries on
             index = {n: i for i, n in param_names(st.model, st.optimizer).items()}
@@ -220,7 +265,7 @@ class Checkpointer:
         st = self.state
         ckpt = self.store.load(path)  # whole: every rank keeps its part of each tensor
         buffers = {n for n, _ in st.model.named_buffers()}
-        for k, t in D.unique_state(st.model).items():
+        for k, t in self._held(D.unique_state(st.model)).items():
             if k in ckpt.model:
                 D.load_full(t, ckpt.model[k])
             elif k not in buffers:
@@ -248,3 +293,16 @@ class Checkpointer:
         self.store.load_sharded(path, {**targets, **rng})
         rng = {k.removeprefix(prefix): v for k, v in rng.items()}
         return rng, json.loads(bytes(rng.pop("meta").numpy()))
+
+
+def _load_held(model: torch.nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """An adapter checkpoint's tensors into the model: every trainable parameter must be
+    there, nothing else may be."""
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    lacking = sorted(set(missing) & trainable)
+    if lacking or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not fit the adapted model: missing {lacking[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )

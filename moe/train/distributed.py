@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from moe.model.experts import GroupedExperts, grouped_mm, swiglu
+from moe.model.experts import GroupedExperts, expert_swiglu
 from moe.model.transformer import MoETransformer, init_parameter_
 
 
@@ -132,16 +132,14 @@ class ExpertParallelExperts(GroupedExperts):
             )
         self.num_experts, self.hidden = E, full.hidden  # routing ids are global
         self.num_local, self.ep = E // ep, ep
+        self.lora = None
         self.group = meshes.ep_group
-        placements = (Replicate(), Shard(0))
         for name in ("w13_EDG", "w2_EFD"):
-            t = getattr(full, name).detach()
-            if t.is_meta:  # shapes only: this rank's experts, filled after `to_empty`
-                part = t.chunk(ep, dim=0)[meshes.experts.get_local_rank("ep")]
-                local = DTensor.from_local(part, meshes.experts, placements, run_check=False)
-            else:  # every rank holds the same full tensor: each keeps its part, no traffic
-                local = distribute_tensor(t, meshes.experts, placements, src_data_rank=None)
-            setattr(self, name, torch.nn.Parameter(local))
+            setattr(self, name, _expert_shard(getattr(full, name), meshes))
+        if full.lora is not None:  # the adapters follow their experts (moe/model/lora.py)
+            self.lora = full.lora
+            for name, p in list(full.lora.named_parameters()):
+                setattr(self.lora, name, _expert_shard(p, meshes))
 
     def compute(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         P, El = self.ep, self.num_local
@@ -157,12 +155,22 @@ class ExpertParallelExperts(GroupedExperts):
             torch.arange(El, device=x_AD.device).repeat(P), recv_PEl.flatten()
         )
         perm_R = torch.sort(local_R, stable=True).indices
-        counts_El = recv_PEl.sum(0)
-        offs_El = torch.cumsum(counts_El, 0, dtype=torch.int32)
-        h = grouped_mm(x_RD[perm_R], w13, offs_El, counts_El)
-        y_sorted = grouped_mm(swiglu(h), w2, offs_El, counts_El)
+        y_sorted = expert_swiglu(x_RD[perm_R], w13, w2, recv_PEl.sum(0), self.lora)
         y_RD = torch.empty_like(y_sorted).index_copy(0, perm_R, y_sorted)
         return all_to_all_single_autograd(y_RD, in_splits, out_splits, self.group)
+
+
+def _expert_shard(p: torch.Tensor, meshes: Meshes) -> torch.nn.Parameter:
+    """An (E, ...) expert tensor sharded by expert over the EP group (replicated across the
+    groups), keeping whether it trains."""
+    placements = (Replicate(), Shard(0))
+    t = p.detach()
+    if t.is_meta:  # shapes only: this rank's experts, filled after `to_empty`
+        part = t.chunk(meshes.ep, dim=0)[meshes.experts.get_local_rank("ep")]
+        local = DTensor.from_local(part, meshes.experts, placements, run_check=False)
+    else:  # every rank holds the same full tensor: each keeps its part, no traffic
+        local = distribute_tensor(t, meshes.experts, placements, src_data_rank=None)
+    return torch.nn.Parameter(local, requires_grad=p.requires_grad)
 
 
 def is_expert_param(name: str) -> bool:
@@ -355,14 +363,20 @@ def init_like_one_process(model: MoETransformer) -> None:
 def load_safetensors(model: torch.nn.Module, path: str | os.PathLike) -> None:
     """Each rank reads its part of every tensor straight from a safetensors file (memory
     mapped: only the rows of its shards are read), so the model never exists whole in one
-    process. Tied weights are read once; every parameter must be in the file."""
+    process. Tied weights are read once; every parameter must be in the file, except the
+    adapters of a LoRA stage, which take the values they were drawn with (moe/model/lora.py
+    `adapter_init`)."""
     from safetensors import safe_open
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    adapters = getattr(model, "adapter_init", {})
     with safe_open(str(path), framework="pt") as f:
         keys = set(f.keys())
         buffers = {n for n, _ in model.named_buffers()}
         for name, t in unique_state(model).items():
+            if name in adapters:
+                load_full(t, adapters[name])
+                continue
             if name not in keys:
                 if name in buffers:
                     continue  # routing state a file may predate: keeps its default

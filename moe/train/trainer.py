@@ -119,11 +119,13 @@ class Trainer:
         clock: Callable[[], float] = time.perf_counter,
         resilience: Resilience | None = None,
         weights: Path | None = None,
+        base_sha256: str | None = None,
     ) -> None:
         """`model` may be built on the meta device when training under torchrun: it is then
         sharded first and each rank fills its shards only, from `weights` (a safetensors
         file in the model's names) or, without it, with the initialisation one process
-        would draw after the same seed."""
+        would draw after the same seed. `base_sha256`: the frozen base's digest when the
+        model trains adapters (moe/train/method.py); checkpoints then hold what trains."""
         self.ranks = Ranks(cfg)
         self.ranks.place(model, cfg, weights)
         self.cfg, self.batches = cfg, batches
@@ -156,7 +158,7 @@ class Trainer:
             else None,
             new_optimizer=lambda: build_optimizer(self.model, cfg, router_lr_mult),
         )
-        self.checkpointer = Checkpointer(store, fingerprint, self.ranks, self.state)
+        self.checkpointer = Checkpointer(store, fingerprint, self.ranks, self.state, base_sha256)
         self.expert_events: list[dict[str, Any]] = []
 
     @property

@@ -1,0 +1,320 @@
+"""LoRA and QLoRA (moe/model/lora.py, moe/model/quant.py, moe/train/method.py), held against
+PEFT itself: tiny transformers models (Qwen3-MoE with a dense layer, Llama) with PEFT's own
+LoRA and ours carrying the same adapter weights give the same logits and the same adapter
+gradients. Nothing is downloaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import peft
+import pytest
+import torch
+
+from moe.checkpoint.store import CheckpointStore
+from moe.config import FinetuneConfig, LoraConfig, LoraTargets, ModelConfig, MoEConfig
+from moe.data.tokens import BatchSampler, TokenStore
+from moe.errors import InputError
+from moe.hf.families.registry import FAMILIES
+from moe.hf.importer import load_hf_model
+from moe.hf.peft_adapter import peft_tensors
+from moe.model.experts import reference_moe
+from moe.model.lora import (
+    adapter_names,
+    add_adapters,
+    dequantize_base,
+    merge_adapters,
+    quantize_base,
+    set_router_policy,
+)
+from moe.model.quant import dequantize, is_nf4
+from moe.model.transformer import MoETransformer
+from moe.train.method import apply_method
+from moe.train.trainer import Trainer
+from tests.test_hf import MOE, V, hf_model
+from tests.test_train import VOCAB, _data
+
+
+def _randomize_adapters(model: torch.nn.Module, seed: int) -> None:
+    """Give every adapter (B included, zero at the start) values that show in the output."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name in sorted(adapter_names(model)):
+            p = model.get_parameter(name)
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def _tiny(seed: int = 0, **moe: object) -> MoETransformer:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(n_layer=2, d_model=32, n_head=4, seq_len=32, moe_every=1)
+    return MoETransformer(cfg, MoEConfig(num_experts=4, top_k=2, **moe), 64)
+
+
+def _peft_model(hf: torch.nn.Module, rank: int, alpha: float, experts: bool) -> torch.nn.Module:
+    cfg = peft.LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        if experts
+        else None,
+        # gate and up: rank r each in the fused weight (what PEFT sets itself when it maps
+        # gate_proj and up_proj to gate_up_proj, and what our exports declare)
+        rank_pattern={r".*\.gate_up_proj": 2 * rank},
+        alpha_pattern={r".*\.gate_up_proj": 2 * alpha},
+    )
+    return peft.get_peft_model(hf, cfg)
+
+
+def _peft_named(pm: torch.nn.Module, what: str) -> dict[str, torch.Tensor]:
+    """PEFT's adapter tensors (or their gradients) under the names its files use."""
+    out = {}
+    for n, p in pm.named_parameters():
+        if "lora_" in n:
+            t = p.detach() if what == "value" else p.grad
+            out[n.replace(".default", "")] = t
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "llama"])
+def test_our_lora_computes_what_peft_computes(model_type: str, tmp_path: Path) -> None:
+    """Same adapter weights in PEFT's LoRA and ours: the same logits, and after the same loss
+    the same adapter gradients (fp32, 1e-5). Qwen3-MoE carries adapters on attention and on the
+    routed experts (PEFT's target_parameters); Llama (upcycled on import, so its MLP is
+    experts) on attention."""
+    hf = hf_model(model_type, tmp_path / "hf")
+    ours, arch = load_hf_model(tmp_path / "hf", MOE, seq_len=64, dtype=torch.float32)
+    moe_adapters = model_type == "qwen3_moe"
+    # (PEFT on transformers 5 cannot name a dense or shared MLP inside an MoE model:
+    # moe/hf/peft_adapter.py lists those adapters as not expressible)
+    targets = LoraTargets(mlp=False, shared_expert=False, experts=moe_adapters)
+    add_adapters(ours, LoraConfig(rank=4, alpha=8.0, targets=targets), seed=0)
+    _randomize_adapters(ours, seed=1)
+    pm = _peft_model(hf, 4, 8.0, experts=moe_adapters)
+    theirs, _, _ = peft_tensors(ours, _our_tensors(ours, "value"), FAMILIES[arch.model_type], 4)
+    assert set(theirs) == set(_peft_named(pm, "value")), "the adapters map one to one"
+    result = peft.set_peft_model_state_dict(pm, theirs)
+    assert not result.unexpected_keys
+    idx = torch.randint(0, V, (3, 20), generator=torch.Generator().manual_seed(2))
+    target = torch.randint(0, V, (3, 20), generator=torch.Generator().manual_seed(3))
+    ours.eval(), pm.eval()
+    our_logits = ours(idx)[0]
+    peft_logits = pm(input_ids=idx).logits
+    assert float((our_logits - peft_logits).abs().max()) < 1e-5
+    # a loss that does not depend on MoE auxiliaries, on both
+    torch.nn.functional.cross_entropy(our_logits.flatten(0, 1), target.flatten()).backward()
+    torch.nn.functional.cross_entropy(peft_logits.flatten(0, 1), target.flatten()).backward()
+    mapped, _, _ = peft_tensors(ours, _our_tensors(ours, "grad"), FAMILIES[arch.model_type], 4)
+    peft_grads = _peft_named(pm, "grad")
+    for name, g in mapped.items():
+        assert torch.allclose(g, peft_grads[name], atol=1e-5, rtol=1e-4), name
+    # with a moved adapter the outputs differ from the base (the test can fail)
+    with torch.no_grad():
+        base = hf_model(model_type, tmp_path / "again")(idx).logits
+    assert float((base - peft_logits).abs().max()) > 1e-3
+
+
+def _our_tensors(model: torch.nn.Module, what: str) -> dict[str, torch.Tensor]:
+    return {
+        n: (model.get_parameter(n).detach() if what == "value" else model.get_parameter(n).grad)
+        for n in adapter_names(model)
+    }
+
+
+def test_adapters_start_as_the_identity_and_merge_into_the_plain_model() -> None:
+    model = _tiny()
+    idx = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad():
+        base = model(idx)[0]
+    plan = add_adapters(model, LoraConfig(rank=4, alpha=8.0), seed=0)
+    assert plan.linears and plan.expert_layers
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], base)  # B = 0: the adapted model is the base
+    _randomize_adapters(model, seed=1)
+    with torch.no_grad():
+        adapted = model(idx)[0]
+    assert float((adapted - base).abs().max()) > 1e-2
+    keys = set(_tiny().state_dict())
+    merge_adapters(model)
+    assert set(model.state_dict()) == keys  # the plain architecture's tensors again
+    with torch.no_grad():
+        assert float((model(idx)[0] - adapted).abs().max()) < 1e-5
+
+
+def test_expert_adapters_run_through_the_grouped_dispatch_as_a_loop_over_experts_would() -> None:
+    """Outputs and adapter gradients of the grouped path against a per-expert loop."""
+    model = _tiny()
+    add_adapters(model, LoraConfig(rank=4, alpha=8.0), seed=0)
+    _randomize_adapters(model, seed=2)
+    ex = model.moe_layers[0].experts
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(24, 32, generator=g)
+    experts_TK = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(24)])
+    weights_TK = torch.rand(24, 2, generator=g)
+    fast = ex(x, experts_TK, weights_TK)
+    grads_fast = torch.autograd.grad(fast.square().sum(), list(ex.lora.parameters()))
+    # the loop: each expert's weights with its adapters folded in, through reference_moe
+    lora = ex.lora
+    d13 = torch.einsum("edr,erg->edg", lora.a13, lora.b13) * lora.scale
+    d2 = torch.einsum("efr,erd->efd", lora.a2, lora.b2) * lora.scale
+    w13, w2, F_ = ex.w13_EDG + d13, ex.w2_EFD + d2, ex.hidden
+    twin = SimpleNamespace(
+        num_experts=ex.num_experts, weights_EDF=lambda: (w13[..., :F_], w13[..., F_:], w2)
+    )
+    slow = reference_moe(twin, x, experts_TK, weights_TK)  # type: ignore[arg-type]
+    grads_slow = torch.autograd.grad(slow.square().sum(), list(ex.lora.parameters()))
+    assert float((fast - slow).abs().max()) < 1e-5
+    for a, b in zip(grads_fast, grads_slow, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_only_the_adapters_train_and_the_router_policy_decides_what_routes() -> None:
+    idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    for policy in ("frozen", "bias-only", "trained"):
+        model = _tiny(balancing=["aux_free", "aux_loss"])
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        add_adapters(model, LoraConfig(rank=4, alpha=8.0), seed=0)
+        set_router_policy(model, policy)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        routing = [k for k in before if k.endswith(("gate.weight", "expert_bias_E"))]
+        assert len(routing) == 4  # two MoE layers
+        moved = dict.fromkeys(routing, False)  # at any step (the bias may step back to 0)
+        for _ in range(3):
+            _, loss, aux = model(idx, idx)
+            (loss + aux.balance_loss).backward()
+            opt.step()
+            opt.zero_grad()
+            model.update_routing(1)
+            now = model.state_dict()
+            for k in routing:
+                moved[k] |= not torch.equal(before[k], now[k])
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before if k not in routing), policy
+        for k in routing:
+            want = policy == "trained" or (policy == "bias-only" and "bias" in k)
+            assert moved[k] == want, (policy, k)
+
+
+def test_qlora_keeps_the_base_in_nf4_and_trains_the_adapters_on_it() -> None:
+    model = _tiny()
+    add_adapters(model, LoraConfig(rank=4, alpha=8.0), seed=0)
+    _randomize_adapters(model, seed=3)
+    twin = _tiny()
+    add_adapters(twin, LoraConfig(rank=4, alpha=8.0), seed=0)
+    twin.load_state_dict(model.state_dict())
+    assert quantize_base(model, 64) == 2 * 2 + 2 * 2  # qkv, proj per block; w13, w2 per layer
+    assert is_nf4(model.blocks[0].attn.qkv.weight) and is_nf4(model.moe_layers[0].experts.w13_EDG)
+    # the reference: the same adapters over the dequantised weights, as plain tensors
+    dequantize_base(twin_q := _requantized(twin))
+    idx = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
+    _, loss, _ = model(idx, idx)
+    _, loss_ref, _ = twin_q(idx, idx)
+    assert abs(float(loss) - float(loss_ref)) < 1e-5
+    loss.backward()
+    loss_ref.backward()
+    for name in sorted(adapter_names(model)):
+        a, b = model.get_parameter(name).grad, twin_q.get_parameter(name).grad
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), name
+    # NF4 is lossy: the quantised model is not the full-precision one
+    _, loss_full, _ = twin(idx, idx)
+    assert abs(float(loss_full) - float(loss)) > 1e-4
+
+
+def _requantized(model: MoETransformer) -> MoETransformer:
+    import copy
+
+    q = copy.deepcopy(model)
+    quantize_base(q, 64)
+    return q
+
+
+# ---------------------------------------------------------------------- training and checkpoints
+
+
+def _lora_trainer(
+    data: Path,
+    ckpt: Path,
+    max_steps: int,
+    *,
+    method: str = "lora",
+    base: str = "base-a",
+    stop_after: int | None = None,
+) -> Trainer:
+    """tests/test_train.py's small trainer, finetuning with adapters (dropout 0.1, so the
+    RNG's restore shows) over a base of digest `base`."""
+    torch.manual_seed(0)
+    cfg = FinetuneConfig(
+        max_steps=max_steps,
+        batch_size=4,
+        grad_accum=2,
+        lr=1e-2,
+        warmup_steps=2,
+        checkpoint_every=3,
+        log_every=2,
+        device="cpu",
+        method=method,  # type: ignore[arg-type]
+        lora=LoraConfig(rank=4, alpha=8.0, dropout=0.1, nf4_block=32),
+        router="bias-only",
+    )
+    model = MoETransformer(
+        ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, dense_hidden=32),
+        MoEConfig(num_experts=4, top_k=2, expert_hidden=32, balancing=["aux_free"]),
+        VOCAB,
+    )
+    apply_method(model, cfg, "finetune_sql")
+    return Trainer(
+        model,
+        cfg,
+        BatchSampler(TokenStore(data, "train"), 4, 16, seed=1),
+        CheckpointStore(ckpt, max_retain=2),
+        fingerprint="lora",
+        schedule="linear",
+        expert_warmup=False,
+        stop_after=stop_after,
+        base_sha256=base,
+    )
+
+
+def _trained(t: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in t.model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_an_adapter_run_killed_and_resumed_ends_bit_identical(method: str, tmp_path: Path) -> None:
+    """Stopped after 4 steps (the newest checkpoint is step 3) and resumed: the adapters, the
+    routing bias and AdamW's moments equal an uninterrupted run's; the checkpoint holds what
+    trains (adapters and routing buffers), not the frozen base."""
+    data = _data(tmp_path / "data")
+    straight = _lora_trainer(data, tmp_path / "a", 8, method=method)
+    assert is_nf4(straight.model.blocks[0].attn.qkv.weight) == (method == "qlora")
+    # (an NF4 weight compared dequantised: torchao's clone of one re-quantises it)
+    frozen_before = {n: dequantize(p).clone() for n, p in straight.model.named_parameters()}
+    straight.fit()
+    first = _lora_trainer(data, tmp_path / "b", 8, method=method, stop_after=4)
+    assert first.fit().stop_reason == "stop_after"
+    resumed = _lora_trainer(data, tmp_path / "b", 8, method=method)
+    result = resumed.fit()
+    assert result.resumed_from == 3 and result.steps == 8
+    a, b = _trained(straight), _trained(resumed)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    bias = "blocks.0.ffn.router.expert_bias_E"
+    assert torch.equal(straight.model.get_buffer(bias), resumed.model.get_buffer(bias))
+    for n, p in straight.model.named_parameters():
+        if not p.requires_grad:  # the base never moved
+            assert torch.equal(dequantize(p), frozen_before[n]), n
+    ckpt = CheckpointStore(tmp_path / "b").load(CheckpointStore(tmp_path / "b").latest_valid())
+    saved = set(resumed.model.state_dict())  # persistent buffers: the routing state
+    buffers = {n for n, _ in resumed.model.named_buffers() if n in saved}
+    assert set(ckpt.model) == set(a) | buffers
+    assert ckpt.state["adapter"] == {"base_sha256": "base-a"}
+    assert len(ckpt.optimizer) == 2 * len(a) + len(a)  # exp_avg, exp_avg_sq, step per tensor
+
+
+def test_adapters_are_not_restored_onto_another_base(tmp_path: Path) -> None:
+    data = _data(tmp_path / "data")
+    assert _lora_trainer(data, tmp_path / "c", 6, stop_after=3).fit().steps == 3
+    other = _lora_trainer(data, tmp_path / "c", 6, base="base-b")
+    with pytest.raises(InputError, match="base-a.*base-b"):
+        other.fit()
