@@ -14,10 +14,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from safetensors.torch import load_file
+
 from moe.data.tokenizer import load_tokenizer, specials
 from moe.errors import InputError
+from moe.hashing import sha256_file
 from moe.hf.exporter import ExportPlan, export_hf, export_plan
+from moe.hf.families.registry import FAMILIES
 from moe.hf.model_dir import load_model_dir
+from moe.hf.peft_adapter import unsupported, write_peft_folder
 from moe.hf.tokenizer_files import copy_tokenizer, native_tokenizer_config
 from moe.model.transformer import MoETransformer
 
@@ -135,13 +140,33 @@ def export_model_dir(
     model_dir: Path, out: Path, data_dir: Path, reports: Path, prefer: str = ""
 ) -> ExportPlan:
     """`moe-pipeline model export`: refuses before writing anything when no architecture
-    represents the model exactly; `out` is replaced only when the new folder is complete."""
+    represents the model exactly; `out` is replaced only when the new folder is complete.
+    A stage trained with LoRA or QLoRA (adapter.json beside its model) also gets a PEFT
+    adapter folder, `<out>-adapter`, against its base exported to `<out>-base`, where PEFT
+    can express what the stage trained (the plan's notes say what it cannot)."""
     model_dir = Path(model_dir)
     model = load_model_dir(model_dir)
     spec = _read(model_dir / "model.json")
     source = spec.get("source") or {}
     prefer = prefer or source.get("model_type", "")
     plan = export_plan(model, prefer)  # the refusal comes before any file is written
+    card = model_card(model_dir, plan, model, reports)
+    plan = _export(model, model_dir, out, data_dir, card, prefer, source)
+    if (model_dir / "adapter.json").is_file():
+        plan.notes.extend(_export_adapter(model_dir, Path(out), data_dir, plan, source))
+    return plan
+
+
+def _export(
+    model: MoETransformer,
+    model_dir: Path,
+    out: Path,
+    data_dir: Path,
+    card: str,
+    prefer: str,
+    source: dict[str, Any],
+) -> ExportPlan:
+    """export_hf with the tokenizer the model was trained with."""
     tok_path = find_tokenizer(model_dir, data_dir)
     tok = load_tokenizer(tok_path)
     sp = specials(tok, tok_path)
@@ -156,7 +181,6 @@ def export_model_dir(
             config = native_tokenizer_config(names[sp.eos], names[sp.pad], model.cfg.seq_len)
             (tok_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
         ids = {"eos": sp.eos, "pad": sp.pad, "bos": sp.bos}
-        card = model_card(model_dir, plan, model, reports)
         return export_hf(
             model,
             out,
@@ -166,6 +190,28 @@ def export_model_dir(
             prefer=prefer,
             max_positions=int(source.get("max_position_embeddings") or 0),
         )
+
+
+def _export_adapter(
+    model_dir: Path, out: Path, data_dir: Path, plan: ExportPlan, source: dict[str, Any]
+) -> list[str]:
+    """The PEFT folder of a LoRA stage, or why there is none (the merged model is in `out`)."""
+    spec = _read(model_dir / "adapter.json")
+    tensors = load_file(str(model_dir / "adapter.safetensors"))
+    why = unsupported(spec, tensors)
+    base_dir = Path(spec.get("base") or "")
+    if not (base_dir / "model.safetensors").is_file():
+        why.append(f"its base {base_dir} is not here")
+    elif sha256_file(base_dir / "model.safetensors") != spec.get("base_sha256"):
+        why.append(f"its base {base_dir} changed since (sha256 {spec.get('base_sha256')})")
+    if why:
+        return ["no PEFT adapter folder: " + "; ".join(why) + f"; the merged model is {out}"]
+    base = load_model_dir(base_dir)
+    base_out, adapter_out = out.with_name(out.name + "-base"), out.with_name(out.name + "-adapter")
+    card = f"# Base of the adapter in {adapter_out.name}\n\nExported from {base_dir}.\n"
+    _export(base, base_dir, base_out, data_dir, card, plan.model_type, source)
+    write_peft_folder(base, tensors, spec, FAMILIES[plan.model_type], base_out, adapter_out)
+    return [f"PEFT adapter: {adapter_out} (base: {base_out}); merged: {out}"]
 
 
 def ask(

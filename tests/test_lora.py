@@ -5,19 +5,24 @@ gradients. Nothing is downloaded."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import peft
 import pytest
 import torch
+import transformers
 
 from moe.checkpoint.store import CheckpointStore
 from moe.config import FinetuneConfig, LoraConfig, LoraTargets, ModelConfig, MoEConfig
 from moe.data.tokens import BatchSampler, TokenStore
 from moe.errors import InputError
 from moe.hf.families.registry import FAMILIES
-from moe.hf.importer import load_hf_model
+from moe.hashing import sha256_file
+from moe.hf.importer import import_model, load_hf_model
+from moe.hf.model_dir import load_model_dir, save_adapter_dir, save_model_dir
 from moe.hf.peft_adapter import peft_tensors
 from moe.model.experts import reference_moe
 from moe.model.lora import (
@@ -32,6 +37,8 @@ from moe.model.quant import dequantize, is_nf4
 from moe.model.transformer import MoETransformer
 from moe.train.method import apply_method
 from moe.train.trainer import Trainer
+from tasks.publish import export_model_dir
+from tests.hf_fixture import make_qwen3_moe, make_tokenizer
 from tests.test_hf import MOE, V, hf_model
 from tests.test_train import VOCAB, _data
 
@@ -318,3 +325,66 @@ def test_adapters_are_not_restored_onto_another_base(tmp_path: Path) -> None:
     other = _lora_trainer(data, tmp_path / "c", 6, base="base-b")
     with pytest.raises(InputError, match="base-a.*base-b"):
         other.fit()
+
+
+# ---------------------------------------------------------------------- exports
+
+
+def _lora_stage(tmp_path: Path, lcfg: LoraConfig, router: str = "frozen") -> tuple[Path, Path]:
+    """An imported Qwen3-MoE (transformers' own, with a tokenizer) and a stage folder as a
+    LoRA stage leaves it (tasks/training.py fit_and_save): adapter.json and
+    adapter.safetensors, then the merged model. Returns (imported, stage)."""
+    hf, imported, stage = tmp_path / "hf", tmp_path / "imported", tmp_path / "stage"
+    make_qwen3_moe(hf, make_tokenizer(hf, vocab=300))
+    import_model(hf, imported, MoEConfig(), seq_len=64)
+    model = load_model_dir(imported, dtype=torch.float32)
+    add_adapters(model, lcfg, seed=0)
+    set_router_policy(model, router)
+    _randomize_adapters(model, seed=5)
+    spec = {
+        "method": "lora",
+        "lora": dataclasses.asdict(lcfg),
+        "router": router,
+        "base_sha256": sha256_file(imported / "model.safetensors"),
+        "base": str(imported),
+    }
+    save_adapter_dir(model, stage, spec)
+    merge_adapters(model)
+    save_model_dir(model, stage)
+    return imported, stage
+
+
+def test_a_lora_stage_exports_merged_and_as_a_peft_folder_that_peft_loads(tmp_path: Path) -> None:
+    """`model export` of a LoRA stage: the merged model transformers loads, and a PEFT folder
+    against the exported base that PeftModel.from_pretrained loads (by the path it names);
+    both compute the adapted model's logits."""
+    imported, stage = _lora_stage(tmp_path, LoraConfig(rank=4, alpha=8.0))
+    out = tmp_path / "export"
+    plan = export_model_dir(stage, out, imported, tmp_path / "reports")
+    assert any("PEFT adapter" in n for n in plan.notes), plan.notes
+    ours = load_model_dir(stage, dtype=torch.float32).eval()
+    idx = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ours(idx)[0]
+        merged = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        assert float((merged.eval()(idx).logits - want).abs().max()) < 1e-4
+        config = json.loads((tmp_path / "export-adapter/adapter_config.json").read_text())
+        base_path = config["base_model_name_or_path"]
+        assert Path(base_path) == (tmp_path / "export-base").resolve()
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+        base_logits = base.eval()(idx).logits
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "export-adapter").eval()
+        got = adapted(idx).logits
+    assert float((got - want).abs().max()) < 1e-4
+    assert float((base_logits - want).abs().max()) > 1e-2  # the adapters carry something
+
+
+def test_what_peft_cannot_express_is_named_and_the_merged_model_still_exports(
+    tmp_path: Path,
+) -> None:
+    imported, stage = _lora_stage(tmp_path, LoraConfig(rank=4, alpha=8.0), router="trained")
+    plan = export_model_dir(stage, tmp_path / "export", imported, tmp_path / "reports")
+    (note,) = [n for n in plan.notes if "PEFT" in n]
+    assert "no PEFT adapter folder" in note and "router.gate.weight" in note
+    assert (tmp_path / "export/config.json").is_file()
+    assert not (tmp_path / "export-adapter").exists()
