@@ -19,8 +19,8 @@ from moe.checkpoint.store import CheckpointStore
 from moe.config import FinetuneConfig, LoraConfig, LoraTargets, ModelConfig, MoEConfig
 from moe.data.tokens import BatchSampler, TokenStore
 from moe.errors import InputError
-from moe.hf.families.registry import FAMILIES
 from moe.hashing import sha256_file
+from moe.hf.families.registry import FAMILIES
 from moe.hf.importer import import_model, load_hf_model
 from moe.hf.model_dir import load_model_dir, save_adapter_dir, save_model_dir
 from moe.hf.peft_adapter import peft_tensors
