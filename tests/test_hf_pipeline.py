@@ -1,7 +1,9 @@
 """The whole pipeline from a model a user brings (model.init): transformers' own Qwen3-MoE with
 a tokenizer that is not ours (tests/hf_fixture.py; 66,000 tokens, so prepare writes uint32
 token files), continued-pretrained, finetuned twice, evaluated, then exported with
-`moe-pipeline model export` and loaded back by transformers, and asked a question."""
+`moe-pipeline model export` and loaded back by transformers, and asked a question. The
+domain stage trains LoRA adapters: its folder holds the merged model and the adapters, and
+the export adds a PEFT folder that PEFT loads."""
 
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ def ran(
     params["pretrain"]["lr"] = 3e-4  # continued pretraining: a small rate
     for stage in ("pretrain", "finetune_sql", "finetune_domain"):
         params[stage]["batch_size"] = 4  # 66k-entry logits
+    # the domain stage trains LoRA adapters on the finetune_sql model (a user's usual choice)
+    params["finetune_domain"]["method"] = "lora"
+    params["finetune_domain"]["lora"]["rank"] = 4
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     env = cli_env(prefect_server, root)
     cli(root, env, "run")
@@ -125,6 +130,49 @@ def test_the_finetuned_model_exports_to_what_transformers_loads(
     r = cli(root, env, "model", "export", "models/bad", "--out", "export", ok=False)
     assert r.returncode == 2 and "utilisation-aware" in r.stderr
     assert (root / "export/config.json").read_text() == before
+
+
+def test_the_lora_stage_keeps_its_adapters_and_exports_them_for_peft(
+    ran: tuple[Path, dict[str, str]],
+) -> None:
+    """finetune_domain (method: lora) froze the finetune_sql model and trained adapters: its
+    checkpoints hold the adapters, its model folder the merged model, and `model export`
+    writes a PEFT folder against the exported base that PEFT loads with the merged logits."""
+    import peft
+    from safetensors import safe_open
+
+    from moe.hashing import sha256_file
+    from moe.hf.model_dir import load_model_dir
+
+    root, env = ran
+    stage = root / "models/finetune_domain"
+    spec = json.loads((stage / "adapter.json").read_text())
+    assert spec["method"] == "lora" and spec["router"] == "frozen"
+    assert spec["base_sha256"] == sha256_file(root / "models/finetune_sql/model.safetensors")
+    with safe_open(str(stage / "adapter.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    assert names and all(".lora" in n for n in names)
+    ckpts = sorted((stage / "checkpoints").glob("step_*"))
+    state = json.loads((ckpts[-1] / "state.json").read_text())
+    assert state["adapter"]["base_sha256"] == spec["base_sha256"]
+    base = load_model_dir(root / "models/finetune_sql", dtype=torch.float32)
+    ours = load_model_dir(stage, dtype=torch.float32)
+    frozen = ("embed.weight", "blocks.0.ffn.router.gate.weight")
+    for name in frozen:  # not adapted, frozen: unchanged by the stage
+        assert torch.equal(base.get_parameter(name), ours.get_parameter(name))
+    moved = "blocks.0.attn.qkv.weight"  # adapted: the merged weight differs
+    assert not torch.equal(base.get_parameter(moved), ours.get_parameter(moved))
+    out = cli(root, env, "model", "export", "models/finetune_domain", "--out", "lora_export")
+    assert "PEFT adapter" in out.stdout
+    adapter_dir = root / "lora_export-adapter"
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(
+        config["base_model_name_or_path"], dtype=torch.float32
+    )
+    adapted = peft.PeftModel.from_pretrained(hf_base, adapter_dir).eval()
+    idx = torch.randint(0, 66_000, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert float((ours.eval()(idx)[0] - adapted(idx).logits).abs().max()) < 1e-4
 
 
 def test_ask_prints_the_sql_and_what_it_returns(ran: tuple[Path, dict[str, str]]) -> None:
