@@ -24,9 +24,10 @@ from torch.distributed.tensor import DTensor
 
 from moe.checkpoint.store import CheckpointStore
 from moe.checkpoint.tensors import model_tensors
-from moe.config import ModelConfig, MoEConfig, PretrainConfig
+from moe.config import LoraConfig, ModelConfig, MoEConfig, PretrainConfig
 from moe.model.transformer import MoETransformer
 from moe.train import distributed as D
+from moe.train.method import apply_method
 from moe.train.trainer import Trainer
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 64
@@ -58,9 +59,17 @@ class Batches:
 
 
 def optim_cfg(
-    steps: int, ep: int, device: str = "cpu", ac: bool = False, bf16: bool = False
+    steps: int,
+    ep: int,
+    device: str = "cpu",
+    ac: bool = False,
+    bf16: bool = False,
+    lora: bool = False,
 ) -> PretrainConfig:
     return PretrainConfig(
+        method="lora" if lora else "full",
+        lora=LoraConfig(rank=4, alpha=8.0),
+        router="bias-only" if lora else "auto",
         max_steps=steps,
         batch_size=GLOBAL_BATCH,
         lr=1e-2,
@@ -97,10 +106,13 @@ def train(
     device: str = "cpu",
     flags: tuple[str, ...] = (),
 ) -> None:
-    cfg = optim_cfg(steps, ep, device, "ac" in flags, "bf16" in flags)
+    cfg = optim_cfg(steps, ep, device, "ac" in flags, "bf16" in flags, "lora" in flags)
     store = CheckpointStore(out / store_name, max_retain=3, background=True)
+    model = build(meta=torch.distributed.is_initialized())
+    if "lora" in flags:  # adapters on every target over a frozen base, before sharding
+        apply_method(model, cfg, "worker")
     trainer = Trainer(
-        build(meta=torch.distributed.is_initialized()),
+        model,
         cfg,
         Batches(),
         store,
@@ -108,6 +120,7 @@ def train(
         schedule="cosine",
         router_lr_mult=3.0,
         stop_after=stop or None,
+        base_sha256="random-base" if "lora" in flags else None,
     )
     result = trainer.fit()
     store.close()

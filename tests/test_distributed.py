@@ -144,6 +144,27 @@ def test_bf16_under_fsdp_records_the_routing_and_trains(runs: Path, tmp_path: Pa
     assert got["loss"] == pytest.approx(want["loss"], rel=0.02)  # bf16 against fp32
 
 
+def test_lora_under_fsdp_and_expert_parallelism_trains_like_one_process(tmp_path: Path) -> None:
+    """LoRA adapters (attention, dense MLP, the routed experts' 3-D adapters sharded with
+    their experts), base frozen, aux-free bias moving (router: bias-only): world 2 ends where
+    world 1 ends, the base untouched; the sharded checkpoint holds the adapters only."""
+    W.train(tmp_path, "l1", STEPS, 0, 0, "cpu", ("lora",))
+    proc = _torchrun("train", tmp_path, "l2", STEPS, 0, 0, "cpu", "lora")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    one, two = _weights(tmp_path, "l1"), _weights(tmp_path, "l2")
+    _close(two, one)
+    base = W.build()
+    for name, t in base.state_dict().items():
+        if name in two and ".router." not in name:  # frozen: exactly as built
+            assert torch.equal(two[name], t), name
+    assert not torch.equal(two["blocks.0.ffn.router.expert_bias_E"], torch.zeros(4))
+    ck = CheckpointStore(tmp_path / "l2").load(CheckpointStore(tmp_path / "l2").latest_valid())
+    assert ck.sharded and ck.state["adapter"] == {"base_sha256": "random-base"}
+    # what trains (adapters) and the routing state (buffers), no base weight
+    assert all(".lora" in k or ".router." in k and k.endswith("_E") for k in ck.model)
+    assert any(".experts.lora." in k for k in ck.model) and any(".lora_A" in k for k in ck.model)
+
+
 def test_a_killed_world_2_run_resumes_bit_exactly(runs: Path, tmp_path: Path) -> None:
     shutil.copy(runs / "w2.safetensors", tmp_path)
     first = _train2(tmp_path, "r2", stop=3)  # killed after step 3: step 2's checkpoint

@@ -137,6 +137,8 @@ def test_adapters_start_as_the_identity_and_merge_into_the_plain_model() -> None
         base = model(idx)[0]
     plan = add_adapters(model, LoraConfig(rank=4, alpha=8.0), seed=0)
     assert plan.linears and plan.expert_layers
+    # what a sharded model fills its adapters from: the adapters, nothing of the base
+    assert set(model.adapter_init) == adapter_names(model)
     with torch.no_grad():
         assert torch.equal(model(idx)[0], base)  # B = 0: the adapted model is the base
     _randomize_adapters(model, seed=1)

@@ -207,6 +207,8 @@ def add_adapters(model: nn.Module, lcfg: LoraConfig, seed: int) -> AdapterPlan:
     for name, module in model.named_modules():
         if isinstance(module, (LoRALinear, ExpertLoRA)):
             for pname, p in module.named_parameters(recurse=False):
+                if pname in ("weight", "bias"):  # a LoRALinear's base
+                    continue
                 drawn = module.drawn.get(pname)
                 full = drawn if drawn is not None else torch.zeros(p.shape)
                 model.adapter_init[f"{name}.{pname}"] = full

@@ -353,7 +353,11 @@ def init_like_one_process(model: MoETransformer) -> None:
             torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
         elif isinstance(m, torch.nn.Embedding):
             torch.nn.Embedding(m.num_embeddings, m.embedding_dim)
+    adapters = getattr(model, "adapter_init", {})  # LoRA: as drawn (moe/model/lora.py)
     for name, p in model.named_parameters():
+        if name in adapters:
+            load_full(p, adapters[name])
+            continue
         full = torch.ones(p.shape)  # what a norm is built with; the rest is drawn over it
         init_parameter_(name, full, model.cfg)
         load_full(p, full)
