@@ -142,6 +142,9 @@ class PoolSpec:
     # Docker and Kubernetes templates with these): GPUs, CPUs, memory, shared memory for
     # torch's data and NCCL, the GPU product label Kubernetes selects nodes by, the image.
     gpus: int = knob(0, ge=0)  # GPUs of one machine
+    # Memory of one of its GPUs (what a stage's weights, trainable state and activations must
+    # fit: bench/lora.py projects them per method); 0 = not declared.
+    gpu_memory_gib: float = knob(0.0, ge=0, note=" (0 = not declared)")
     cpu: float = knob(4.0, gt=0)  # CPUs of one machine
     memory_gib: int = knob(16, ge=1)  # memory of one machine
     shm_gib: int = 2  # shared memory (/dev/shm) of one machine
@@ -186,12 +189,15 @@ def _default_pools() -> dict[str, PoolSpec]:
     # mean_hours_between_interruptions (what your provider's interruption history says).
     # Machines: one GPU each (pretrain.nproc 1), the CPUs and memory a one-GPU slice of such a
     # node typically has.
-    def gpu(price: float, name: str, spot: float, product: str, cpu: float, mem: int) -> PoolSpec:
+    def gpu(
+        price: float, name: str, spot: float, product: str, cpu: float, mem: int, vram: float
+    ) -> PoolSpec:
         return PoolSpec(
             price_per_hour=price,
             gpu=name,
             spot_price_per_hour=spot,
             gpus=1,
+            gpu_memory_gib=vram,
             cpu=float(cpu),
             memory_gib=mem,
             shm_gib=8,
@@ -200,9 +206,9 @@ def _default_pools() -> dict[str, PoolSpec]:
 
     return {
         "cpu": PoolSpec(price_per_hour=0.10, spot_price_per_hour=0.04),
-        "gpu-4090": gpu(0.45, "RTX 4090", 0.27, "NVIDIA-GeForce-RTX-4090", 8, 32),
-        "gpu-a100": gpu(1.10, "A100", 0.66, "NVIDIA-A100-SXM4-80GB", 12, 96),
-        "gpu-h100": gpu(3.20, "H100", 1.92, "NVIDIA-H100-80GB-HBM3", 16, 128),
+        "gpu-4090": gpu(0.45, "RTX 4090", 0.27, "NVIDIA-GeForce-RTX-4090", 8, 32, 24),
+        "gpu-a100": gpu(1.10, "A100", 0.66, "NVIDIA-A100-SXM4-80GB", 12, 96, 80),
+        "gpu-h100": gpu(3.20, "H100", 1.92, "NVIDIA-H100-80GB-HBM3", 16, 128, 80),
     }
 
 
