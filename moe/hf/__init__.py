@@ -12,6 +12,8 @@ model folder format. One job per module:
 - importer.py: `load_hf_model`, `stream_hf_weights`, `import_model` (`model import`);
 - exporter.py: `export_plan`, `hf_config`, `hf_tensors`, `export_hf` (`model export`);
 - model_dir.py: our model folder (model.safetensors + model.json): save, read, skeleton;
+  a LoRA stage's adapter.safetensors + adapter.json beside it;
+- peft_adapter.py: a LoRA stage's adapters as a PEFT adapter folder (`model export`);
 - model_init.py: `model.init` for training (`init_architecture`, `build_init_model`,
   `init_model_skeleton`);
 - tokenizer_files.py: the tokenizer files that travel with a model;

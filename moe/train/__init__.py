@@ -10,5 +10,6 @@ nothing of SQL, Hugging Face or evaluation.
 - cadence.py: when to save; checkpointer.py: the training state collected from its parts,
   saved and restored; rng.py: the random generators' state;
 - metrics.py: metrics rows and the logging window; resilience.py: the attempt journal and
-  the Young/Daly interval.
+  the Young/Daly interval;
+- method.py: what a stage trains (full, lora, qlora) and what its routers may move.
 """
