@@ -268,9 +268,12 @@ def _bill_lines(ledger: dict[str, Any]) -> list[str]:
 
 
 def _model_lines(metrics: dict[str, Any], trained: list[str]) -> list[str]:
-    """The report's models: every stage's on the held-out sets, per kind of query, samples."""
-    from moe.sql.generator import KINDS as TEMPLATES
-
+    """The report's models: every stage's on the held-out sets, per kind of query, samples.
+    The kinds are the ones evaluation reported (in its order): the pipeline report needs no
+    SQL code, so a SQL edit reruns no stage through this module."""
+    TEMPLATES = list(
+        dict.fromkeys(t for s in trained for t in metrics[s]["sql"].get("by_template", {}))
+    )
     return [
         "",
         "Domain questions (held out), and generic questions never trained on, on the "

@@ -180,3 +180,44 @@ def _declaration(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
         s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
     ]
     return len(body) == 1 and isinstance(body[0], ast.Return)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every module of moe/, tasks/ and flows/ (dotted) -> the project modules it imports,
+    at the top or inside a function."""
+    graph: dict[str, set[str]] = {}
+    for folder in ("moe", "tasks", "flows"):
+        for f in (ROOT / folder).rglob("*.py"):
+            rel = f.relative_to(ROOT).with_suffix("")
+            name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+            deps = set()
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    deps.add(node.module)
+                    deps |= {f"{node.module}.{a.name}" for a in node.names}
+                elif isinstance(node, ast.Import):
+                    deps |= {a.name for a in node.names}
+            graph[name] = {d for d in deps if d.split(".")[0] in ("moe", "tasks", "flows")}
+    return {k: {d for d in v if d in graph} for k, v in graph.items()}
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_pretraining_runs_nothing_of_sql_export_evaluation_or_finetuning() -> None:
+    """What pretrain's code reaches decides what reruns it (dvc.yaml lists it): a SQL,
+    export, evaluation or finetune-stage edit must not reach it, not even through a chain of
+    imports or an import inside a function."""
+    graph = _module_graph()
+    reached = _reach(graph, "tasks.pretraining") | _reach(graph, "flows.bodies.pretrain")
+    banned = ("moe.sql", "moe.hf.exporter", "moe.hf.peft_adapter", "tasks.finetuning")
+    banned += ("tasks.evaluation", "tasks.publish", "flows.bodies.finetune")
+    assert sorted(m for m in reached if m.startswith(banned)) == []
+    assert "moe.train.trainer" in reached  # the walk sees what it runs
