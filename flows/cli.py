@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import flows  # noqa: F401 - offline defaults before Prefect is imported
-from flows.commands import EXIT_CONFIG, outputs, server
+from flows.commands import EXIT_CONFIG, outputs, plan, server
 from moe.errors import InputError
 from tasks.config import STAGES, Config, load_config
 
@@ -213,6 +213,12 @@ COMMANDS = (
             *PARAMS,
             FORCE,
         ),
+    ),
+    Command(
+        "plan",
+        "per training stage and method: the memory it holds and the GPUs of each pool it takes",
+        plan.plan,
+        PARAMS,
     ),
     Command(
         "lineage",

@@ -44,6 +44,7 @@ from moe.config import (
     validate,
 )
 from moe.errors import InputError
+from tasks import fit
 
 # The stages in pipeline order, each with the pool it runs on by default: preparing and
 # publishing data on a cheap CPU box, pretraining on the fastest GPU (the most FLOPs), the
@@ -561,9 +562,13 @@ def from_dict(
                 cfg.tokenizer.path = str(Path(cfg.model.init) / "tokenizer.json")
         except InputError as e:
             p.add("model.init", cfg.model.init, str(e))
+    _resolve_auto_pools(cfg, p)
     validate(cfg, p)
+    shapes_valid = not p.items  # the model can be built (on the meta device) to measure
     for stage in cfg.training_stages():
         _check_training_stage(cfg, stage, p)
+        if shapes_valid:
+            _check_fit(cfg, stage, p)
     if cfg.moe.growth.enabled:
         p.require(
             cfg.world("pretrain") == 1,
@@ -672,6 +677,45 @@ def _check_training_stage(cfg: Config, stage: str, p: Problems) -> None:
         f"(pools.definitions.{pool_name}.gpus): raise that, or lower nproc (processes "
         f"on the CPU: set {stage}.device to cpu)",
     )
+
+
+def _resolve_auto_pools(cfg: Config, p: Problems) -> None:
+    """`pools.stages.<stage>: auto`: a training stage gets the cheapest defined pool whose
+    GPUs hold its weights and trainable state as configured (tasks/fit.py); another stage the
+    cheapest pool."""
+    pools = cfg.pools.definitions
+    for stage, pool in list(cfg.pools.stages.items()):
+        if pool != "auto" or not pools:
+            continue
+        if stage not in cfg.training_stages():
+            cfg.pools.stages[stage] = min(pools, key=lambda n: (pools[n].rate, n))
+            continue
+        sec = getattr(cfg, stage)
+        vocab = fit.model_vocab(cfg.model, cfg.tokenizer.vocab_size)
+        state = fit.needs(cfg.model, cfg.moe, vocab, sec)
+        best = fit.cheapest(fit.pool_fits(state, sec, pools))
+        if best is None:
+            p.add(
+                f"pools.stages.{stage}",
+                pool,
+                f"no defined pool's GPUs hold {stage}'s {state.total / 1e9:.1f} GB of weights "
+                f"and trainable state ({sec.method}): define a larger pool, raise {stage}.nodes,"
+                " or use lora or qlora",
+            )
+        else:
+            cfg.pools.stages[stage] = best.pool
+
+
+def _check_fit(cfg: Config, stage: str, p: Problems) -> None:
+    """A stage whose weights and trainable state its pool's GPUs cannot hold is refused
+    before any machine is used, naming the pools and methods that would (tasks/fit.py)."""
+    pool = cfg.pools.stages.get(stage, "")
+    if pool in cfg.pools.definitions:
+        vocab = fit.model_vocab(cfg.model, cfg.tokenizer.vocab_size)
+        sec = getattr(cfg, stage)
+        why = fit.refusal(stage, cfg.model, cfg.moe, vocab, sec, pool, cfg.pools.definitions)
+        if why:
+            p.add(f"pools.stages.{stage}", pool, why)
 
 
 def _check_method(cfg: Config, stage: str, sec: Any, p: Problems) -> None:

@@ -35,9 +35,11 @@ from moe.model.lora import (
 )
 from moe.model.quant import dequantize, is_nf4
 from moe.model.transformer import MoETransformer
+from moe.train.memory import state_bytes
 from moe.train.method import apply_method
 from moe.train.trainer import Trainer
 from tasks.publish import export_model_dir
+from tests.conftest import ROOT
 from tests.hf_fixture import make_qwen3_moe, make_tokenizer
 from tests.test_hf import MOE, V, hf_model
 from tests.test_train import VOCAB, _data
@@ -390,3 +392,110 @@ def test_what_peft_cannot_express_is_named_and_the_merged_model_still_exports(
     assert "no PEFT adapter folder" in note and "router.gate.weight" in note
     assert (tmp_path / "export/config.json").is_file()
     assert not (tmp_path / "export-adapter").exists()
+
+
+# ---------------------------------------------------------------------- pools chosen by what fits
+
+
+def test_the_state_a_method_holds_is_counted_from_shapes_as_the_model_holds_it() -> None:
+    """moe/train/memory.py counts from a meta-device model what the built model holds: its
+    adapter parameters (every target, expert rank divided or not) and its weights' bytes,
+    NF4 included."""
+    cfg = ModelConfig(n_layer=2, d_model=64, n_head=4, seq_len=32, moe_every=2)
+    mcfg = MoEConfig(num_experts=4, top_k=2, shared_expert=True)
+    for lcfg in (LoraConfig(rank=4), LoraConfig(rank=8, expert_rank="divided")):
+        for method in ("full", "lora", "qlora"):
+            state = state_bytes(cfg, mcfg, 128, method, lcfg)
+            torch.manual_seed(0)
+            model = MoETransformer(cfg, mcfg, 128)
+            if method != "full":
+                add_adapters(model, lcfg, seed=0)
+            if method == "qlora":
+                quantize_base(model, 64)
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            held = sum(
+                sum(b for _, b in _storage(p))
+                for p in {id(p): p for p in model.parameters()}.values()
+            )
+            assert state.trainable == trainable, (method, lcfg)
+            # (NF4 adds constants per tensor, its 16-entry code table and scale means, which
+            # weigh ~1% on weights this small)
+            assert abs(state.weights - held) / held < 0.02, (method, state.weights, held)
+
+
+def _storage(t: torch.Tensor) -> list[tuple[int, int]]:
+    if is_nf4(t):
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in _storage(getattr(t, n))]
+    return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())]
+
+
+BIG = [  # 24 layers, width 2048, 32 experts of 1024: 5.2B parameters
+    "model.n_layer=24",
+    "model.d_model=2048",
+    "model.n_head=16",
+    "moe.num_experts=32",
+    "moe.expert_hidden=1024",
+]
+
+
+def test_a_stage_that_cannot_hold_its_state_on_its_pool_is_refused_naming_what_would() -> None:
+    from moe.config import ConfigError
+    from tasks.config import load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "params.yaml", BIG)
+    text = str(e.value)
+    # full finetuning on one 24 GB card: refused, naming what fits it (LoRA's fp32 base,
+    # 21 GB, and its adapters' state do not fit 85% of 24 GiB; QLoRA does)
+    assert "pools.stages.finetune_domain = 'gpu-4090'" in text
+    assert "methods qlora on gpu-4090" in text
+    assert "pools.stages.pretrain" in text  # one H100 does not hold 78 GB + activations
+    ok = load_config(
+        ROOT / "params.yaml",
+        [
+            *BIG,
+            "pretrain.nodes=2",
+            "storage.backend=s3",
+            "storage.bucket=models",
+            "finetune_sql.method=lora",
+            "finetune_domain.method=qlora",
+        ],
+    )
+    assert ok.finetune_domain.method == "qlora"
+
+
+def test_auto_picks_the_cheapest_pool_that_holds_the_stage() -> None:
+    from tasks.config import load_config
+
+    auto = ["pools.stages.finetune_sql=auto", "pools.stages.evaluate=auto"]
+    small = load_config(ROOT / "params.yaml", auto)
+    assert small.pools.stages["finetune_sql"] == "gpu-4090"  # the tiny model fits the cheapest
+    assert small.pools.stages["evaluate"] == "cpu"
+    big = load_config(
+        ROOT / "params.yaml",
+        [
+            *BIG,
+            *auto,
+            "pretrain.nodes=2",
+            "storage.backend=s3",
+            "storage.bucket=models",
+            "finetune_sql.method=lora",
+        ]
+        + ["finetune_domain.method=qlora"],
+    )
+    # LoRA over 5.2B fp32 weights (22 GB with the adapters' state) takes an 80 GB card
+    assert big.pools.stages["finetune_sql"] == "gpu-a100"
+    qlora = load_config(
+        ROOT / "params.yaml",
+        [
+            *BIG,
+            *auto,
+            "pretrain.nodes=2",
+            "storage.backend=s3",
+            "storage.bucket=models",
+            "finetune_sql.method=qlora",
+        ]
+        + ["finetune_domain.method=qlora"],
+    )
+    assert qlora.pools.stages["finetune_sql"] == "gpu-4090"  # NF4: the cheapest card holds it

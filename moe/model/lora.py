@@ -221,6 +221,30 @@ def add_adapters(model: nn.Module, lcfg: LoraConfig, seed: int) -> AdapterPlan:
     return AdapterPlan(linears, experts, trainable, frozen)
 
 
+def adapter_counts(model: nn.Module, lcfg: LoraConfig) -> tuple[int, int]:
+    """(adapter parameters, base weights they adapt) that `add_adapters` would add to
+    `model`, computed from its shapes alone (a model on the meta device: nothing drawn)."""
+    t = lcfg.targets
+    adapters = adapted = 0
+    for name, module in model.named_modules():
+        linears: list[tuple[nn.Linear, int]] = []
+        if isinstance(module, CausalSelfAttention) and t.attention:
+            linears = [(module.qkv, len(module.widths)), (module.proj, 1)]
+        elif isinstance(module, SwiGLU):
+            if t.shared_expert if name.endswith(".shared") else t.mlp:
+                linears = [(getattr(module, n), 1) for n in ("w1", "w3", "w2")]
+        elif isinstance(module, MoELayer) and t.experts:
+            ex = module.experts
+            r = expert_rank(lcfg, ex.num_experts)
+            D, G = ex.w13_EDG.shape[1:]
+            adapters += ex.num_experts * (2 * r * (D + G) + r * (ex.hidden + D))
+            adapted += ex.w13_EDG.numel() + ex.w2_EFD.numel()
+        for lin, segments in linears:
+            adapters += lcfg.rank * (segments * lin.in_features + lin.out_features)
+            adapted += lin.weight.numel()
+    return adapters, adapted
+
+
 def set_router_policy(model: nn.Module, policy: str) -> None:
     """ "trained": gate weights learn and the routing state moves; "frozen": neither;
     "bias-only": the gates stay, the aux-free bias (and utilisation average) still move."""

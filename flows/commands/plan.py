@@ -1,0 +1,37 @@
+"""`moe-pipeline plan`: per training stage, what each method holds (weights and trainable
+state, tasks/fit.py) and, per GPU pool, the GPUs that takes, whether the stage fits as
+configured and what an hour costs there."""
+
+from __future__ import annotations
+
+import argparse
+
+from tasks import fit
+from tasks.config import load_config
+
+
+def plan(args: argparse.Namespace) -> int:
+    cfg = load_config(args.params, args.overrides)
+    vocab = fit.model_vocab(cfg.model, cfg.tokenizer.vocab_size)
+    cur = cfg.cost.currency
+    for stage in cfg.training_stages():
+        sec = getattr(cfg, stage)
+        print(f"{stage}: pool {cfg.pools.stages[stage]}, method {sec.method}")
+        for method in fit.METHODS:
+            state = fit.needs(cfg.model, cfg.moe, vocab, sec, method)
+            mark = "*" if method == sec.method else " "
+            print(
+                f"  {mark} {method:5s} {state.trainable / 1e6:10.2f}M trainable"
+                f"  {state.weights / 1e9:8.2f} GB weights + {state.trainable_state / 1e9:8.2f}"
+                " GB trainable state"
+            )
+            for f in fit.pool_fits(state, sec, cfg.pools.definitions):
+                print(
+                    f"      {f.pool:12s} {f.gpus_needed:3d} GPU(s) {'fits' if f.fits else 'does not fit':12s}"
+                    f" {f.per_hour:8.2f} {cur}/h"
+                )
+    print(
+        "Activations are not included: each GPU keeps 15% of its memory for them "
+        "(moe/train/memory.py)."
+    )
+    return 0

@@ -1,0 +1,108 @@
+"""Pools chosen by what fits: a training stage's weights and trainable state per method
+(moe/train/memory.py) against the GPUs of each defined pool. tasks/config.py refuses a stage
+that cannot fit its pool and resolves `pools.stages.<stage>: auto`; `moe-pipeline plan`
+prints the table. A leaf of tasks/: it takes sections and pools, not the Config.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moe.config import ModelConfig, MoEConfig, OptimConfig
+from moe.train.memory import StateBytes, state_bytes
+
+METHODS = ("full", "lora", "qlora")
+
+
+def model_vocab(model: ModelConfig, tokenizer_vocab: int) -> int:
+    """The embedding rows of the stage's model: model.init's (its model.json or config.json),
+    else the tokenizer's vocabulary."""
+    if model.init:
+        folder = Path(model.init)
+        for name, key in (("model.json", "vocab_size"), ("config.json", "vocab_size")):
+            try:
+                value = json.loads((folder / name).read_text()).get(key)
+            except (OSError, json.JSONDecodeError):
+                continue
+            if isinstance(value, int):
+                return value
+    return tokenizer_vocab
+
+
+@dataclass(frozen=True)
+class PoolFit:
+    pool: str
+    gpus_needed: int  # GPUs of this pool's kind that hold the state
+    machines: int  # machines of the pool that give them
+    fits: bool  # within what the stage's processes and nodes give on this pool
+    per_hour: float  # machines x the pool's rate
+
+
+def needs(
+    model: ModelConfig, moe: MoEConfig, vocab: int, sec: OptimConfig, method: str = ""
+) -> StateBytes:
+    return state_bytes(model, moe, vocab, method or sec.method, sec.lora)
+
+
+def pool_fits(state: StateBytes, sec: OptimConfig, pools: dict[str, Any]) -> list[PoolFit]:
+    """Each GPU pool that declares its GPUs' memory: the GPUs the state needs there and
+    whether the stage's processes give them (nproc 0: one per GPU of a machine; x nodes)."""
+    out = []
+    for name, pool in pools.items():
+        if not pool.gpus or not pool.gpu_memory_gib:
+            continue
+        need = state.gpus_needed(pool.gpu_memory_gib)
+        per_machine = sec.nproc or pool.gpus
+        machines = max(1, math.ceil(need / pool.gpus))
+        fits = need <= min(per_machine, pool.gpus) * sec.nodes
+        out.append(PoolFit(name, need, machines, fits, round(machines * pool.rate, 4)))
+    return out
+
+
+def cheapest(fits: list[PoolFit]) -> PoolFit | None:
+    """Of the pools where the stage fits as configured, the lowest hourly price."""
+    ok = [f for f in fits if f.fits]
+    return min(ok, key=lambda f: (f.per_hour, f.pool)) if ok else None
+
+
+def refusal(
+    stage: str,
+    model: ModelConfig,
+    moe: MoEConfig,
+    vocab: int,
+    sec: OptimConfig,
+    pool_name: str,
+    pools: dict[str, Any],
+) -> str | None:
+    """Why `stage` cannot hold its weights and trainable state on its pool's GPUs, naming
+    the pools and methods that would; None when it fits (or the pool declares no GPU
+    memory, or the stage runs on the CPU)."""
+    pool = pools[pool_name]
+    if sec.device == "cpu" or not pool.gpus or not pool.gpu_memory_gib:
+        return None
+    state = needs(model, moe, vocab, sec)
+    mine = next(f for f in pool_fits(state, sec, pools) if f.pool == pool_name)
+    if mine.fits:
+        return None
+    other_pools = [f.pool for f in pool_fits(state, sec, pools) if f.fits]
+    other_methods = [
+        m
+        for m in METHODS
+        if m != sec.method
+        and next(
+            f
+            for f in pool_fits(needs(model, moe, vocab, sec, m), sec, pools)
+            if f.pool == pool_name
+        ).fits
+    ]
+    given = min(sec.nproc or pool.gpus, pool.gpus) * sec.nodes
+    return (
+        f"{stage} ({sec.method}) holds {state.total / 1e9:.1f} GB of weights and trainable "
+        f"state: {mine.gpus_needed} GPU(s) of {pool.gpu_memory_gib:g} GiB on {pool_name}, which "
+        f"gives it {given}. Would fit: pools {', '.join(other_pools) or 'none'} as it is; "
+        f"methods {', '.join(other_methods) or 'none'} on {pool_name}; or more nodes"
+    )
