@@ -567,7 +567,7 @@ class LoraTargets:
     shared_expert: bool = True  # the MoE layers' shared expert (gate, up, down)
     # The routed experts' 3-D weights: one low-rank pair per expert and projection, computed
     # through the same grouped dispatch as the experts (PEFT's `target_parameters`).
-    experts: bool = True
+    experts: bool = True  # the routed experts, through the grouped dispatch
 
 
 @dataclass
@@ -576,19 +576,19 @@ class LoraConfig:
     the start (PEFT's and torchtune's rule), the base frozen. Rank 8 with alpha 16 (a scale of
     2) is LLaMA-Factory's and torchtune's default; dropout 0 is Unsloth's and LLaMA-Factory's."""
 
-    rank: int = knob(8, ge=1)
+    rank: int = knob(8, ge=1)  # the adapters' rank r
     alpha: float = knob(16.0, gt=0)  # scale = alpha / rank
     dropout: float = knob(0.0, ge=0, lt=1)  # on the adapters' input only
-    targets: LoraTargets = field(default_factory=LoraTargets)
+    targets: LoraTargets = field(default_factory=LoraTargets)  # where adapters go
     # The routed experts' rank: "same" gives every expert `rank`; "divided" gives each
     # rank // num_experts (at least 1), so all experts together hold about one adapter's
     # parameters (PEFT's advice for `target_parameters`, whose rank is per expert).
-    expert_rank: Literal["same", "divided"] = "same"
+    expert_rank: Literal["same", "divided"] = "same"  # each routed expert's rank
     train_embeddings: bool = False  # the token embeddings stay frozen unless asked
     train_head: bool = False  # the output head stays frozen unless asked
     # QLoRA: the frozen base in NF4 (torchao), this many weights per quantisation block
     # (64: the QLoRA paper's and torchao's default); adapters in fp32, compute in bf16 on CUDA.
-    nf4_block: int = knob(64, ge=16)
+    nf4_block: int = knob(64, ge=16)  # weights per NF4 block (QLoRA)
 
 
 @dataclass
@@ -640,13 +640,13 @@ class OptimConfig:
     # 4-bit NF4). The adapted model is merged into the stage's model folder when it ends, so
     # the next stage, `ask` and the export read it as any model; the adapters alone are kept
     # beside it (adapter.safetensors) for `model export`'s PEFT folder.
-    method: Literal["full", "lora", "qlora"] = "full"
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    method: Literal["full", "lora", "qlora"] = "full"  # what trains
+    lora: LoraConfig = field(default_factory=LoraConfig)  # the adapters of lora and qlora
     # The routers under this stage: "trained" (gate weights learn, the aux-free bias moves),
     # "frozen" (nothing moves: a narrow domain cannot collapse the routing the base learned),
     # "bias-only" (only the aux-free bias moves, so the load still balances). "auto": frozen
     # under lora and qlora (as PEFT, which does not adapt routers), trained under full.
-    router: Literal["auto", "trained", "frozen", "bias-only"] = "auto"
+    router: Literal["auto", "trained", "frozen", "bias-only"] = "auto"  # what routing moves
 
     def router_policy(self) -> str:
         """The router policy this stage runs with ("auto" resolved)."""

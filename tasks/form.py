@@ -56,8 +56,9 @@ def section_model(cls: type, value: Any, path: str) -> type[BaseModel]:
             default = {k: pool(**dataclasses.asdict(v)) for k, v in current.items()}
             fields[f.name] = (dict[str, pool], Field(default=default, **info))
         elif cls is PoolsConfig and f.name == "stages":
-            pools = Literal[tuple(value.definitions)]  # type: ignore[valid-type]
-            stage_docs = {s: f"the pool {s} runs on" for s in STAGES}
+            # "auto": the cheapest pool that holds the stage (tasks/fit.py)
+            pools = Literal[(*value.definitions, "auto")]  # type: ignore[valid-type]
+            stage_docs = {s: f"the pool {s} runs on (auto: the cheapest that fits)" for s in STAGES}
             stages = create_model(
                 _title(here),
                 __config__=ConfigDict(extra="forbid"),
