@@ -41,7 +41,7 @@ from moe.train.trainer import Trainer
 from tasks.publish import export_model_dir
 from tests.conftest import ROOT
 from tests.hf_fixture import make_qwen3_moe, make_tokenizer
-from tests.test_hf import MOE, V, hf_model
+from tests.test_hf import ARCHS, MOE, V, hf_model
 from tests.test_train import VOCAB, _data
 
 
@@ -499,3 +499,81 @@ def test_auto_picks_the_cheapest_pool_that_holds_the_stage() -> None:
         + ["finetune_domain.method=qlora"],
     )
     assert qlora.pools.stages["finetune_sql"] == "gpu-4090"  # NF4: the cheapest card holds it
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHS))
+def test_the_merge_keeps_every_adapter_for_every_family(model_type: str, tmp_path: Path) -> None:
+    """Each family imported from transformers' own tiny model (shared experts and their
+    gates, q/k norms, biases, dense layers, upcycled MLPs), adapters on every target: the
+    merged model computes the adapted one, so no adapter (an expert's least of all) is
+    dropped by the merge."""
+    hf_model(model_type, tmp_path / "hf")
+    ours, _ = load_hf_model(tmp_path / "hf", MOE, seq_len=64, dtype=torch.float32)
+    plan = add_adapters(ours, LoraConfig(rank=4, alpha=8.0), seed=0)
+    assert plan.expert_layers  # every family is an MoE here (dense ones upcycled)
+    _randomize_adapters(ours, seed=6)
+    idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(7))
+    ours.eval()
+    with torch.no_grad():
+        adapted = ours(idx)[0]
+        merge_adapters(ours)
+        merged = ours(idx)[0]
+        plain, _ = load_hf_model(tmp_path / "hf", MOE, seq_len=64, dtype=torch.float32)
+        base = plain.eval()(idx)[0]
+    assert float((merged - adapted).abs().max()) < 1e-5
+    assert float((base - adapted).abs().max()) > 1e-2  # the adapters changed the model
+
+
+KILL_LORA = """
+import sys, time
+from pathlib import Path
+from tests.test_lora import _lora_trainer
+tmp = Path(sys.argv[1])
+t = _lora_trainer(tmp / "data", tmp / "k", 8)
+def log_fn(row):
+    if "loss" in row:
+        if row["step"] == 4:  # the machine dies here, once step 3's checkpoint is on disk
+            while t.checkpointer.store.latest_valid() is None:
+                time.sleep(0.01)
+        print(row["step"], flush=True)
+        if row["step"] == 4:
+            time.sleep(600)
+t.metrics.log_fn = log_fn
+t.fit()
+"""
+
+
+def test_a_lora_run_killed_with_sigkill_resumes_bit_identical(tmp_path: Path) -> None:
+    """kill -9 mid-run (no handler, the writer thread dies with it), then the same run again:
+    the adapters and their AdamW state equal an uninterrupted run's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import read_line
+
+    data = _data(tmp_path / "data")
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILL_LORA, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert [read_line(child, timeout=120) for _ in range(2)] == ["2", "4"]
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        child.kill()
+    resumed = _lora_trainer(data, tmp_path / "k", 8)
+    assert resumed.fit().resumed_from == 3
+    straight = _lora_trainer(data, tmp_path / "s", 8)
+    straight.fit()
+    a, b = _trained(straight), _trained(resumed)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    sa, sb = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    for k in sa:
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(sa[k][name], sb[k][name])
