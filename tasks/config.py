@@ -229,10 +229,11 @@ class PoolsConfig:
                 f"is not a stage; stages are {', '.join(STAGES)}",
             )
             p.require(
-                pool in self.definitions,
+                pool in self.definitions or pool == "auto",
                 f"stages.{stage}",
                 pool,
-                f"is not a pool defined under pools.definitions ({', '.join(sorted(self.definitions))})",
+                f"is not a pool defined under pools.definitions ({', '.join(sorted(self.definitions))})"
+                " nor auto",
             )
         missing = [s for s in STAGES if s not in self.stages]
         p.require(
@@ -562,9 +563,10 @@ def from_dict(
                 cfg.tokenizer.path = str(Path(cfg.model.init) / "tokenizer.json")
         except InputError as e:
             p.add("model.init", cfg.model.init, str(e))
-    _resolve_auto_pools(cfg, p)
     validate(cfg, p)
     shapes_valid = not p.items  # the model can be built (on the meta device) to measure
+    if shapes_valid:
+        _resolve_auto_pools(cfg, p)
     for stage in cfg.training_stages():
         _check_training_stage(cfg, stage, p)
         if shapes_valid:
@@ -687,7 +689,7 @@ def _resolve_auto_pools(cfg: Config, p: Problems) -> None:
     for stage, pool in list(cfg.pools.stages.items()):
         if pool != "auto" or not pools:
             continue
-        if stage not in cfg.training_stages():
+        if stage not in cfg.training_stages() or getattr(cfg, stage).device == "cpu":
             cfg.pools.stages[stage] = min(pools, key=lambda n: (pools[n].rate, n))
             continue
         sec = getattr(cfg, stage)
@@ -710,6 +712,8 @@ def _check_fit(cfg: Config, stage: str, p: Problems) -> None:
     """A stage whose weights and trainable state its pool's GPUs cannot hold is refused
     before any machine is used, naming the pools and methods that would (tasks/fit.py)."""
     pool = cfg.pools.stages.get(stage, "")
+    if stage == "pretrain" and cfg.model.init and cfg.model.init_pretrain == "skip":
+        return  # the imported model passes through untrained
     if pool in cfg.pools.definitions:
         vocab = fit.model_vocab(cfg.model, cfg.tokenizer.vocab_size)
         sec = getattr(cfg, stage)
@@ -731,7 +735,21 @@ def _check_method(cfg: Config, stage: str, sec: Any, p: Problems) -> None:
         "train from scratch with method: full",
     )
     p.require(
-        sec.method != "qlora" or (sec.nodes == 1 and sec.nproc <= 1),
+        stage != "pretrain" or not cfg.moe.growth.enabled,
+        f"{stage}.method",
+        sec.method,
+        "adapters keep the experts as they are: turn moe.growth.enabled off, or use full",
+    )
+    t = sec.lora.targets
+    trains = t.attention or t.mlp or t.shared_expert or t.experts or sec.lora.train_embeddings
+    p.require(
+        trains or sec.lora.train_head or sec.router_policy() == "trained",
+        f"{stage}.lora.targets",
+        dataclasses.asdict(t),
+        "nothing would train: turn a target on (or train_embeddings, train_head, router)",
+    )
+    p.require(
+        sec.method != "qlora" or cfg.world(stage) == 1,
         f"{stage}.method",
         sec.method,
         "runs in one process (the NF4 base is not sharded): set nproc 1 and nodes 1, or use "

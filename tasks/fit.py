@@ -59,6 +59,8 @@ def pool_fits(state: StateBytes, sec: OptimConfig, pools: dict[str, Any]) -> lis
         per_machine = sec.nproc or pool.gpus
         machines = max(1, math.ceil(need / pool.gpus))
         fits = need <= min(per_machine, pool.gpus) * sec.nodes
+        if state.single_process:  # QLoRA: one GPU or none
+            fits = need == 1
         out.append(PoolFit(name, need, machines, fits, round(machines * pool.rate, 4)))
     return out
 

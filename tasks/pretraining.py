@@ -16,10 +16,9 @@ import torch.distributed as dist
 from prefect import task
 from prefect.cache_policies import NONE
 
-from moe.checkpoint.tensors import model_tensors, weights_digest
 from moe.data.tokens import BatchSampler, TokenStore
 from moe.errors import InputError
-from moe.hashing import sha256_file
+from moe.hashing import weights_files_digest
 from moe.hf.model_init import build_init_model, init_model_skeleton
 from moe.model.transformer import MoETransformer
 from moe.train.method import apply_method
@@ -108,11 +107,9 @@ def _pretrain(
         model.num_params() / 1e6,
         model.num_params(active_only=True) / 1e6,
     )
-    base_sha256 = None  # continued pretraining with adapters: the frozen base's digest
-    if t.method != "full":
-        base_sha256 = (
-            sha256_file(weights) if weights is not None else weights_digest(model_tensors(model))
-        )
+    base_sha256 = None  # continued pretraining with adapters: the frozen base's digest,
+    if t.method != "full":  # the same however many processes read it
+        base_sha256 = weights_files_digest(Path(cfg.model.init))
     apply_method(model, t, "pretrain")
     fingerprint = training_fingerprint(cfg, "pretrain", data_dir)
     scratch = weights is not None and weights.parent == out_dir / ".init"

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from moe.data.tokenizer import load_tokenizer, specials
 from moe.errors import InputError
-from moe.hashing import sha256_file
+from moe.hashing import sha256_file, weights_files_digest
 from moe.hf.exporter import ExportPlan, export_hf, export_plan
 from moe.hf.families.registry import FAMILIES
 from moe.hf.model_dir import load_model_dir
@@ -200,9 +200,17 @@ def _export_adapter(
     tensors = load_file(str(model_dir / "adapter.safetensors"))
     why = unsupported(spec, tensors)
     base_dir = Path(spec.get("base") or "")
-    if not (base_dir / "model.safetensors").is_file():
+    if (base_dir / "config.json").is_file() and not (base_dir / "model.json").is_file():
+        why.append(
+            f"the adapters were trained on {base_dir} itself (continued pretraining from "
+            "model.init): a PEFT folder is written for the finetune stages"
+        )
+    elif not (base_dir / "model.safetensors").is_file():
         why.append(f"its base {base_dir} is not here")
-    elif sha256_file(base_dir / "model.safetensors") != spec.get("base_sha256"):
+    elif spec.get("base_sha256") not in (
+        sha256_file(base_dir / "model.safetensors"),
+        weights_files_digest(base_dir),  # a continued-pretraining base of ours
+    ):
         why.append(f"its base {base_dir} changed since (sha256 {spec.get('base_sha256')})")
     if why:
         return ["no PEFT adapter folder: " + "; ".join(why) + f"; the merged model is {out}"]

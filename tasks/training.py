@@ -18,7 +18,13 @@ from prefect.tasks import exponential_backoff
 
 from moe.checkpoint.tensors import load_model_tensors
 from moe.hf.model_dir import load_model_dir, save_adapter_dir, save_model_dir
-from moe.model.lora import add_adapters, dequantize_base, has_adapters, merge_adapters
+from moe.model.lora import (
+    add_adapters,
+    dequantize_base,
+    has_adapters,
+    merge_adapters,
+    set_router_policy,
+)
 from moe.model.transformer import MoETransformer
 from moe.train import distributed as D
 from moe.train.resilience import AttemptJournal
@@ -123,8 +129,9 @@ def fit_and_save(
         if trainer.ranks.rank != 0:
             return result
         model = MoETransformer(model.cfg, model.mcfg, model.vocab_size)
-        if adapted:
+        if adapted:  # the same structure, and the same parameters marked as trained
             add_adapters(model, trainer.cfg.lora, seed=trainer.cfg.seed)
+            set_router_policy(model, trainer.cfg.router_policy())
         load_model_tensors(model, full)
     if cfg.checkpoint.offload:
         if (
@@ -138,6 +145,9 @@ def fit_and_save(
         save_adapter_dir(model, out_dir, adapter_spec(trainer, init))
         dequantize_base(model)  # QLoRA: the merge adds to the weights the adapters trained on
         merge_adapters(model)
+    else:  # a full run where an adapter run wrote before: its adapters no longer apply
+        for name in ("adapter.safetensors", "adapter.json"):
+            (out_dir / name).unlink(missing_ok=True)
     save_model(model, out_dir)
     write_metrics_csv(out_dir)
     return result

@@ -358,11 +358,16 @@ def _lora_stage(tmp_path: Path, lcfg: LoraConfig, router: str = "frozen") -> tup
     return imported, stage
 
 
-def test_a_lora_stage_exports_merged_and_as_a_peft_folder_that_peft_loads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("expert_rank", ["same", "divided"])
+def test_a_lora_stage_exports_merged_and_as_a_peft_folder_that_peft_loads(
+    expert_rank: str, tmp_path: Path
+) -> None:
     """`model export` of a LoRA stage: the merged model transformers loads, and a PEFT folder
     against the exported base that PeftModel.from_pretrained loads (by the path it names);
-    both compute the adapted model's logits."""
-    imported, stage = _lora_stage(tmp_path, LoraConfig(rank=4, alpha=8.0))
+    both compute the adapted model's logits. With expert_rank divided the experts' rank
+    differs from the projections' (PEFT's rank_pattern carries it)."""
+    lcfg = LoraConfig(rank=8, alpha=16.0, expert_rank=expert_rank)  # type: ignore[arg-type]
+    imported, stage = _lora_stage(tmp_path, lcfg)
     out = tmp_path / "export"
     plan = export_model_dir(stage, out, imported, tmp_path / "reports")
     assert any("PEFT adapter" in n for n in plan.notes), plan.notes
@@ -577,3 +582,24 @@ def test_a_lora_run_killed_with_sigkill_resumes_bit_identical(tmp_path: Path) ->
     for k in sa:
         for name in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(sa[k][name], sb[k][name])
+
+
+def test_the_method_checks_refuse_by_name_what_would_fail_on_the_machine() -> None:
+    from moe.config import ConfigError
+    from tasks.config import load_config
+
+    def problems(*sets: str) -> str:
+        with pytest.raises(ConfigError) as e:
+            load_config(ROOT / "params.yaml", list(sets))
+        return str(e.value)
+
+    # QLoRA's NF4 base is not sharded: two processes are refused
+    assert "finetune_domain.method = 'qlora'" in problems(
+        "finetune_domain.method=qlora", "finetune_domain.device=cpu", "finetune_domain.nproc=2"
+    )
+    # adapters with nothing to adapt
+    off = [f"finetune_sql.lora.targets.{t}=false" for t in LoraTargets.__dataclass_fields__]
+    assert "nothing would train" in problems("finetune_sql.method=lora", *off)
+    # an out-of-range value with an auto pool is a problem, not a traceback from the planner
+    text = problems("pools.stages.finetune_sql=auto", "moe.num_experts=0")
+    assert "moe.num_experts = 0" in text

@@ -13,11 +13,14 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """state_dict without aliases (tied embeddings appear once), contiguous, on CPU."""
+def model_tensors(model: torch.nn.Module, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """state_dict without aliases (tied embeddings appear once), contiguous, on CPU; only
+    `names` when given (a LoRA checkpoint: nothing of the frozen base is copied)."""
     seen: dict[int, str] = {}
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
+        if names is not None and name not in names:
+            continue
         key = t.data_ptr()
         if key in seen and t.numel() > 0:
             continue

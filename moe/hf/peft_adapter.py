@@ -125,6 +125,10 @@ def write_peft_folder(
     lora = spec["lora"]
     rank, alpha = int(lora["rank"]), float(lora["alpha"])
     state, modules, params = peft_tensors(model, tensors, family, rank)
+    # the routed experts' rank (lora.expert_rank: divided gives each rank // E): PEFT reads
+    # it from rank_pattern, gate_up_proj at twice it with twice alpha (the same scale)
+    ranks = [t.shape[2] for n, t in tensors.items() if n.endswith(".experts.lora.a2")]
+    r_e = ranks[0] if ranks else rank
     # PEFT matches target_parameters by suffix: one entry per distinct parameter name.
     suffixes = sorted({".".join(p.split(".")[-3:]) for p in params}, reverse=True)
     config = {
@@ -138,8 +142,12 @@ def write_peft_folder(
         "target_modules": modules,
         "target_parameters": suffixes or None,
         # PEFT gives the fused gate_up_proj twice the rank (gate and up: r each), same scale
-        "rank_pattern": {r".*\.gate_up_proj": 2 * rank} if params else {},
-        "alpha_pattern": {r".*\.gate_up_proj": 2 * alpha} if params else {},
+        "rank_pattern": (
+            {r".*\.gate_up_proj": 2 * r_e, r".*\.experts\.down_proj": r_e} if params else {}
+        ),
+        "alpha_pattern": (
+            {r".*\.gate_up_proj": 2 * alpha, r".*\.experts\.down_proj": alpha} if params else {}
+        ),
         "fan_in_fan_out": False,
         "use_rslora": False,
         "use_dora": False,

@@ -76,15 +76,18 @@ class Checkpointer:
         self.store, self.fingerprint, self.ranks, self.state = store, fingerprint, ranks, state
         self.base_sha256 = base_sha256
 
-    def _held(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The model tensors a checkpoint holds: all, or (adapters) the trainable ones and
-        the buffers."""
+    def _held_names(self) -> set[str] | None:
+        """The model tensors a checkpoint holds: all (None), or (adapters) the trainable
+        ones and the buffers."""
         if self.base_sha256 is None:
-            return tensors
+            return None
         m = self.state.model
         keep = {n for n, p in m.named_parameters() if p.requires_grad}
-        keep |= {n for n, _ in m.named_buffers()}
-        return {k: v for k, v in tensors.items() if k in keep}
+        return keep | {n for n, _ in m.named_buffers()}
+
+    def _held(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        keep = self._held_names()
+        return tensors if keep is None else {k: v for k, v in tensors.items() if k in keep}
 
     # ------------------------------------------------------------------ save
 
@@ -104,7 +107,7 @@ class Checkpointer:
                 return None
         else:
             opt_tensors, opt_rest = flatten_optimizer(st.optimizer.state_dict())
-            model_t = self._held(model_tensors(st.model))
+            model_t = model_tensors(st.model, self._held_names())
         rng_tensors, rng_meta = rng_state()
         return self.store.save(
             st.progress.step,

@@ -34,6 +34,7 @@ class StateBytes:
     trainable: int  # parameters that train (adapters, or all of them)
     weights: float
     trainable_state: float  # gradients + AdamW moments of the trainable parameters
+    single_process: bool = False  # QLoRA: its NF4 base is not sharded
 
     @property
     def total(self) -> float:
@@ -60,4 +61,10 @@ def state_bytes(
     if lora.train_head and not model_cfg.tie_embeddings:
         trainable += model.lm_head.weight.numel()
     base = 4.0 * (params - adapted) + (NF4_BYTES if method == "qlora" else 4.0) * adapted
-    return StateBytes(params + adapters, trainable, base + 4.0 * adapters, 12.0 * trainable)
+    return StateBytes(
+        params + adapters,
+        trainable,
+        base + 4.0 * adapters,
+        12.0 * trainable,
+        single_process=method == "qlora",
+    )
