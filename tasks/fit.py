@@ -6,6 +6,7 @@ prints the table. A leaf of tasks/: it takes sections and pools, not the Config.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from moe.config import ModelConfig, MoEConfig, OptimConfig
-from moe.train.memory import StateBytes, state_bytes
+from moe.train.memory import StateBytes, activation_bytes, state_bytes
 
 METHODS = ("full", "lora", "qlora")
 
@@ -45,7 +46,21 @@ class PoolFit:
 def needs(
     model: ModelConfig, moe: MoEConfig, vocab: int, sec: OptimConfig, method: str = ""
 ) -> StateBytes:
-    return state_bytes(model, moe, vocab, method or sec.method, sec.lora)
+    """Weights and trainable state of `method` (the stage's own by default), and its
+    micro-batch's activations split over n GPUs: batch_size (plus replay rows) / grad_accum
+    rows of max_len (a finetune) or seq_len tokens, a loss at every position (an upper
+    bound for a finetune), 2 bytes each under bf16 (the default on a GPU), else 4."""
+    state = state_bytes(model, moe, vocab, method or sec.method, sec.lora)
+    replay = getattr(sec, "replay_ratio", 0.0)
+    rows = sec.batch_size + (max(1, round(sec.batch_size * replay)) if replay > 0 else 0)
+    seq = getattr(sec, "max_len", model.seq_len)
+    width = 4 if sec.dtype == "float32" or sec.device == "cpu" else 2
+
+    def activations(n: int) -> float:
+        per = max(1, math.ceil(rows / sec.grad_accum / n))
+        return activation_bytes(model, moe, vocab, per, seq, 1.0, width)
+
+    return dataclasses.replace(state, activations=activations)
 
 
 def pool_fits(state: StateBytes, sec: OptimConfig, pools: dict[str, Any]) -> list[PoolFit]:
@@ -104,7 +119,9 @@ def refusal(
     given = min(sec.nproc or pool.gpus, pool.gpus) * sec.nodes
     return (
         f"{stage} ({sec.method}) holds {state.total / 1e9:.1f} GB of weights and trainable "
-        f"state: {mine.gpus_needed} GPU(s) of {pool.gpu_memory_gib:g} GiB on {pool_name}, which "
+        f"state, and {(state.per_gpu(1) - state.total) / 1e9:.2f} GB of activations on one GPU:"
+        " "
+        f"{mine.gpus_needed} GPU(s) of {pool.gpu_memory_gib:g} GiB on {pool_name}, which "
         f"gives it {given}. Would fit: pools {', '.join(other_pools) or 'none'} as it is; "
         f"methods {', '.join(other_methods) or 'none'} on {pool_name}; or more nodes"
     )

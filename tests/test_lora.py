@@ -35,7 +35,7 @@ from moe.model.lora import (
 )
 from moe.model.quant import dequantize, is_nf4
 from moe.model.transformer import MoETransformer
-from moe.train.memory import state_bytes
+from moe.train.memory import activation_bytes, measure_peak, peak_bytes, state_bytes
 from moe.train.method import apply_method
 from moe.train.trainer import Trainer
 from tasks.publish import export_model_dir
@@ -603,3 +603,45 @@ def test_the_method_checks_refuse_by_name_what_would_fail_on_the_machine() -> No
     # an out-of-range value with an auto pool is a problem, not a traceback from the planner
     text = problems("pools.stages.finetune_sql=auto", "moe.num_experts=0")
     assert "moe.num_experts = 0" in text
+
+
+@pytest.mark.parametrize(
+    "width,layers,experts",
+    [(64, 2, 4), (128, 2, 8), (192, 3, 8)],
+)
+def test_the_predicted_peak_is_within_15_percent_of_a_measured_step(
+    width: int, layers: int, experts: int
+) -> None:
+    """moe/train/memory.py's prediction (weights, trainable state, one micro-batch's
+    activations) against the peak live tensor bytes of a real training step on the CPU
+    (after a first step, so AdamW's moments exist), for each method, models of three sizes."""
+    cfg = ModelConfig(n_layer=layers, d_model=width, n_head=4, seq_len=64, dense_hidden=2 * width)
+    mcfg = MoEConfig(num_experts=experts, top_k=2, expert_hidden=width)
+    vocab, rows, seq = 512, 8, 64
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (rows, seq), generator=g)
+    for method in ("full", "lora", "qlora"):
+        lcfg = LoraConfig(rank=8, alpha=16.0)
+        torch.manual_seed(0)
+        model = MoETransformer(cfg, mcfg, vocab)
+        if method != "full":
+            add_adapters(model, lcfg, seed=0)
+        if method == "qlora":
+            quantize_base(model, 64)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+        def step(model: MoETransformer = model, opt: torch.optim.Optimizer = opt) -> None:
+            _, loss, aux = model(x, x, logits=False)
+            (loss + aux.balance_loss).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()
+        held = [*model.parameters(), *model.buffers()]
+        held += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+        measured = measure_peak(held, step)
+        predicted = peak_bytes(
+            state_bytes(cfg, mcfg, vocab, method, lcfg),
+            activation_bytes(cfg, mcfg, vocab, rows, seq),
+        )
+        assert abs(predicted - measured) / measured < 0.15, (method, width, predicted, measured)

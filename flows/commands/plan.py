@@ -23,7 +23,8 @@ def plan(args: argparse.Namespace) -> int:
             print(
                 f"  {mark} {method:5s} {state.trainable / 1e6:10.2f}M trainable"
                 f"  {state.weights / 1e9:8.2f} GB weights + {state.trainable_state / 1e9:8.2f}"
-                " GB trainable state"
+                f" GB trainable state + {(state.per_gpu(1) - state.total) / 1e9:6.2f} GB"
+                " activations (one GPU)"
             )
             for f in fit.pool_fits(state, sec, cfg.pools.definitions):
                 print(
@@ -31,7 +32,7 @@ def plan(args: argparse.Namespace) -> int:
                     f" {f.per_hour:8.2f} {cur}/h"
                 )
     print(
-        "Activations are not included: each GPU keeps 15% of its memory for them "
-        "(moe/train/memory.py)."
+        "A stage fits a pool when a share of the weights and state plus its rows' activations "
+        "is within 90% of each GPU (moe/train/memory.py; activations in bf16 on a GPU)."
     )
     return 0

@@ -1,28 +1,36 @@
-"""What a training stage holds in GPU memory besides activations, by method, from the
-model's shapes alone (a model on the meta device: nothing is allocated or drawn).
+"""What a training stage holds in memory, by method, from the model's shapes alone (a model
+on the meta device: nothing is allocated or drawn), and the measured peak it is held to.
 
 - weights: fp32 (the trainer keeps fp32 weights and computes under bf16 autocast on CUDA),
   QLoRA's adapted projections in NF4 (4 bits, an int8 scale per block, an fp32 scale per
   256 blocks);
 - trainable state: each trained parameter's gradient and AdamW's two moments (fp32).
 
+- activations: what the backward keeps of one micro-batch, counted from the tensors each
+  op of a block saves (`activation_bytes`), in fp32 on the CPU (under bf16 autocast most of
+  them are half that: the count is an upper bound there).
+
 Sharded over the stage's processes (FSDP2 for dense weights, expert parallelism for the
-experts), each GPU holds its share. Activations are not predicted: `HEADROOM` of each GPU is
-left for them, the allocator and communication buffers (bench/RESULTS.md, "LoRA and QLoRA").
+experts), each GPU holds its share of the weights and state, and the activations of its own
+rows. `HEADROOM` of a GPU is what they may use (the rest: the allocator, communication
+buffers). `peak_bytes` is held to `measure_peak` (a real step, every storage tracked) within
+15% on models of several sizes (tests/test_lora.py).
 """
 
 from __future__ import annotations
 
-import math
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe.config import LoraConfig, ModelConfig, MoEConfig
 from moe.model.lora import adapter_counts
 from moe.model.transformer import MoETransformer
 
-HEADROOM = 0.85  # of a GPU's memory for weights and trainable state
+HEADROOM = 0.9  # of a GPU's memory for weights, trainable state and activations
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # per weight: codes, block scales, their scales
 
 
@@ -35,14 +43,28 @@ class StateBytes:
     weights: float
     trainable_state: float  # gradients + AdamW moments of the trainable parameters
     single_process: bool = False  # QLoRA: its NF4 base is not sharded
+    # A micro-batch's activations on each of n GPUs (its rows split over them); None = 0.
+    activations: Callable[[int], float] | None = None
 
     @property
     def total(self) -> float:
         return self.weights + self.trainable_state
 
-    def gpus_needed(self, gpu_memory_gib: float) -> int:
-        """GPUs of this memory that hold it sharded evenly, HEADROOM of each used."""
-        return max(1, math.ceil(self.total / (gpu_memory_gib * 2**30 * HEADROOM)))
+    def per_gpu(self, n: int) -> float:
+        """Bytes on each of n GPUs: a share of the weights and state, its rows' activations."""
+        return self.total / n + (self.activations(n) if self.activations else 0.0)
+
+    def gpus_needed(self, gpu_memory_gib: float, most: int = 1 << 16) -> int:
+        """The fewest GPUs of this memory that hold it (HEADROOM of each used); `most` + 1
+        when no count does (one row's activations alone do not fit)."""
+        cap = gpu_memory_gib * 2**30 * HEADROOM
+        if self.per_gpu(most) > cap:
+            return most + 1
+        lo, hi = 1, most  # per_gpu falls as n grows: the first n that fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self.per_gpu(mid) <= cap else (mid + 1, hi)
+        return lo
 
 
 def state_bytes(
@@ -68,3 +90,90 @@ def state_bytes(
         12.0 * trainable,
         single_process=method == "qlora",
     )
+
+
+def activation_bytes(
+    model_cfg: ModelConfig,
+    moe_cfg: MoEConfig,
+    vocab: int,
+    rows: int,
+    seq: int,
+    loss_fraction: float = 1.0,
+    bytes_per: int = 4,
+) -> float:
+    """What the backward keeps of a micro-batch of `rows` x `seq` tokens (`loss_fraction` of
+    the positions carrying a loss: the head runs there only), from what each op saves:
+    - attention: the block input, RMSNorm's normalised input and output (3 T D), the fused
+      q/k/v output, the rotated q and k, the attention output and its log-sum-exp, the
+      output projection's input;
+    - MoE: the second norm (3 T D), router logits and probabilities, and per assignment
+      (A = T K) the gathered input, the gate/up product, SiLU and SwiGLU outputs, the expert
+      output and its fp32 copy for the weighted sum; a dense block: norm and four T F;
+      a shared expert: four T F;
+    - the final norm, and the logits and log-probabilities of the positions with a loss."""
+    c, m = model_cfg, moe_cfg
+    T = rows * seq
+    D, Q, KV = c.d_model, c.n_head * c.head_width, c.kv_heads * c.head_width
+    attn = T * (3 * D + (Q + 2 * KV) + Q + KV + 2 * Q + c.n_head)
+    total = 0.0
+    for i in range(c.n_layer):
+        total += attn
+        if c.is_moe_block(i):
+            A, F_ = T * m.top_k, m.expert_hidden
+            total += 3 * T * D + 3 * T * m.num_experts + A * (3 * D + 4 * F_)
+            if m.shared_expert:
+                total += 4 * T * (m.shared_expert_hidden or F_)
+        else:
+            total += 3 * T * D + 4 * T * c.dense_hidden
+    total += 3 * T * D + 2 * loss_fraction * T * vocab
+    return total * bytes_per
+
+
+def peak_bytes(state: StateBytes, activations: float, grad_accum: int = 1) -> float:
+    """The peak of a step: the weights, AdamW's moments and one micro-batch's activations
+    (gradients too when micro-batches accumulate them), or at the end of the backward the
+    weights, moments and all gradients."""
+    grads = state.trainable_state / 3
+    moments = state.trainable_state - grads
+    during = state.weights + moments + activations + (grads if grad_accum > 1 else 0.0)
+    return max(during, state.weights + moments + grads)
+
+
+def _storages(t: torch.Tensor) -> list[tuple[int, int]]:
+    """(storage id, bytes) of a tensor, or of a tensor subclass's inner tensors (NF4)."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in _storages(getattr(t, n))]
+    st = t.untyped_storage()
+    return [(st.data_ptr(), st.nbytes())]
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Live storage bytes: what exists at the start, plus every storage an op creates
+    until it is freed; the peak."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        for t in tensors:
+            self.live.update(_storages(t))
+        self.peak = sum(self.live.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                for key, n in _storages(t):
+                    if key not in self.live and n:
+                        self.live[key] = n
+                        weakref.finalize(t.untyped_storage(), self.live.pop, key, None)
+                self.peak = max(self.peak, sum(self.live.values()))
+        return out
+
+
+def measure_peak(held: list[torch.Tensor], step: Callable[[], None]) -> int:
+    """The peak live tensor bytes while `step` runs on the CPU, counting `held` (the model,
+    the optimizer state) from the start. torch's MemTracker refuses frozen parameters."""
+    with _LiveBytes(held) as mode:
+        step()
+    return mode.peak
