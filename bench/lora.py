@@ -21,17 +21,16 @@ import json
 import statistics
 import tempfile
 import time
-import weakref
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe.checkpoint.store import CheckpointStore
 from moe.config import FinetuneConfig, LoraConfig, MoEConfig
 from moe.hf.importer import import_model
 from moe.hf.model_dir import load_model_dir
 from moe.model.lora import expert_rank
+from moe.train.memory import measure_peak
 from moe.train.method import apply_method, trainable_bytes
 from moe.train.trainer import Trainer
 from tasks.config import Config
@@ -101,52 +100,13 @@ def one_step(t: Trainer, step: int) -> None:
     t.optimizer.zero_grad(set_to_none=True)
 
 
-def _storage_bytes(t: torch.Tensor) -> list[tuple[int, int]]:
-    """(storage id, bytes) of a tensor, or of a tensor subclass's inner tensors (NF4)."""
-    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return [x for n in names for x in _storage_bytes(getattr(t, n))]
-    st = t.untyped_storage()
-    return [(st.data_ptr(), st.nbytes())]
-
-
-class PeakBytes(TorchDispatchMode):
-    """Live tensor storage bytes on the CPU: what exists when it starts (the model, the
-    optimizer state), plus every storage an op creates until it is freed; the peak."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        for t in tensors:
-            self.live.update(_storage_bytes(t))
-        self.base = sum(self.live.values())
-        self.peak = self.base
-
-    def _track(self, t: torch.Tensor) -> None:
-        for key, n in _storage_bytes(t):
-            if key in self.live or n == 0:
-                continue
-            self.live[key] = n
-            weakref.finalize(t.untyped_storage(), self.live.pop, key, None)
-        self.peak = max(self.peak, sum(self.live.values()))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-        return out
-
-
 def peak_memory(t: Trainer) -> dict[str, int]:
     """Peak live bytes over one training step, after a first (the optimizer state exists):
-    weights, trainable state and activations together."""
+    weights, trainable state and activations together (moe/train/memory.py measure_peak)."""
     one_step(t, 0)
     held = [*t.model.parameters(), *t.model.buffers()]
     held += [v for st in t.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
-    with PeakBytes(held) as mode:
-        one_step(t, 1)
-    return {"held_before_step": mode.base, "peak": mode.peak}
+    return {"peak": measure_peak(held, lambda: one_step(t, 1))}
 
 
 def checkpoint_bytes(t: Trainer, folder: Path) -> int:
