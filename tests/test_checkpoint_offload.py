@@ -228,3 +228,39 @@ def test_the_stage_offloads_at_its_end_what_the_saves_could_not(
     assert len(refused) == 6  # one per save, and training went on
     assert {"step_00000002", "step_00000010"} <= steps_in_s3()
     assert not (out / "checkpoints" / "step_00000010" / "L0.bin").exists()
+
+
+def test_a_lora_run_resumes_from_adapter_checkpoints_that_live_in_s3(
+    tmp_path: Path, moto_server: str
+) -> None:
+    """The same with adapters (tests/test_lora.py's trainer: LoRA, dropout, bias-only
+    router): the adapter checkpoints offload, the newest is lost, and the run resumes from
+    the one in S3 with the adapters and moments of a run never interrupted."""
+    import shutil
+
+    from tests.test_lora import _lora_trainer, _trained
+    from tests.test_train import _data
+
+    boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1").create_bucket(
+        Bucket="lora-resume"
+    )
+    cfg = _cfg(tmp_path, moto_server, "lora-resume")
+    data = _data(tmp_path / "data")
+    root = tmp_path / "run"
+
+    def trainer(stop_after: int | None = None):
+        t = _lora_trainer(data, root, 8, stop_after=stop_after)
+        t.checkpointer.store = checkpoint_store(cfg, root)
+        return t
+
+    assert trainer(stop_after=7).fit().stop_reason == "stop_after"
+    moved = offload_checkpoints.fn(cfg, root, "finetune_sql/lora")["moved"]
+    assert "step_00000003/L0.bin" in moved and not (root / "step_00000003/L0.bin").exists()
+    shutil.rmtree(root / "step_00000006")
+    (root / "latest").unlink()
+    resumed = trainer()
+    assert resumed.fit().resumed_from == 3
+    straight = _lora_trainer(data, tmp_path / "straight", 8)
+    straight.fit()
+    a, b = _trained(straight), _trained(resumed)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
