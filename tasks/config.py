@@ -701,8 +701,8 @@ def _resolve_auto_pools(cfg: Config, p: Problems) -> None:
                 f"pools.stages.{stage}",
                 pool,
                 f"no defined pool's GPUs hold {stage}'s {state.total / 1e9:.1f} GB of weights "
-                f"and trainable state ({sec.method}): define a larger pool, raise {stage}.nodes,"
-                " or use lora or qlora",
+                f"and trainable state ({sec.method}) with its activations: define a larger "
+                f"pool, raise {stage}.nodes, lower {stage}.batch_size, or use lora or qlora",
             )
         else:
             cfg.pools.stages[stage] = best.pool
