@@ -541,6 +541,7 @@ def from_dict(
     lines: dict[str, int] | None = None,
     source: str = "params",
     resolve_init: bool = True,
+    check_fit: bool = True,
 ) -> Config:
     """Build and validate a Config from a nested mapping (missing keys take their defaults):
     every section's own checks, then those across sections; every problem at once.
@@ -569,7 +570,7 @@ def from_dict(
         _resolve_auto_pools(cfg, p)
     for stage in cfg.training_stages():
         _check_training_stage(cfg, stage, p)
-        if shapes_valid:
+        if shapes_valid and check_fit:
             _check_fit(cfg, stage, p)
     if cfg.moe.growth.enabled:
         p.require(
@@ -761,8 +762,11 @@ def load_config(
     path: str | Path | None = None,
     overrides: list[str] | tuple[str, ...] = (),
     params: dict[str, Any] | None = None,
+    check_fit: bool = True,
 ) -> Config:
     """Load `path` (default: ./params.yaml if it exists, else the embedded default) + overrides.
+    `check_fit=False` (`moe-pipeline plan`) leaves out the check that each training stage
+    fits its pool's GPUs, so that the plan can show what does.
 
     `params` (a resolved configuration as a mapping, e.g. a flow parameter sent by the
     pipeline to a stage on another machine) takes the place of the file.
@@ -803,7 +807,7 @@ def load_config(
         keys, value = parse_override(item)
         _apply_override(raw, keys, value)
         lines[".".join(keys)] = FROM_SET
-    return from_dict(raw, lines, source, resolve_init=params is None)
+    return from_dict(raw, lines, source, resolve_init=params is None, check_fit=check_fit)
 
 
 def default_yaml() -> str:

@@ -106,10 +106,12 @@ def refusal(
     if mine.fits:
         return None
     other_pools = [f.pool for f in pool_fits(state, sec, pools) if f.fits]
+    adaptable = stage != "pretrain" or bool(model.init)  # adapters need a pretrained model
     other_methods = [
         m
         for m in METHODS
         if m != sec.method
+        and adaptable
         and next(
             f
             for f in pool_fits(needs(model, moe, vocab, sec, m), sec, pools)

@@ -645,3 +645,23 @@ def test_the_predicted_peak_is_within_15_percent_of_a_measured_step(
             activation_bytes(cfg, mcfg, vocab, rows, seq),
         )
         assert abs(predicted - measured) / measured < 0.15, (method, width, predicted, measured)
+
+
+def test_plan_prints_what_fits_where_even_for_a_config_the_check_refuses(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.cli import main
+
+    monkeypatch.chdir(ROOT)  # the project's params.yaml
+    assert main(["plan"]) == 0
+    out = capsys.readouterr().out
+    for stage in ("pretrain", "finetune_sql", "finetune_domain"):
+        assert f"{stage}: pool " in out
+    assert "does not fit" not in out
+    sets = [x for s in BIG for x in ("--set", s)]
+    assert main(["plan", *sets]) == 2
+    out = capsys.readouterr().out
+    assert "qlora" in out and "gpu-4090" in out  # the table, although the config is refused
+    # pretraining from scratch cannot take adapters: no method is offered for it
+    assert "does not fit: pretrain (full)" in out and "methods none on gpu-h100" in out
+    assert "does not fit: finetune_domain (full)" in out and "methods qlora on gpu-4090" in out

@@ -11,12 +11,17 @@ from tasks.config import load_config
 
 
 def plan(args: argparse.Namespace) -> int:
-    cfg = load_config(args.params, args.overrides)
+    cfg = load_config(args.params, args.overrides, check_fit=False)
     vocab = fit.model_vocab(cfg.model, cfg.tokenizer.vocab_size)
+    refused = []
     cur = cfg.cost.currency
     for stage in cfg.training_stages():
         sec = getattr(cfg, stage)
-        print(f"{stage}: pool {cfg.pools.stages[stage]}, method {sec.method}")
+        pool = cfg.pools.stages[stage]
+        print(f"{stage}: pool {pool}, method {sec.method}")
+        why = fit.refusal(stage, cfg.model, cfg.moe, vocab, sec, pool, cfg.pools.definitions)
+        if why:
+            refused.append(why)
         for method in fit.METHODS:
             state = fit.needs(cfg.model, cfg.moe, vocab, sec, method)
             mark = "*" if method == sec.method else " "
@@ -35,4 +40,6 @@ def plan(args: argparse.Namespace) -> int:
         "A stage fits a pool when a share of the weights and state plus its rows' activations "
         "is within 90% of each GPU (moe/train/memory.py; activations in bf16 on a GPU)."
     )
-    return 0
+    for why in refused:  # what `params check` and every stage refuse
+        print(f"does not fit: {why}")
+    return 2 if refused else 0
