@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -411,3 +412,79 @@ def test_qwen3s_own_tokenizer_prepares_into_uint32_token_files(tmp_path: Path) -
     ids = store.tokens[: len(store.tokens)].astype("int64").tolist()
     assert max(ids) > 65_535  # ids a uint16 file would have wrapped
     assert "中国歌手" in tok.decode([i for i in ids if i != sp.eos])
+
+
+K_Q = "model.layers.0.self_attn.q_proj.weight"
+K_O = "model.layers.0.self_attn.o_proj.weight"
+K_E = "model.layers.0.mlp.experts.1.down_proj.weight"
+
+
+def _broken_import(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], break_it: Any
+) -> tuple[int, str]:
+    """`moe-pipeline model import` of transformers' own Qwen3-MoE after `break_it(folder)`,
+    over an --out folder that already holds a model: (exit code, stderr)."""
+    from flows.cli import main
+
+    hf_model("qwen3_moe", tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")  # not read before the weights
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.json").write_text("{}")  # a previous import: left as it is
+    break_it(tmp_path / "hf")
+    capsys.readouterr()  # transformers' own progress bars while the fixture saved
+    code = main(["model", "import", str(tmp_path / "hf"), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert (out / "model.json").read_text() == "{}" and len(list(out.iterdir())) == 1
+    assert not (tmp_path / "out.tmp" / "model.safetensors").exists()
+    return code, err
+
+
+def _rewrite(folder: Path, change: Any) -> None:
+    weights = folder / "model.safetensors"
+    tensors = load_file(str(weights))
+    change(tensors)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "what,change,named",
+    [
+        # q_proj one head short: the q/k/v concatenation would fail inside torch
+        ("q", lambda t: t.update({K_Q: t[K_Q][:-16]}), K_Q),
+        # an expert's down projection of another width
+        ("expert", lambda t: t.update({K_E: t[K_E][:, :-1].contiguous()}), K_E),
+        # the output projection transposed
+        ("o", lambda t: t.update({K_O: t[K_O].t().contiguous()}), K_O),
+    ],
+)
+def test_a_tensor_whose_shape_contradicts_the_config_is_refused_by_name(
+    what: str, change: Any, named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _broken_import(tmp_path, capsys, lambda f: _rewrite(f, change))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), err
+    assert named in lines[0] and "shape" in lines[0] and "Traceback" not in err
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def nan(t: dict) -> None:
+        t[K_E] = t[K_E].clone()
+        t[K_E][3, 2] = float("nan")
+
+    code, err = _broken_import(tmp_path, capsys, lambda f: _rewrite(f, nan))
+    assert code == 2 and err.count("\n") == 1 and K_E in err and "non-finite" in err, err
+
+
+def test_a_truncated_safetensors_file_is_refused_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def truncate(folder: Path) -> None:
+        f = folder / "model.safetensors"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+    code, err = _broken_import(tmp_path, capsys, truncate)
+    assert code == 2 and err.count("\n") == 1 and "model.safetensors" in err, err
+    assert "download it again" in err and "Traceback" not in err

@@ -137,14 +137,39 @@ def _check_complete(folder: Path, missing: list[str], src: Shards) -> None:
         )
 
 
-def _check_shape(folder: Path, arch: Architecture, name: str, want: Any, tensor: Any) -> None:
+def _read(
+    folder: Path, model: MoETransformer, src: Shards, arch: Architecture
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`_our_tensors`, with a shape that config.json contradicts refused by tensor: the
+    readers concatenate and stack (q, k, v; the experts), where a wrong shape would end in
+    torch's own error naming neither the tensor nor the field."""
+    tensors = _our_tensors(model, src, FAMILIES[arch.model_type], arch.upcycled)
+    while True:
+        src.read.clear()
+        try:
+            yield next(tensors)
+        except StopIteration:
+            return
+        except RuntimeError as e:
+            raise refuse(
+                folder,
+                f"tensor {src.last!r} has shape {src.shape(src.last)}, which config.json's "
+                f"fields (hidden_size, heads, head_dim, intermediate sizes, experts) do not "
+                f"give ({str(e).splitlines()[0]})",
+            ) from e
+
+
+def _check_shape(
+    folder: Path, arch: Architecture, name: str, want: Any, tensor: Any, src: Shards
+) -> None:
     if want is None:
         raise refuse(folder, f"internal: no parameter {name} for {arch.model_type}")
     if tuple(want.shape) != tuple(tensor.shape):
+        given = ", ".join(f"{k} {src.shape(k)}" for k in src.read) or name
         raise refuse(
             folder,
-            f"tensor for {name} has shape {tuple(tensor.shape)}, config.json implies"
-            f" {tuple(want.shape)}",
+            f"{given}: shape(s) that config.json's fields do not give: they make"
+            f" {tuple(tensor.shape)} where the config implies {tuple(want.shape)} (our {name})",
         )
 
 
@@ -169,9 +194,9 @@ def load_hf_model(
     buffers = dict(model.named_buffers())
     filled: set[str] = set()
     with torch.no_grad():
-        for name, tensor in _our_tensors(model, src, FAMILIES[arch.model_type], arch.upcycled):
+        for name, tensor in _read(folder, model, src, arch):
             target = params.get(name, buffers.get(name))
-            _check_shape(folder, arch, name, target, tensor)
+            _check_shape(folder, arch, name, target, tensor, src)
             target.copy_(tensor)  # type: ignore[union-attr]
             filled.add(name)
         if arch.upcycled:  # a fresh router for each upcycled layer
@@ -225,8 +250,8 @@ def stream_hf_weights(
         state.pop("lm_head.weight")
     writer = StreamingSafetensors(out, {k: (dtype, tuple(t.shape)) for k, t in state.items()})
     try:
-        for name, tensor in _our_tensors(model, src, FAMILIES[arch.model_type], arch.upcycled):
-            _check_shape(folder, arch, name, state.get(name), tensor)
+        for name, tensor in _read(folder, model, src, arch):
+            _check_shape(folder, arch, name, state.get(name), tensor, src)
             writer.write(name, tensor)
         _write_routers(model, writer, arch.upcycled)
         params = {n for n, _ in model.named_parameters()}

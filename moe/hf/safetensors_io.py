@@ -49,12 +49,19 @@ class Shards:
         for name in files:
             if not (folder / name).is_file():
                 raise refuse(folder, f"{name} is named in the index but missing")
-            self.handles[name] = safe_open(str(folder / name), framework="pt")
+            try:
+                self.handles[name] = safe_open(str(folder / name), framework="pt")
+            except Exception as e:  # safetensors' own error for a damaged header
+                raise refuse(
+                    folder / name, f"not a readable safetensors file ({e}): download it again"
+                ) from e
         self.where = {k: weight_map.get(k) for k in weight_map}
         for name, h in self.handles.items():
             for k in h.keys():
                 self.where[k] = name
         self.used: set[str] = set()
+        self.last = ""  # the tensor read last (what a shape error inside a reader was about)
+        self.read: list[str] = []  # the tensors read since the caller last cleared it
 
     def __contains__(self, key: str) -> bool:
         return key in self.where
@@ -63,7 +70,26 @@ class Shards:
         if key not in self.where:
             raise refuse(self.folder, f"tensor {key!r} is missing from the checkpoint")
         self.used.add(key)
-        return self.handles[self.where[key]].get_tensor(key)
+        self.last = key
+        self.read.append(key)
+        file = self.where[key]
+        try:
+            t = self.handles[file].get_tensor(key)
+        except Exception as e:  # the bytes of a truncated or damaged file
+            raise refuse(
+                self.folder / file, f"tensor {key!r} cannot be read ({e}): download it again"
+            ) from e
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise refuse(
+                self.folder / file,
+                f"tensor {key!r} holds non-finite values (NaN or inf): training would start "
+                "from them; use an undamaged copy of the checkpoint",
+            )
+        return t
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """A tensor's shape from the file's header, without reading the tensor."""
+        return tuple(self.handles[self.where[key]].get_slice(key).get_shape())
 
     def dtype(self, key: str) -> torch.dtype:
         """A tensor's dtype from the file's header, without reading the tensor."""
