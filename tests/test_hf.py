@@ -417,6 +417,7 @@ def test_qwen3s_own_tokenizer_prepares_into_uint32_token_files(tmp_path: Path) -
 K_Q = "model.layers.0.self_attn.q_proj.weight"
 K_O = "model.layers.0.self_attn.o_proj.weight"
 K_E = "model.layers.0.mlp.experts.1.down_proj.weight"
+K_N = "model.norm.weight"
 
 
 def _broken_import(
@@ -488,3 +489,29 @@ def test_a_truncated_safetensors_file_is_refused_naming_the_file(
     code, err = _broken_import(tmp_path, capsys, truncate)
     assert code == 2 and err.count("\n") == 1 and "model.safetensors" in err, err
     assert "download it again" in err and "Traceback" not in err
+
+
+def _edit_config(change: dict) -> Any:
+    def edit(folder: Path) -> None:
+        path = folder / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "break_it,named",
+    [
+        (_edit_config({"num_experts_per_tok": 9}), "9 experts"),
+        (_edit_config({"num_attention_heads": 5}), "num_key_value_heads=2 does not divide"),
+        (
+            lambda f: _rewrite(f, lambda t: t.update({K_N: t[K_N].to(torch.int32)})),
+            "model.norm.weight' is torch.int32",
+        ),
+    ],
+)
+def test_a_config_that_contradicts_itself_or_an_integer_weight_is_refused(
+    break_it: Any, named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _broken_import(tmp_path, capsys, break_it)
+    assert code == 2 and err.count("\n") == 1 and named in err, err

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moe.config import GrowthConfig, ModelConfig, MoEConfig
+from moe.config import GrowthConfig, ModelConfig, MoEConfig, Problems, validate
 from moe.errors import InputError
 from moe.hf.errors import refuse
 from moe.hf.families.protocol import Family, MoEShape
@@ -217,6 +217,37 @@ def _moe_config(moe_defaults: MoEConfig, shape: MoEShape) -> MoEConfig:
     return moe
 
 
+def _check_consistent(
+    path: Path, hf: dict[str, Any], model: ModelConfig, moe: MoEConfig, family: Family
+) -> None:
+    """Fields that contradict each other, refused by their config.json names before any
+    tensor is read; then every range our sections declare (moe/config.py)."""
+    H, KV = model.n_head, model.kv_heads
+    if not family.upcycled and moe.top_k > moe.num_experts:
+        raise refuse(
+            path,
+            f"it routes each token to {moe.top_k} experts (num_experts_per_tok or its "
+            f"family's field) of {moe.num_experts}: more than there are",
+        )
+    if H < 1 or KV < 1 or H % KV:
+        raise refuse(
+            path,
+            f"num_key_value_heads={KV} does not divide num_attention_heads={H}",
+        )
+    if not hf.get("head_dim") and model.d_model % H:
+        raise refuse(
+            path,
+            f"num_attention_heads={H} does not divide hidden_size={model.d_model} and no "
+            "head_dim is given",
+        )
+    p = Problems(filename=str(path))
+    for name, section in (("model", model), ("moe", moe)):
+        with p.section(name):
+            validate(section, p)
+    if p.items:
+        raise refuse(path, "fields out of range, as our model reads them: " + "; ".join(p.items))
+
+
 def read_architecture(folder: Path, moe_defaults: MoEConfig, seq_len: int) -> Architecture:
     """Our ModelConfig and MoEConfig for the Hugging Face model in `folder`. A dense model is
     upcycled with `moe_defaults.num_experts` experts and top_k; routing and balancing knobs
@@ -230,6 +261,7 @@ def read_architecture(folder: Path, moe_defaults: MoEConfig, seq_len: int) -> Ar
     shape = family.moe_shape(hf, dims["n_layer"], moe_defaults)
     model = _model_config(folder, hf, dims, shape, seq_len)
     moe = _moe_config(moe_defaults, shape)
+    _check_consistent(path, hf, model, moe, family)
     ids = {k: hf.get(f"{k}_token_id") for k in ("bos", "eos", "pad")}
     return Architecture(
         family.model_type,

@@ -79,7 +79,13 @@ class Shards:
             raise refuse(
                 self.folder / file, f"tensor {key!r} cannot be read ({e}): download it again"
             ) from e
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if not t.is_floating_point():
+            raise refuse(
+                self.folder / file,
+                f"tensor {key!r} is {t.dtype}, not a floating-point weight: a quantised or "
+                "damaged checkpoint; import the model's float (bf16/fp16/fp32) weights",
+            )
+        if not bool(torch.isfinite(t).all()):
             raise refuse(
                 self.folder / file,
                 f"tensor {key!r} holds non-finite values (NaN or inf): training would start "
