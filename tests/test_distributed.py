@@ -289,13 +289,16 @@ def test_continued_pretraining_of_a_hugging_face_model_runs_sharded(tmp_path: Pa
     """model.init names transformers' own Qwen3-MoE folder and pretrain.nproc is 2: the first
     process streams the import once, each rank reads its part of it into the model built on
     the meta device, and training ends where one process (loading the model whole) ends."""
+    from tokenizers import Tokenizer, models
+
     from moe.hf.model_init import init_architecture
     from tasks.pretraining import pretrain_model
     from tests.test_hf import hf_model
     from tests.test_train import _data
 
     hf_model("qwen3_moe", tmp_path / "hf")
-    (tmp_path / "hf" / "tokenizer.json").write_text("{}")  # model.init requires one
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))  # model.init requires one
     data = _data(tmp_path / "data")
     results = {}
     for nproc in (1, 2):

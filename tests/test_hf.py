@@ -363,11 +363,15 @@ def test_a_refused_streamed_import_leaves_no_file(tmp_path: Path) -> None:
 
 
 def test_import_writes_a_model_folder_with_the_sources_hashes(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models
+
     hf = hf_model("qwen2_moe", tmp_path / "hf")
-    (tmp_path / "hf" / "tokenizer.json").write_text("{}")  # copied as it is
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))  # copied as it is
     source = import_model(tmp_path / "hf", tmp_path / "model", MOE, seq_len=64)
     assert set(source["files"]) >= {"config.json", "model.safetensors", "tokenizer.json"}
-    assert (tmp_path / "model" / "tokenizer.json").read_text() == "{}"
+    copied = (tmp_path / "model" / "tokenizer.json").read_bytes()
+    assert copied == (tmp_path / "hf" / "tokenizer.json").read_bytes()
     ours = load_model_dir(tmp_path / "model", dtype=torch.float32).eval()
     idx = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
@@ -428,7 +432,6 @@ def _broken_import(
     from flows.cli import main
 
     hf_model("qwen3_moe", tmp_path / "hf")
-    (tmp_path / "hf" / "tokenizer.json").write_text("{}")  # not read before the weights
     out = tmp_path / "out"
     out.mkdir()
     (out / "model.json").write_text("{}")  # a previous import: left as it is
@@ -515,3 +518,25 @@ def test_a_config_that_contradicts_itself_or_an_integer_weight_is_refused(
 ) -> None:
     code, err = _broken_import(tmp_path, capsys, break_it)
     assert code == 2 and err.count("\n") == 1 and named in err, err
+
+
+def _duplicate_tensor(folder: Path) -> None:
+    """A second shard that holds a tensor the first holds too."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({K_N: tensors[K_N] * 2}, str(folder / "extra.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "break_it,named",
+    [
+        (_duplicate_tensor, "'model.norm.weight' is in both extra.safetensors and model"),
+        (lambda f: (f / "tokenizer.json").write_text('{"version": "1.0"}'), "tokenizer.json"),
+        (lambda f: (f / "tokenizer_config.json").write_text("[1, 2]"), "not a JSON object"),
+    ],
+)
+def test_a_tensor_held_twice_or_an_unreadable_tokenizer_is_refused(
+    break_it: Any, named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _broken_import(tmp_path, capsys, break_it)
+    assert code == 2 and err.count("\n") == 1 and named in err, err
+    assert not (tmp_path / "out.tmp").exists()  # nothing left half-written

@@ -26,7 +26,7 @@ from moe.hf.families.protocol import Family, LayerNames
 from moe.hf.families.registry import FAMILIES
 from moe.hf.model_dir import write_model_spec
 from moe.hf.safetensors_io import Shards, StreamingSafetensors, shard_files
-from moe.hf.tokenizer_files import copy_tokenizer
+from moe.hf.tokenizer_files import check_tokenizer, copy_tokenizer
 from moe.model.buffers import init_buffers
 from moe.model.transformer import Block, MoELayer, MoETransformer
 
@@ -285,11 +285,16 @@ def import_model(src: Path, out_dir: Path, moe_defaults: MoEConfig, seq_len: int
     inputs = ["config.json", *weights]
     if (src / "model.safetensors.index.json").is_file():
         inputs.append("model.safetensors.index.json")
+    check_tokenizer(src)  # before the weights: a bad file is refused at once
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    # Tensor by tensor into the folder's model.safetensors: never whole in memory.
-    model, arch = stream_hf_weights(src, tmp / "model.safetensors", moe_defaults, seq_len)
+    try:
+        # Tensor by tensor into the folder's model.safetensors: never whole in memory.
+        model, arch = stream_hf_weights(src, tmp / "model.safetensors", moe_defaults, seq_len)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     tokenizer = copy_tokenizer(src, tmp)
     for name in ("generation_config.json",):
         if (src / name).is_file():

@@ -22,6 +22,7 @@ from moe.hf.architecture import read_architecture, read_config
 from moe.hf.families.registry import FAMILIES
 from moe.hf.importer import load_hf_model, stream_hf_weights
 from moe.hf.model_dir import read_model_spec
+from moe.hf.tokenizer_files import check_tokenizer
 from moe.model.buffers import init_buffers
 from moe.model.transformer import MoETransformer
 
@@ -63,6 +64,7 @@ def init_architecture(model: ModelConfig, moe: MoEConfig) -> tuple[ModelConfig, 
             f"model.init = {model.init!r}: no tokenizer.json in it; the model must be trained"
             " with its own tokenizer"
         )
+    check_tokenizer(folder)
     source_type = _source_type(folder)
     balancing = list(moe.balancing)
     # ERNIE-4.5-MoE is the one architecture with a selection bias (export_plan); it has no

@@ -56,8 +56,16 @@ class Shards:
                     folder / name, f"not a readable safetensors file ({e}): download it again"
                 ) from e
         self.where = {k: weight_map.get(k) for k in weight_map}
+        held: dict[str, str] = {}
         for name, h in self.handles.items():
             for k in h.keys():
+                if k in held:  # which copy would be read depends on the order of the files
+                    raise refuse(
+                        folder,
+                        f"tensor {k!r} is in both {held[k]} and {name}: keep one (the index "
+                        "names one file per tensor)",
+                    )
+                held[k] = name
                 self.where[k] = name
         self.used: set[str] = set()
         self.last = ""  # the tensor read last (what a shape error inside a reader was about)
@@ -101,7 +109,14 @@ class Shards:
         """A tensor's dtype from the file's header, without reading the tensor."""
         if key not in self.where:
             raise refuse(self.folder, f"tensor {key!r} is missing from the checkpoint")
-        return DTYPES[self.handles[self.where[key]].get_slice(key).get_dtype()]
+        name = self.handles[self.where[key]].get_slice(key).get_dtype()
+        if name not in DTYPES:
+            raise refuse(
+                self.folder / self.where[key],
+                f"tensor {key!r} is stored as {name}; weights import from "
+                f"{', '.join(sorted(DTYPES))}",
+            )
+        return DTYPES[name]
 
     def unused(self) -> list[str]:
         return sorted(set(self.where) - self.used)

@@ -4,9 +4,14 @@ to load in transformers."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
+
+from tokenizers import Tokenizer
+
+from moe.hf.errors import refuse
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -19,6 +24,24 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "added_tokens.json",
 )
+
+
+def check_tokenizer(src: Path) -> None:
+    """Refuse a tokenizer.json the tokenizers library cannot read, or a tokenizer_config.json
+    that is not a JSON object, naming the file."""
+    tok, config = Path(src) / "tokenizer.json", Path(src) / "tokenizer_config.json"
+    if tok.is_file():
+        try:
+            Tokenizer.from_file(str(tok))
+        except Exception as e:  # the tokenizers library's own parse error
+            raise refuse(tok, f"not a tokenizer the tokenizers library reads ({e})") from e
+    if config.is_file():
+        try:
+            ok = isinstance(json.loads(config.read_text()), dict)
+        except json.JSONDecodeError:
+            ok = False
+        if not ok:
+            raise refuse(config, "not a JSON object")
 
 
 def copy_tokenizer(src: Path, dest: Path) -> list[str]:
