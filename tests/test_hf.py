@@ -540,3 +540,31 @@ def test_a_tensor_held_twice_or_an_unreadable_tokenizer_is_refused(
     code, err = _broken_import(tmp_path, capsys, break_it)
     assert code == 2 and err.count("\n") == 1 and named in err, err
     assert not (tmp_path / "out.tmp").exists()  # nothing left half-written
+
+
+def test_a_stage_started_from_a_broken_folder_is_refused_as_import_refuses_it(
+    tmp_path: Path,
+) -> None:
+    """model.init names a folder with a bad tokenizer: the configuration is refused naming
+    the file; with NaN weights: building the stage's model is refused naming the tensor."""
+    from tokenizers import Tokenizer, models
+
+    from moe.config import ConfigError
+    from moe.hf.model_init import build_init_model
+    from tasks.config import load_config
+
+    hf_model("qwen3_moe", tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text('{"version": "1.0"}')
+    with pytest.raises(ConfigError, match="tokenizer.json: not a tokenizer"):
+        load_config(None, [f"model.init={tmp_path / 'hf'}"])
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+
+    def nan(t: dict) -> None:
+        t[K_E] = t[K_E].clone()
+        t[K_E][0, 0] = float("inf")
+
+    _rewrite(tmp_path / "hf", nan)
+    cfg = load_config(None, [f"model.init={tmp_path / 'hf'}"])
+    with pytest.raises(InputError, match=f"{K_E}.*non-finite"):
+        build_init_model(cfg.model, cfg.moe)
