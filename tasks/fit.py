@@ -102,10 +102,11 @@ def refusal(
     if sec.device == "cpu" or not pool.gpus or not pool.gpu_memory_gib:
         return None
     state = needs(model, moe, vocab, sec)
-    mine = next(f for f in pool_fits(state, sec, pools) if f.pool == pool_name)
+    fits = pool_fits(state, sec, pools)
+    mine = next(f for f in fits if f.pool == pool_name)
     if mine.fits:
         return None
-    other_pools = [f.pool for f in pool_fits(state, sec, pools) if f.fits]
+    other_pools = [f.pool for f in fits if f.fits]
     adaptable = stage != "pretrain" or bool(model.init)  # adapters need a pretrained model
     other_methods = [
         m

@@ -35,7 +35,13 @@ from moe.model.lora import (
 )
 from moe.model.quant import dequantize, is_nf4
 from moe.model.transformer import MoETransformer
-from moe.train.memory import activation_bytes, measure_peak, peak_bytes, state_bytes
+from moe.train.memory import (
+    activation_bytes,
+    measure_peak,
+    peak_bytes,
+    state_bytes,
+    storage_bytes,
+)
 from moe.train.method import apply_method
 from moe.train.trainer import Trainer
 from tasks.publish import export_model_dir
@@ -419,20 +425,13 @@ def test_the_state_a_method_holds_is_counted_from_shapes_as_the_model_holds_it()
                 quantize_base(model, 64)
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             held = sum(
-                sum(b for _, b in _storage(p))
+                sum(b for _, b in storage_bytes(p))
                 for p in {id(p): p for p in model.parameters()}.values()
             )
             assert state.trainable == trainable, (method, lcfg)
             # (NF4 adds constants per tensor, its 16-entry code table and scale means, which
             # weigh ~1% on weights this small)
             assert abs(state.weights - held) / held < 0.02, (method, state.weights, held)
-
-
-def _storage(t: torch.Tensor) -> list[tuple[int, int]]:
-    if is_nf4(t):
-        names, _ = t.__tensor_flatten__()
-        return [x for n in names for x in _storage(getattr(t, n))]
-    return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())]
 
 
 BIG = [  # 24 layers, width 2048, 32 experts of 1024: 5.2B parameters

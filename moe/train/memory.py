@@ -139,11 +139,11 @@ def peak_bytes(state: StateBytes, activations: float, grad_accum: int = 1) -> fl
     return max(during, state.weights + moments + grads)
 
 
-def _storages(t: torch.Tensor) -> list[tuple[int, int]]:
+def storage_bytes(t: torch.Tensor) -> list[tuple[int, int]]:
     """(storage id, bytes) of a tensor, or of a tensor subclass's inner tensors (NF4)."""
     if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
-        return [x for n in names for x in _storages(getattr(t, n))]
+        return [x for n in names for x in storage_bytes(getattr(t, n))]
     st = t.untyped_storage()
     return [(st.data_ptr(), st.nbytes())]
 
@@ -156,14 +156,14 @@ class _LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live: dict[int, int] = {}
         for t in tensors:
-            self.live.update(_storages(t))
+            self.live.update(storage_bytes(t))
         self.peak = sum(self.live.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                for key, n in _storages(t):
+                for key, n in storage_bytes(t):
                     if key not in self.live and n:
                         self.live[key] = n
                         weakref.finalize(t.untyped_storage(), self.live.pop, key, None)
