@@ -278,6 +278,11 @@ class DataConfig:
     # Up to this many sample values of each categorical column in the schema the model reads
     # (0 = none; dropped first when an example does not fit max_len).
     sql_schema_values: int = knob(0, ge=0, le=30)
+    # An example whose database's whole schema does not fit the model gets the tables and
+    # columns its question names (by names and by values the database holds; a training
+    # example keeps its gold SQL's tables), recorded with the example. false = shorten the
+    # whole schema instead (sample values, then types) and refuse what still does not fit.
+    sql_schema_pruning: bool = True
     # Every execution of SQL on the databases (prepare's checks, evaluation, `ask`): a
     # statement running longer or returning more rows counts as failed.
     # Seconds a statement may run before it counts as failed.

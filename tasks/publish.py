@@ -231,13 +231,16 @@ def ask(
     time_limit_s: float = 2.0,
     row_limit: int = 10_000,
     schema_values: int = 0,
+    prune_schema: bool = True,
 ) -> dict[str, Any]:
     """The SQL the model writes for `question` over the database `db` (its schema read from
-    the file as prepare reads it), and the rows that SQL returns on a read-only,
-    time-limited connection."""
+    the file as prepare reads it, pruned to what the question names when the whole schema
+    leaves the answer no room), the rows that SQL returns on a read-only, time-limited
+    connection, and what pruning left out ("" when nothing)."""
     import torch
 
     from moe.sql.prompts import prompt_text
+    from moe.sql.pruning import Pruner
     from moe.sql.records import SqlPair
     from moe.sql.sandbox import (
         ReadOnlyDb,
@@ -249,20 +252,43 @@ def ask(
 
     con = open_checked(db)
     try:
-        schema = serialize_schema(inspect_database(con), SchemaStyle(values=schema_values))
+        full = inspect_database(con)
     finally:
         con.close()
+    style = SchemaStyle(values=schema_values)
     model = load_model_dir(Path(model_dir), dtype=torch.float32).eval()
     tok_path = find_tokenizer(Path(model_dir), data_dir)
     tok = load_tokenizer(tok_path)
     sp = specials(tok, tok_path)
-    pair = SqlPair(question, "", str(db), schema)
-    prompt = [*sp.prefix, *tok.encode(prompt_text(pair), add_special_tokens=False).ids]
+
+    def encode(schema: str) -> list[int]:
+        pair = SqlPair(question, "", str(db), schema)
+        return [*sp.prefix, *tok.encode(prompt_text(pair), add_special_tokens=False).ids]
+
+    # room for the answer as evaluation gives it; a schema that leaves less is pruned to the
+    # tables and columns the question names (with schema pruning on, as prepare does)
+    room_needed = min(max_new_tokens, model.cfg.seq_len // 2)
+    prompt = encode(serialize_schema(full, style))
+    pruned = ""
+    if len(prompt) + room_needed > model.cfg.seq_len and prune_schema:
+        ro = ReadOnlyDb(db, time_limit_s=time_limit_s, row_limit=row_limit)
+        try:
+            cut = Pruner(full, ro).prune(
+                question,
+                style,
+                lambda text: len(encode(text)) + room_needed <= model.cfg.seq_len,
+            )
+        finally:
+            ro.close()
+        if cut is not None:
+            prompt, pruned = encode(cut.text), cut.note
     room = model.cfg.seq_len - len(prompt)
     if room < 1:
         raise InputError(
-            f"the question with the schema of {db} is {len(prompt)} tokens; the model reads"
+            f"the question with the schema of {db} is {len(prompt)} tokens"
+            f"{', even pruned,' if prune_schema else ''} and the model reads"
             f" {model.cfg.seq_len}: ask about a smaller database"
+            + ("" if prune_schema else " or turn data.sql_schema_pruning on")
         )
     from moe.sql.evaluate import stop_ids
 
@@ -271,7 +297,7 @@ def ask(
     sql = tok.decode(out).strip()
     ro = ReadOnlyDb(db, time_limit_s=time_limit_s, row_limit=row_limit)
     try:
-        return {"sql": sql, "outcome": ro.run(sql)}
+        return {"sql": sql, "outcome": ro.run(sql), "pruned": pruned}
     finally:
         ro.close()
 

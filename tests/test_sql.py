@@ -504,8 +504,10 @@ def test_a_schema_that_does_not_fit_is_refused_with_its_numbers(
         limits(tok).count([prompt_text(p) + p.sql + "\n" for p in full.sets["domain_train"]])
     )
     cap = lengths[len(lengths) // 2]  # the median example, with the full schema
-    fits = build_sql_sets(
-        small(), tmp_path / "gen", limits(tok, total=cap, prompt=cap, response=cap)
+    fits = build_sql_sets(  # the stated rule (pruning off): the whole schema shortened
+        small(sql_schema_pruning=False),
+        tmp_path / "gen",
+        limits(tok, total=cap, prompt=cap, response=cap),
     )
     note = next(n for n in fits.notes if n.startswith("domain.sqlite"))
     assert "column types left out" in note and "generated pair(s) longer than" in note
@@ -524,7 +526,9 @@ def test_the_schema_is_shortened_by_the_stated_rule_with_a_note(tmp_path: Path, 
     plain = dataclasses.replace(domain[0], schema=domain[0].schema.split(" [")[0])
     assert count([prompt_text(plain)])[0] < with_values
     short = build_sql_sets(
-        small(sql_schema_values=4), tmp_path / "b", limits(tok, prompt=with_values - 1)
+        small(sql_schema_values=4, sql_schema_pruning=False),
+        tmp_path / "b",
+        limits(tok, prompt=with_values - 1),
     )
     shortened = load_pairs(tmp_path / "b" / "domain_test.jsonl")[0].schema
     assert "[" not in shortened and " int pk" in shortened  # values went, types stayed

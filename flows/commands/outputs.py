@@ -215,7 +215,10 @@ def answer(args: argparse.Namespace) -> int:
         cfg.data.sql_time_limit_s,
         cfg.data.sql_row_limit,
         cfg.data.sql_schema_values,
+        cfg.data.sql_schema_pruning,
     )
+    if got["pruned"]:
+        print(f"-- {got['pruned']}")
     print(got["sql"])
     outcome = got["outcome"]
     if not outcome.ok:

@@ -1,6 +1,8 @@
 """Fitting a database's schema text to the model's lengths: `Limits` (what an example must
 fit) and `fit_schema`, which shortens the schema by the stated rule (sample values first,
-then column types) until every example on the database fits, or says which does not.
+then column types) until every example on the database fits, or, with schema pruning on,
+gives each example that does not fit the part of the schema its question needs
+(moe/sql/pruning.py), or says which does not fit.
 The schema the model reads is serialised from the database itself (moe/sql/sandbox.py),
 once, and stored in each pair: training and evaluation read the same text.
 """
@@ -8,14 +10,17 @@ once, and stored in each pair: training and evaluation read the same text.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe.errors import InputError
 from moe.sql.prompts import prompt_text
+from moe.sql.pruning import Pruned, Pruner, gold_tables
 from moe.sql.records import Record, SqlPair
 from moe.sql.sandbox import SchemaStyle
 
+# The roles whose examples are training examples (the gold SQL's tables are kept when pruned).
+TRAINING_ROLES = ("train", "train_domain")
 # An example too long for its limits: (prompt + answer + end, prompt, answer, role, record)
 _Over = tuple[int, int, int, str, Record]
 
@@ -38,19 +43,38 @@ def _prompt(schema: str, r: Record) -> str:
     return prompt_text(SqlPair(r.question, r.sql, "", schema, evidence=r.evidence))
 
 
+@dataclass
+class Fitted:
+    """One database's schema text for its examples: `text` (shared), a note saying what was
+    left out, the longest example kept, the schema's tokens, the ids of generated records
+    that do not fit even then, and the examples given a pruned schema of their own."""
+
+    text: str
+    note: str | None
+    longest: int
+    schema_tokens: int
+    dropped: set[int]
+    pruned: dict[int, Pruned] = field(default_factory=dict)
+
+
 def fit_schema(
     db: Path,
     schema_of: Callable[[SchemaStyle], str],
     members: list[tuple[str, Record]],
     style: SchemaStyle,
     limits: Limits,
-) -> tuple[str, str | None, int, int, set[int]]:
-    """The schema text for one database: the fullest `style` under which every example on it
-    fits (sample values are dropped first, then column types), a note saying what was left
-    out, the longest example kept, the schema's tokens, and the ids of generated records that
-    do not fit even then (left out, counted by the caller). A pair of the user's or of an
-    outside corpus that does not fit is refused with the numbers. `members` are the
-    records on the database, each with the role whose limits it must fit."""
+    pruner: Pruner | None = None,
+) -> Fitted:
+    """The schema text for one database, fitted to every example on it.
+
+    Without `pruner`: the fullest `style` under which every example fits (sample values are
+    dropped first, then column types). With one: the whole schema at `style` for the
+    examples it fits, and for each other example the schema pruned to what its question
+    needs (moe/sql/pruning.py; a training example keeps its gold SQL's tables), at `style`
+    or, failing that, at the shorter styles. Either way a generated record that fits by no
+    means is left out (its id in `dropped`), and a pair of the user's or of an outside corpus
+    is refused with the numbers. `members` are the records on the database, each with the
+    role whose limits it must fit."""
     first = style
     while True:
         text = schema_of(style)
@@ -59,21 +83,58 @@ def fit_schema(
         over = _too_long(members, prompts, answers, limits)
         schema_tokens = limits.count([text])[0]
         nxt = style.shorter()
-        if not over or nxt is None:
+        if not over or nxt is None or pruner is not None:
             break
         style = nxt
-    _refuse_theirs(db, over, schema_tokens, limits)
+    lengths = {id(r): p + a + 1 for (_, r), p, a in zip(members, prompts, answers, strict=True)}
+    pruned: dict[int, Pruned] = {}
+    if pruner is not None and over:
+        over = _prune(over, style, limits, pruner, pruned, lengths)
+    _refuse_theirs(db, over, schema_tokens, limits, pruner is not None)
     dropped = {id(o[4]) for o in over}
-    longest = max(
-        (
-            p + a + 1
-            for (_, r), p, a in zip(members, prompts, answers, strict=True)
-            if id(r) not in dropped
-        ),
-        default=0,
-    )
+    longest = max((n for i, n in lengths.items() if i not in dropped), default=0)
     note = _note(db, first, style, longest, over, dropped)
-    return text, note, longest, schema_tokens, dropped
+    if pruned:
+        note = (f"{note}; " if note else f"{db.name}: ") + (
+            f"{len(pruned)} example(s) given the schema pruned to what their question needs"
+            f" (the whole schema is {schema_tokens} tokens)"
+        )
+    return Fitted(text, note, longest, schema_tokens, dropped, pruned)
+
+
+def _prune(
+    over: list[_Over],
+    style: SchemaStyle,
+    limits: Limits,
+    pruner: Pruner,
+    pruned: dict[int, Pruned],
+    lengths: dict[int, int],
+) -> list[_Over]:
+    """Prune the schema for each example in `over`; those that fit are added to `pruned`
+    (and their lengths updated), those that fit by no means are returned."""
+    still = []
+    for o in over:
+        _, _, a, role, r = o
+        gold = gold_tables(r.sql, pruner.schema)
+        required = gold if role in TRAINING_ROLES else set()
+
+        def fits(text: str, r: Record = r, a: int = a, role: str = role) -> bool:
+            p = limits.count([_prompt(text, r)])[0]
+            return not _too_long([(role, r)], [p], [a], limits)
+
+        s: SchemaStyle | None = style
+        got = None
+        while s is not None and got is None:
+            got = pruner.prune(r.question, s, fits, required)
+            s = s.shorter()
+        if got is None:  # a test answer longer than its limit lands here too
+            still.append(o)
+            continue
+        got.gold_kept = gold <= set(got.kept_tables)
+        p = limits.count([_prompt(got.text, r)])[0]
+        pruned[id(r)] = got
+        lengths[id(r)] = p + a + 1
+    return still
 
 
 def _too_long(
@@ -86,18 +147,22 @@ def _too_long(
         for (name, r), p, a in zip(members, prompts, answers, strict=True)
         if p > limits.prompt_max
         or p + a + 1 > limits.total_max[name] + 1
-        or (name not in ("train", "train_domain") and a > limits.response_max)
+        or (name not in TRAINING_ROLES and a > limits.response_max)
     ]
 
 
-def _refuse_theirs(db: Path, over: list[_Over], schema_tokens: int, limits: Limits) -> None:
+def _refuse_theirs(
+    db: Path, over: list[_Over], schema_tokens: int, limits: Limits, pruned: bool = False
+) -> None:
     """A pair of the user's or of an outside corpus that does not fit even with the
-    shortest schema: refused, with the numbers of the longest."""
+    shortest schema (or pruned, when pruning is on): refused, with the numbers of the
+    longest (with the whole schema)."""
     theirs = [o for o in over if o[4].where != "generated"]
     if theirs:
         total, p, a, name, r = max(theirs, key=lambda t: t[0])
         raise InputError(
-            f"{r.where} on {db.name}: the example does not fit the model: prompt {p}"
+            f"{r.where} on {db.name}: the example does not fit the model"
+            f"{' even with the schema pruned to its tables' if pruned else ''}: prompt {p}"
             f" tokens (the schema alone {schema_tokens}) + SQL {a} tokens + end = {total};"
             f" allowed: {limits.keys[name]} = {limits.total_max[name]} for prompt + SQL,"
             f" {limits.keys['prompt']} = {limits.prompt_max} for the prompt and"

@@ -32,6 +32,7 @@ class SqlPair:
     evidence: str = ""  # BIRD's external knowledge, given in the prompt
     weight: float = 1.0  # sampling weight in finetuning (user-written domain pairs > 1)
     origin: str = ""  # "FILE, line N" for a pair read from a file, "generated" otherwise
+    pruned: str = ""  # what schema pruning left out of `schema` ("" = the whole schema)
 
     def __post_init__(self) -> None:
         self.kind = self.kind or kind_of(self.sql)
@@ -49,6 +50,8 @@ class SqlPair:
             d["evidence"] = self.evidence
         if self.weight != 1.0:
             d["weight"] = self.weight
+        if self.pruned:
+            d["pruned"] = self.pruned
         return json.dumps(d)
 
 
@@ -91,6 +94,7 @@ def load_pairs(path: Path) -> list[SqlPair]:
                 d.get("evidence", ""),
                 float(d.get("weight", 1.0)),
                 d.get("origin", ""),
+                d.get("pruned", ""),
             )
         )
     if not pairs:

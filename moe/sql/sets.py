@@ -16,6 +16,7 @@ from moe.errors import InputError
 from moe.sql.fitting import Limits, fit_schema
 from moe.sql.generator import KINDS
 from moe.sql.prompts import prompt_text, response_text
+from moe.sql.pruning import Pruned, Pruner
 from moe.sql.records import Databases, Record, SqlPair, settle
 from moe.sql.sandbox import SchemaStyle, copy_database, serialize_schema
 from moe.sql.sources import Split, domain_records, generated_generic, outside_generic
@@ -40,6 +41,8 @@ class SqlSets:
     sources: dict[str, str] = field(default_factory=dict)
     longest: dict[str, int] = field(default_factory=dict)  # tokens, per set
     schema_tokens: dict[str, int] = field(default_factory=dict)  # per database
+    # per set: examples given a pruned schema, and of those how many kept their gold tables
+    pruned: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -56,6 +59,7 @@ class SqlSets:
             "test_pairs_left_out_why": self.dropped[:20],
             "longest_example_tokens": self.longest,
             "schema_tokens": self.schema_tokens,
+            "schema_pruned": self.pruned,
         }
 
 
@@ -84,8 +88,8 @@ def build_sql_sets(d: Any, out_dir: Path, limits: Limits) -> SqlSets:
         }
         result = SqlSets({}, bad, sources={"generic": gsrc, **src}, dropped=result_dropped)
         names = _database_names(raw, dbs_dir)
-        texts, too_long = _fit_schemas(raw, dbs, d.sql_schema_values, limits, names, result)
-        _make_sets(raw, names, texts, too_long, limits, result)
+        texts, too_long, pruned = _fit_schemas(raw, dbs, d, limits, names, result)
+        _make_sets(raw, names, texts, too_long, pruned, limits, result)
     finally:
         dbs.close()
     _write(result, out_dir)
@@ -146,35 +150,40 @@ def _database_names(raw: dict[str, list[Record]], dbs_dir: Path) -> dict[Path, s
 def _fit_schemas(
     raw: dict[str, list[Record]],
     dbs: Databases,
-    schema_values: int,
+    d: Any,
     limits: Limits,
     names: dict[Path, str],
     result: SqlSets,
-) -> tuple[dict[Path, str], set[int]]:
-    """Each database's schema text, fitted to every example on it, and the ids of the
-    generated records that do not fit the model; the notes and schema sizes go to
-    `result`."""
+) -> tuple[dict[Path, str], set[int], dict[int, Pruned]]:
+    """Each database's schema text, fitted to every example on it, the ids of the generated
+    records that do not fit the model, and the examples given a pruned schema (when
+    data.sql_schema_pruning is on); the notes and schema sizes go to `result`."""
     texts: dict[Path, str] = {}
     too_long: set[int] = set()  # generated records that do not fit the model
+    pruned: dict[int, Pruned] = {}
     by_db: dict[Path, list[tuple[str, Record]]] = {}
     for set_name, recs in raw.items():
         for r in recs:
             by_db.setdefault(r.db, []).append((SET_ROLE[set_name], r))
     for db_path, members in by_db.items():
-        schema = dbs.get(db_path).schema()
-        text, note, longest, stoks, dropped = fit_schema(
+        db = dbs.get(db_path)
+        schema = db.schema()
+        pruner = Pruner(schema, db) if d.sql_schema_pruning else None
+        fitted = fit_schema(
             db_path,
             lambda style, s=schema: serialize_schema(s, style),
             members,
-            SchemaStyle(schema_values, True),
+            SchemaStyle(d.sql_schema_values, True),
             limits,
+            pruner,
         )
-        texts[db_path] = text
-        too_long |= dropped
-        result.schema_tokens[names[db_path]] = stoks
-        if note:
-            result.notes.append(note.replace(db_path.name, names[db_path], 1))
-    return texts, too_long
+        texts[db_path] = fitted.text
+        too_long |= fitted.dropped
+        pruned |= fitted.pruned
+        result.schema_tokens[names[db_path]] = fitted.schema_tokens
+        if fitted.note:
+            result.notes.append(fitted.note.replace(db_path.name, names[db_path], 1))
+    return texts, too_long, pruned
 
 
 def _make_sets(
@@ -182,6 +191,7 @@ def _make_sets(
     names: dict[Path, str],
     texts: dict[Path, str],
     too_long: set[int],
+    pruned: dict[int, Pruned],
     limits: Limits,
     result: SqlSets,
 ) -> None:
@@ -196,15 +206,26 @@ def _make_sets(
                 f" the finetune max_len {max(limits.total_max.values())}): raise"
                 " model.seq_len and the finetune stages' max_len"
             )
-        pairs = [
-            SqlPair(r.question, r.sql, names[r.db], texts[r.db], "", r.evidence, r.weight, r.where)
-            for r in recs
-        ]
+        pairs = [_pair(r, names, texts, pruned.get(id(r))) for r in recs]
+        cut = [(r, pruned[id(r)]) for r in recs if id(r) in pruned]
+        if cut:
+            result.pruned[set_name] = {
+                "examples": len(cut),
+                # a test question keeps its gold tables only if its words found them
+                "gold_tables_kept": sum(p.gold_kept for _, p in cut),
+            }
         result.sets[set_name] = pairs
         result.longest[set_name] = max(
             (n + 1 for n in limits.count([prompt_text(p) + response_text(p) for p in pairs])),
             default=0,
         )
+
+
+def _pair(r: Record, names: dict[Path, str], texts: dict[Path, str], cut: Pruned | None) -> SqlPair:
+    schema, note = (texts[r.db], "") if cut is None else (cut.text, cut.note)
+    return SqlPair(
+        r.question, r.sql, names[r.db], schema, "", r.evidence, r.weight, r.where, pruned=note
+    )
 
 
 def _write(result: SqlSets, out_dir: Path) -> None:
