@@ -748,6 +748,9 @@ class EvaluateConfig:
     # 200 generic questions by default). Decoding is batched with a KV cache.
     max_examples: int = knob(0, ge=0, note=" (0 = all)")
     max_new_tokens: int = knob(72, ge=1)  # the longest test answer must fit (prepare checks)
+    # Test-suite accuracy: a right answer must also be right on this many differently filled
+    # copies of its database (moe/sql/testsuite.py; 0 = execution accuracy alone).
+    test_suite: int = knob(3, ge=0, le=20)
     val_batches: int = knob(16, ge=1)  # batches of held-out text per perplexity
     batch_size: int = knob(64, ge=1)  # questions decoded together
     # auto: the GPU when the evaluating machine has one, else the CPU

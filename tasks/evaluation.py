@@ -81,14 +81,17 @@ def evaluate_sql(cfg: Config, data_dir: Path, model_dir: Path) -> dict[str, Any]
                 time_limit_s=cfg.data.sql_time_limit_s,
                 row_limit=cfg.data.sql_row_limit,
                 prefix=sp.prefix,
+                test_suite=cfg.evaluate.test_suite,
             )
             done += len(pairs)
             log.info(
-                "%s on %s: execution accuracy %.3f, valid SQL %.3f, exact match %.3f (%d pairs;"
+                "%s on %s: execution accuracy %.3f, test-suite %s, valid SQL %.3f, exact match"
+                " %.3f (%d pairs;"
                 " %d over the time limit, %d over the row limit, %d denied)",
                 model_dir,
                 SQL_SETS[name],
                 out[name]["execution_accuracy"],
+                out[name].get("test_suite_accuracy", "off"),
                 out[name]["valid_sql"],
                 out[name]["exact_match"],
                 out[name]["examples"],

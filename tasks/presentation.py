@@ -267,6 +267,27 @@ def _bill_lines(ledger: dict[str, Any]) -> list[str]:
     ]
 
 
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _decoding_line(metrics: dict[str, Any], trained: list[str]) -> str:
+    """How the answers were produced and scored (what a reader needs to compare figures)."""
+    d = metrics[trained[-1]]["sql"].get("decoding", {}) if trained else {}
+    suite = d.get("test_suite", 0)
+    return (
+        f"Decoding: greedy, at most {d.get('max_new_tokens', '?')} new tokens, stopping at the"
+        " end token or a newline. Scoring as Spider's evaluator: the same rows as the gold"
+        " query, as multisets (in order when the gold query's outer ORDER BY orders them),"
+        " columns in any order, numbers within 1e-6"
+        + (
+            f"; test-suite accuracy also on {suite} differently filled copies of each database."
+            if suite
+            else "."
+        )
+    )
+
+
 def _model_lines(metrics: dict[str, Any], trained: list[str]) -> list[str]:
     """The report's models: every stage's on the held-out sets, per kind of query, samples.
     The kinds are the ones evaluation reported (in its order): the pipeline report needs no
@@ -279,12 +300,14 @@ def _model_lines(metrics: dict[str, Any], trained: list[str]) -> list[str]:
         "Domain questions (held out), and generic questions never trained on, on the "
         "databases trained on (seen) and on schemas no training pair uses (held out):",
         "",
-        "| model after | val perplexity | valid SQL | execution accuracy | exact match "
-        "| generic exec. (seen DBs) | generic exec. (held-out DBs) |",
-        "|---|---|---|---|---|---|---|",
+        "| model after | val perplexity | valid SQL | execution accuracy | test-suite accuracy "
+        "| exact match | generic exec. (seen DBs) | generic exec. (held-out DBs) |",
+        "|---|---|---|---|---|---|---|---|",
         *(
             f"| {s} | {metrics[s]['val']['perplexity']:.2f} | {metrics[s]['sql']['valid_sql']:.3f}"
-            f" | {metrics[s]['sql']['execution_accuracy']:.3f} | {metrics[s]['sql']['exact_match']:.3f}"
+            f" | {metrics[s]['sql']['execution_accuracy']:.3f}"
+            f" | {_fmt(metrics[s]['sql'].get('test_suite_accuracy'))}"
+            f" | {metrics[s]['sql']['exact_match']:.3f}"
             f" | {_acc(metrics[s], 'generic_seen')} | {_acc(metrics[s], 'generic_heldout')} |"
             for s in trained
         ),
@@ -303,6 +326,8 @@ def _model_lines(metrics: dict[str, Any], trained: list[str]) -> list[str]:
             + " |"
             for s in trained
         ),
+        "",
+        _decoding_line(metrics, trained),
         "",
         "Exact match compares both queries after sqlglot has parsed and normalised them. "
         "Predicted queries stopped by the execution limits (domain set), each counted wrong: "

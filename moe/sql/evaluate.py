@@ -3,6 +3,7 @@ read-only beside the gold query and scored as Spider (and BIRD) score it."""
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from moe.sql.generator import KINDS
 from moe.sql.prompts import prompt_text
 from moe.sql.records import SqlPair
 from moe.sql.sandbox import ReadOnlyDb, normalized_sql, orders, same_result
+from moe.sql.testsuite import build_suite
 
 
 @torch.no_grad()
@@ -36,6 +38,7 @@ def sql_accuracy(
     time_limit_s: float = 2.0,
     row_limit: int = 10_000,
     prefix: list[int] | tuple[int, ...] = (),
+    test_suite: int = 0,
 ) -> dict[str, Any]:
     """Greedy-generate SQL for each pair (in batches, with a KV cache) and score it: valid
     (it runs on the pair's database), execution match (the same rows as the reference, as
@@ -44,15 +47,31 @@ def sql_accuracy(
     Predicted SQL runs on a read-only connection that refuses writes, ATTACH, pragmas and
     extensions, within `time_limit_s` and `row_limit`; what exceeds them counts as wrong
     and is counted (`timeouts`, `row_limits`, `denied`). `progress(n)` hears how many are
-    done. `prefix` (the model's bos, when it wants one) goes before every prompt."""
+    done. `prefix` (the model's bos, when it wants one) goes before every prompt.
+
+    With `test_suite` > 0, also test-suite accuracy: a prediction that matches must match on
+    that many differently filled copies of its database too (moe/sql/testsuite.py), built in
+    a temporary folder from the gold queries of `pairs`."""
     model.eval()
     stop = stop_ids(tok, eot_id)
     keep = model.cfg.seq_len - max_new_tokens  # room for the prompt beside the answer
     if keep < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room in model.seq_len")
     rows: list[dict[str, Any]] = []
-    dbs: dict[str, ReadOnlyDb] = {}
+    dbs: dict[Path, ReadOnlyDb] = {}
+
+    def open_db(path: Path) -> ReadOnlyDb:
+        if path not in dbs:
+            dbs[path] = ReadOnlyDb(path, time_limit_s, row_limit)
+        return dbs[path]
+
+    tmp = tempfile.TemporaryDirectory(prefix="test-suite-") if test_suite else None
+    suites: dict[str, list[Path]] = {}
     try:
+        if tmp is not None:
+            for name in sorted({p.db for p in pairs}):
+                gold = [p.sql for p in pairs if p.db == name]
+                suites[name] = build_suite(db_dir / name, Path(tmp.name), gold, test_suite)
         for lo in range(0, len(pairs), batch_size):
             chunk = pairs[lo : lo + batch_size]
             prompts = [
@@ -61,17 +80,30 @@ def sql_accuracy(
             _refuse_long_prompts(prompts, chunk, keep)
             outs = model.generate_batch(prompts, max_new_tokens, stop)
             for pair, out in zip(chunk, outs, strict=True):
-                if pair.db not in dbs:
-                    dbs[pair.db] = ReadOnlyDb(db_dir / pair.db, time_limit_s, row_limit)
-                rows.append(_score_one(dbs[pair.db], pair, tok.decode(out).split("\n")[0].strip()))
+                predicted = tok.decode(out).split("\n")[0].strip()
+                row = _score_one(open_db(db_dir / pair.db), pair, predicted)
+                if tmp is not None:
+                    copies = [open_db(c) for c in suites[pair.db]]
+                    row["test_suite_match"] = row["execution_match"] and suite_match(
+                        copies, pair.sql, predicted
+                    )
+                rows.append(row)
             if progress:
                 progress(len(rows))
     finally:
         for db in dbs.values():
             db.close()
+        if tmp is not None:
+            tmp.cleanup()
 
     return {
         **_score(rows),
+        "decoding": {
+            "method": "greedy",
+            "max_new_tokens": max_new_tokens,
+            "stop": "end token or newline",
+            "test_suite": test_suite,
+        },
         "by_template": {
             t: _score([r for r in rows if r["template"] == t])
             for t in KINDS
@@ -105,6 +137,11 @@ def _score(rs: list[dict[str, Any]]) -> dict[str, Any]:
         "valid_sql": sum(r["valid"] for r in rs) / n,
         "execution_accuracy": sum(r["execution_match"] for r in rs) / n,
         "exact_match": sum(r["exact"] for r in rs) / n,
+        **(
+            {"test_suite_accuracy": sum(r["test_suite_match"] for r in rs) / n}
+            if rs and "test_suite_match" in rs[0]
+            else {}
+        ),
         **{
             key: sum(r["status"] == status for r in rs)
             for key, status in (
@@ -115,6 +152,20 @@ def _score(rs: list[dict[str, Any]]) -> dict[str, Any]:
             )
         },
     }
+
+
+def suite_match(copies: list[ReadOnlyDb], gold_sql: str, predicted: str) -> bool:
+    """Whether `predicted` returns the gold result on every copy where the gold query runs
+    (a copy where it does not, e.g. over the time limit, cannot tell them apart)."""
+    ordered = orders(gold_sql)
+    for db in copies:
+        gold = db.run(gold_sql)
+        if not gold.ok:
+            continue
+        got = db.run(predicted)
+        if not got.ok or not same_result(got.rows or [], gold.rows or [], ordered=ordered):
+            return False
+    return True
 
 
 def _score_one(db: ReadOnlyDb, pair: SqlPair, predicted: str) -> dict[str, Any]:

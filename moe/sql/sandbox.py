@@ -18,11 +18,12 @@ way to run a statement on it that cannot change, reach beyond or hang on it.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -427,9 +428,33 @@ def same_result(
     abs_tol: float = 1e-9,
 ) -> bool:
     """Spider/BIRD execution match: equal as multisets of rows (as lists when `ordered`),
-    numbers equal within a tolerance (1 and 1.0 are the same answer)."""
+    numbers equal within a tolerance (1 and 1.0 are the same answer), the columns in any order
+    (Spider's rule: `SELECT count(*), name` answers `SELECT name, count(*)`)."""
     if len(predicted) != len(gold):
         return False
+    if not gold:
+        return True
+    width = len(gold[0])
+    if any(len(r) != width for r in predicted):
+        return False
+    for perm in _column_orders(predicted, gold, width):
+        moved = (
+            [tuple(r[i] for i in perm) for r in predicted]
+            if perm != tuple(range(width))
+            else predicted
+        )
+        if _rows_equal(moved, gold, ordered, rel_tol, abs_tol):
+            return True
+    return False
+
+
+def _rows_equal(
+    predicted: list[tuple[Any, ...]],
+    gold: list[tuple[Any, ...]],
+    ordered: bool,
+    rel_tol: float,
+    abs_tol: float,
+) -> bool:
     if not ordered:
 
         def key(row: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -437,10 +462,26 @@ def same_result(
 
         predicted, gold = sorted(predicted, key=key), sorted(gold, key=key)
     return all(
-        len(p) == len(g)
-        and all(_values_equal(a, b, rel_tol, abs_tol) for a, b in zip(p, g, strict=True))
+        all(_values_equal(a, b, rel_tol, abs_tol) for a, b in zip(p, g, strict=True))
         for p, g in zip(predicted, gold, strict=True)
     )
+
+
+def _column_orders(
+    predicted: list[tuple[Any, ...]], gold: list[tuple[Any, ...]], width: int
+) -> Iterator[tuple[int, ...]]:
+    """The orders of the predicted columns worth trying: the identity first, then every
+    permutation that maps each gold column to a predicted column holding the same values."""
+    identity = tuple(range(width))
+    yield identity
+    if width == 1:
+        return
+    col = [sorted(_value_key(r[i]) for r in predicted) for i in range(width)]
+    gcol = [sorted(_value_key(r[i]) for r in gold) for i in range(width)]
+    options = [[j for j in range(width) if col[j] == gcol[i]] for i in range(width)]
+    for perm in itertools.product(*options):
+        if perm != identity and len(set(perm)) == width:
+            yield perm
 
 
 def orders(sql: str) -> bool:
