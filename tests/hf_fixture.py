@@ -15,9 +15,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from moe.data.sources import CorpusStats, iter_documents
 
 
-def make_tokenizer(folder: Path, vocab: int = 1024, extra: int = 0) -> int:
+def make_tokenizer(folder: Path, vocab: int = 1024, extra: int = 0, pad: str | None = None) -> int:
     """Train a BPE on the stdlib corpus, add `extra` tokens, save tokenizer.json and
-    tokenizer_config.json in `folder`. Returns the vocabulary size."""
+    tokenizer_config.json in `folder` (`pad`: its pad_token, e.g. "<extra_0>"; none by
+    default). Returns the vocabulary size."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -41,6 +42,7 @@ def make_tokenizer(folder: Path, vocab: int = 1024, extra: int = 0) -> int:
                 "tokenizer_class": "PreTrainedTokenizerFast",
                 "bos_token": "<s>",
                 "eos_token": "</s>",
+                **({"pad_token": pad} if pad else {}),
                 "add_bos_token": True,
                 "model_max_length": 4096,
             }

@@ -542,6 +542,67 @@ def test_a_tensor_held_twice_or_an_unreadable_tokenizer_is_refused(
     assert not (tmp_path / "out.tmp").exists()  # nothing left half-written
 
 
+INDEX = "model.safetensors.index.json"
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+
+
+def _sharded(folder: Path) -> dict[str, str]:
+    """model.safetensors split in two shards with their index, as transformers writes them
+    (K_N in the second shard); returns the index's weight map."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    names = sorted(tensors, key=lambda k: k == K_N)
+    halves = (names[: len(names) // 2], names[len(names) // 2 :])
+    weight_map = {}
+    for shard, keys in zip(SHARDS, halves, strict=True):
+        save_file({k: tensors[k] for k in keys}, str(folder / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(keys, shard))
+    (folder / "model.safetensors").unlink()
+    _write_index(folder, weight_map)
+    return weight_map
+
+
+def _write_index(folder: Path, weight_map: dict[str, str]) -> None:
+    (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _shard_missing(folder: Path) -> None:
+    _sharded(folder)
+    (folder / SHARDS[0]).unlink()
+
+
+def _tensor_in_the_wrong_shard(folder: Path) -> None:
+    """The index says the first shard holds K_N; the second does."""
+    _write_index(folder, {**_sharded(folder), K_N: SHARDS[0]})
+
+
+def _tensor_in_no_shard(folder: Path) -> None:
+    _write_index(folder, {**_sharded(folder), "model.layers.9.mlp.gate.weight": SHARDS[1]})
+
+
+@pytest.mark.parametrize(
+    "break_it,named",
+    [
+        (_shard_missing, [SHARDS[0], "missing"]),
+        (_tensor_in_the_wrong_shard, [repr(K_N), SHARDS[0], "does not hold it"]),
+        (_tensor_in_no_shard, ["'model.layers.9.mlp.gate.weight'", SHARDS[1]]),
+        (lambda f: (_sharded(f), (f / INDEX).write_text('{"weight_map": ')), ["not JSON"]),
+    ],
+)
+def test_an_index_that_contradicts_its_shards_is_refused_naming_both(
+    break_it: Any, named: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """model.safetensors.index.json names a shard that is not there, maps a tensor to a
+    shard that does not hold it, or is not JSON: refused naming the index and what it
+    names, with nothing left in --out (what the index says is what transformers reads)."""
+    code, err = _broken_import(tmp_path, capsys, break_it)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), err
+    assert str(tmp_path / "hf" / INDEX) in lines[0], err
+    for part in named:
+        assert part in lines[0], err
+    assert not (tmp_path / "out.tmp").exists()
+
+
 def test_a_stage_started_from_a_broken_folder_is_refused_as_import_refuses_it(
     tmp_path: Path,
 ) -> None:

@@ -22,14 +22,22 @@ from moe.hf.errors import refuse
 # safetensors' dtype names
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 SHARD_BYTES = 2 << 30
+INDEX = "model.safetensors.index.json"
 
 
 def shard_files(folder: Path) -> tuple[list[str], dict[str, str]]:
     """The safetensors files of a checkpoint folder (named by its index when it has one) and
     the index's tensor -> file map ({} without an index)."""
-    index = folder / "model.safetensors.index.json"
+    index = folder / INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise refuse(index, f"not JSON with a weight_map ({e})") from e
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise refuse(index, "its weight_map is not a mapping of tensor names to files")
         files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
@@ -48,14 +56,14 @@ class Shards:
         self.handles = {}
         for name in files:
             if not (folder / name).is_file():
-                raise refuse(folder, f"{name} is named in the index but missing")
+                raise refuse(folder / INDEX, f"names the shard {name}, which is missing")
             try:
                 self.handles[name] = safe_open(str(folder / name), framework="pt")
             except Exception as e:  # safetensors' own error for a damaged header
                 raise refuse(
                     folder / name, f"not a readable safetensors file ({e}): download it again"
                 ) from e
-        self.where = {k: weight_map.get(k) for k in weight_map}
+        self.where: dict[str, str] = {}  # tensor -> the file that holds it
         held: dict[str, str] = {}
         for name, h in self.handles.items():
             for k in h.keys():
@@ -67,6 +75,13 @@ class Shards:
                     )
                 held[k] = name
                 self.where[k] = name
+        for k, name in weight_map.items():  # the index is what transformers reads
+            if held.get(k) != name:
+                where = f"it is in {held[k]}" if k in held else "no shard holds it"
+                raise refuse(
+                    folder / INDEX,
+                    f"maps tensor {k!r} to {name}, which does not hold it ({where})",
+                )
         self.used: set[str] = set()
         self.last = ""  # the tensor read last (what a shape error inside a reader was about)
         self.read: list[str] = []  # the tensors read since the caller last cleared it
