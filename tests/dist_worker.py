@@ -3,16 +3,22 @@ torchrun (gloo, CPU), or called in the test's process at world size 1.
 
 `python -m torch.distributed.run --standalone --nproc_per_node N tests/dist_worker.py MODE OUT [ARGS]`
 
-MODE train STORE STEPS STOP EP [DEVICE [FLAGS]]: train (FLAGS: ac, bf16, comma-separated) to STEPS (returning after STOP steps of this call when
-           STOP > 0: a kill), checkpoints every 2 steps under OUT/STORE; rank 0 writes the
-           final weights (gathered) to OUT/STORE.safetensors and the result to OUT/STORE.json.
-           Every rank writes OUT/STORE.rank<R>.json: the elements of model, gradient and
-           optimizer state it holds, and the largest optimizer moment it ever held.
+MODE train STORE STEPS STOP EP [DEVICE [FLAGS]]: train to STEPS (returning after STOP steps
+           of this call when STOP > 0: a kill), checkpoints every 2 steps under OUT/STORE;
+           rank 0 writes the final weights (gathered) to OUT/STORE.safetensors and the
+           result (with every step's gradient norm) to OUT/STORE.json. Every rank writes
+           OUT/STORE.rank<R>.json: the elements of model and optimizer state it holds.
+           FLAGS, comma-separated: ac (activation checkpointing), bf16, lora; aux (the
+           aux-loss balancing, coefficient 0.1, instead of aux-free), clip (grad_clip
+           0.05: binds), cold (the store's cold threshold at the mean load, cold codec
+           lzma: every layer has cold experts); rng (afterwards, the jitter resume check
+           `rng_resume` at the same world and expert degree).
 MODE die:  rank 1 exits hard in the middle of the first step; rank 0 must fail, not hang.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -28,13 +34,16 @@ from moe.config import LoraConfig, ModelConfig, MoEConfig, PretrainConfig
 from moe.model.transformer import MoETransformer
 from moe.train import distributed as D
 from moe.train.method import apply_method
-from moe.train.trainer import Trainer
+from moe.train.trainer import Trainer, TrainResult
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 64
+CLIP = 0.05  # flag clip: under every step's gradient norm (the test checks that it binds)
 
 
-def build(meta: bool = False) -> MoETransformer:
-    """The model, seeded; on the meta device (shapes only) for the sharded engine to fill."""
+def build(meta: bool = False, aux: bool = False, jitter: float = 0.0) -> MoETransformer:
+    """The model, seeded; on the meta device (shapes only) for the sharded engine to fill.
+    aux: the Switch aux loss balances (weighty enough to move the routers), not aux-free;
+    jitter: the routers' input noise (drawn from each rank's torch RNG)."""
     torch.manual_seed(0)
     with torch.device("meta" if meta else "cpu"):
         return MoETransformer(
@@ -43,7 +52,9 @@ def build(meta: bool = False) -> MoETransformer:
                 num_experts=4,
                 top_k=2,
                 expert_hidden=32,
-                balancing=["aux_free", "z_loss", "rebalance"],
+                balancing=["aux_loss", "z_loss"] if aux else ["aux_free", "z_loss", "rebalance"],
+                aux_loss_coef=0.1,
+                jitter=jitter,
             ),
             VOCAB,
         )
@@ -65,6 +76,7 @@ def optim_cfg(
     ac: bool = False,
     bf16: bool = False,
     lora: bool = False,
+    clip: bool = False,
 ) -> PretrainConfig:
     return PretrainConfig(
         method="lora" if lora else "full",
@@ -80,21 +92,34 @@ def optim_cfg(
         expert_parallel=ep,
         activation_checkpoint=ac,
         dtype="bfloat16" if bf16 else "auto",
+        grad_clip=CLIP if clip else 1.0,
     )
 
 
-def held(trainer: Trainer) -> dict[str, int]:
-    """Elements this rank holds: parameters, gradients (after a step, before zeroing: the
-    largest seen) and optimizer moments."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def held(trainer: Trainer) -> dict[str, int | str]:
+    """Elements this rank holds: parameters and optimizer moments; and the digest of its
+    experts' values (the data-parallel copies of an expert agree)."""
 
     def n(t: torch.Tensor) -> int:
-        return (t.to_local() if isinstance(t, DTensor) else t).numel()
+        return _local(t).numel()
 
     params = list(trainer.model.parameters())
     moments = sum(
         n(v) for st in trainer.optimizer.state.values() for k, v in st.items() if k != "step"
     )
-    return {"params": sum(n(p) for p in params), "moments": moments}
+    experts = hashlib.sha256()
+    for name, p in trainer.model.named_parameters():
+        if ".experts." in name:
+            experts.update(_local(p).detach().cpu().numpy().tobytes())
+    return {
+        "params": sum(n(p) for p in params),
+        "moments": moments,
+        "experts_sha": experts.hexdigest(),
+    }
 
 
 def train(
@@ -106,9 +131,13 @@ def train(
     device: str = "cpu",
     flags: tuple[str, ...] = (),
 ) -> None:
-    cfg = optim_cfg(steps, ep, device, "ac" in flags, "bf16" in flags, "lora" in flags)
-    store = CheckpointStore(out / store_name, max_retain=3, background=True)
-    model = build(meta=torch.distributed.is_initialized())
+    cfg = optim_cfg(
+        steps, ep, device, "ac" in flags, "bf16" in flags, "lora" in flags, "clip" in flags
+    )
+    cold = {"cold_threshold": 1.0, "cold_codec": "bg-lzma"} if "cold" in flags else {}
+    store = CheckpointStore(out / store_name, max_retain=3, background=True, **cold)
+    model = build(meta=torch.distributed.is_initialized(), aux="aux" in flags)
+    rows: list[dict] = []
     if "lora" in flags:  # adapters on every target over a frozen base, before sharding
         apply_method(model, cfg, "worker")
     trainer = Trainer(
@@ -121,6 +150,7 @@ def train(
         router_lr_mult=3.0,
         stop_after=stop or None,
         base_sha256="random-base" if "lora" in flags else None,
+        log_fn=rows.append,  # rank 0's metrics rows
     )
     result = trainer.fit()
     store.close()
@@ -143,9 +173,59 @@ def train(
                     "world": result.world,
                     "sharded": trainer.ranks.meshes is not None,
                     "expert_share": result.expert_share,
+                    "grad_norms": [r["grad_norm"] for r in rows if "grad_norm" in r],
                 }
             )
         )
+    if "rng" in flags:
+        rng_resume(out, steps, ep)
+
+
+def _jitter_run(
+    out: Path, store_name: str, steps: int, stop: int, ep: int, seed: int
+) -> tuple[Trainer, TrainResult]:
+    """A jitter-routed run (aux-free balancing), its torch RNG seeded `seed` once the model
+    is built: every rank draws its own router noise."""
+    store = CheckpointStore(out / store_name, max_retain=3, background=True)
+    trainer = Trainer(
+        build(meta=torch.distributed.is_initialized(), jitter=0.2),
+        optim_cfg(steps, ep),
+        Batches(),
+        store,
+        fingerprint="dist-worker-jitter",
+        schedule="cosine",
+        stop_after=stop or None,
+    )
+    torch.manual_seed(seed)
+    result = trainer.fit()
+    store.close()
+    return trainer, result
+
+
+def rng_resume(out: Path, steps: int, ep: int) -> None:
+    """Every rank's RNG carries across a resume: a jitter-routed run killed after step 3
+    (its last checkpoint: step 2) and resumed (its RNG seeded otherwise before the resume
+    restores it) ends bit-identical to the uninterrupted run, on every rank. Each rank
+    writes OUT/rng.rank<R>.json: the local tensors that differ, whether its final RNG state
+    equals the uninterrupted run's, that state's digest, and where the resume began."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    whole, _ = _jitter_run(out, "jit", steps, 0, ep, seed=100 + rank)
+    rng = torch.get_rng_state()
+    _jitter_run(out, "jit_r", steps, 3, ep, seed=100 + rank)  # killed: resumes from step 2
+    again, result = _jitter_run(out, "jit_r", steps, 0, ep, seed=7)
+    want, got = D.unique_state(whole.model), D.unique_state(again.model)
+    local = [(n, _local(want[n]), _local(got[n])) for n in want]
+    (out / f"rng.rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "differ": [n for n, w, g in local if not torch.equal(w, g)],
+                "rng_equal": torch.equal(torch.get_rng_state(), rng),
+                "rng_sha": hashlib.sha256(rng.numpy().tobytes()).hexdigest(),
+                "resumed_from": result.resumed_from,
+                "steps": result.steps,
+            }
+        )
+    )
 
 
 def main() -> None:

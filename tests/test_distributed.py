@@ -207,6 +207,103 @@ def test_a_damaged_shard_falls_back_to_the_previous_checkpoint(runs: Path, tmp_p
     _equal(_weights(tmp_path, "dmg"), _weights(runs, "w2"))
 
 
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One launch at world size 4 with the experts over 2 ranks, so every expert has two
+    data-parallel copies (the only layout where the gradient divisor, the expert gradients'
+    sum over copies and the clipping norm's count of replicated shards each matter): the
+    aux-loss balancing (coefficient 0.1), a clip that binds every step, a store whose
+    every layer has cold experts; then, in the same processes, the jitter resume check
+    (tests/dist_worker.py rng_resume). And world size 1 on the same global batches here."""
+    out = tmp_path_factory.mktemp("dist4")
+    W.train(out, "a1", STEPS, 0, 0, "cpu", ("aux", "clip"))
+    flags = "aux,clip,cold,rng"
+    proc = _torchrun("train", out, "a4", STEPS, 0, 2, "cpu", flags, nproc=4, timeout=420)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def test_the_aux_loss_balances_the_global_batch_at_world_4(world4: Path) -> None:
+    """Each rank routes a quarter of the batch; the aux loss's routed fraction f_E is the
+    whole batch's (counts all-reduced), so its gradient is world size 1's: the routers, the
+    routed shares and the loss end where one process ends."""
+    one, four = (json.loads((world4 / f"{s}.json").read_text()) for s in ("a1", "a4"))
+    assert (four["backend"], four["world"]) == ("gloo", 4)
+    assert four["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert four["expert_share"] == one["expert_share"]  # the same routing, token for token
+    got, want = _weights(world4, "a4"), _weights(world4, "a1")
+    routers = [k for k in want if ".router.gate." in k]
+    assert len(routers) == 2
+    _close({k: got[k] for k in routers}, {k: want[k] for k in routers})
+
+
+def test_expert_gradients_sum_over_the_data_parallel_copies(world4: Path) -> None:
+    """World 4, experts over 2 ranks: an expert's gradient holds its EP group's tokens,
+    summed over the other group and divided by 4. Every parameter ends where world size 1
+    ends, and both copies of each expert stay identical."""
+    _close(_weights(world4, "a4"), _weights(world4, "a1"))
+    sha = [json.loads((world4 / f"a4.rank{r}.json").read_text())["experts_sha"] for r in range(4)]
+    # ranks (0, 2) hold experts 0-1, ranks (1, 3) experts 2-3 (mesh ("dp_mod_ep", "ep") 2x2)
+    assert sha[0] == sha[2] and sha[1] == sha[3] and sha[0] != sha[1]
+
+
+def test_gradient_clipping_at_world_4_clips_what_world_1_clips(world4: Path) -> None:
+    """grad_clip 0.05 binds at every step: the norm (each replicated expert shard counted
+    once) is world size 1's at every step, so is the scale, and so are the weights."""
+    one, four = (json.loads((world4 / f"{s}.json").read_text()) for s in ("a1", "a4"))
+    assert len(four["grad_norms"]) == STEPS and min(one["grad_norms"]) > 4 * W.CLIP
+    assert four["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
+    _close(_weights(world4, "a4"), _weights(world4, "a1"))
+
+
+def test_every_ranks_rng_carries_across_a_resume(world4: Path) -> None:
+    """Router jitter drawn from each rank's own RNG (seeded per rank): killed after step 3,
+    resumed from step 2's sharded checkpoint, every rank ends with the uninterrupted run's
+    weights and RNG state, bit for bit. The ranks' states differ, so restoring one rank's
+    state everywhere would not do."""
+    ranks = [json.loads((world4 / f"rng.rank{r}.json").read_text()) for r in range(4)]
+    for rank, got in enumerate(ranks):
+        assert (got["resumed_from"], got["steps"]) == (2, STEPS), rank
+        assert got["differ"] == [] and got["rng_equal"], (rank, got)
+    assert len({got["rng_sha"] for got in ranks}) == 4
+
+
+def test_cold_experts_of_a_sharded_checkpoint_land_in_the_cold_tier(world4: Path) -> None:
+    """Written at world 4 with the experts over 2 ranks (cold below the layer's mean load,
+    cold codec lzma): each cold expert's rows, weights and AdamW moments, are records of
+    the L2 file of the rank that wrote them, in the cold codec; hot experts' in L1; and the
+    checkpoint reads back whole equal to the final weights."""
+    from moe.checkpoint.manifest import Manifest
+
+    store = CheckpointStore(world4 / "a4")
+    last = store.latest_valid()
+    m = Manifest.read(last)
+    assert m.sharded and m.step == STEPS
+    assert set(m.experts) == {"blocks.0.ffn", "blocks.1.ffn"}
+    for layer, tiers in m.experts.items():
+        assert tiers["cold"] and tiers["hot"], (layer, tiers)
+    experts = [t for t in m.tensors if t.expert is not None]
+    kinds = {(t.group, t.name.rsplit(".", 1)[-1]) for t in experts}
+    assert kinds == {
+        ("model", "w13_EDG"),
+        ("model", "w2_EFD"),
+        ("optimizer", "exp_avg"),
+        ("optimizer", "exp_avg_sq"),
+    }
+    for t in experts:
+        layer = t.name.split(".experts.")[0]
+        tier = "L2" if t.expert in m.experts[layer]["cold"] else "L1"
+        assert (t.tier, t.file[5:], t.codec) == (
+            tier,
+            f"{tier}.bin",
+            "bg-lzma" if tier == "L2" else "bg-zstd",
+        ), t
+    cold_files = {t.file for t in experts if t.tier == "L2"}
+    assert cold_files and all((last / f).is_file() and f in m.files for f in cold_files)
+    assert all(t.tier == "L0" for t in m.tensors if t.expert is None)
+    _equal(store.load(last).model, _weights(world4, "a4"))
+
+
 def test_a_dead_rank_fails_the_run_fast(tmp_path: Path) -> None:
     # Rank 1 vanishes mid-step (os._exit(3)). torchrun notices, stops rank 0 and fails the
     # launch; subprocess.run's timeout (120 s) fails this test (TimeoutExpired) if the launch
@@ -317,3 +414,51 @@ def test_continued_pretraining_of_a_hugging_face_model_runs_sharded(tmp_path: Pa
         load_file(str(tmp_path / "n1" / "model.safetensors")),
     )
     assert not (tmp_path / "n2" / ".init").exists()  # the streamed import is cleaned up
+
+
+def test_a_broken_hugging_face_init_fails_every_rank_at_once(tmp_path: Path) -> None:
+    """model.init names a Hugging Face folder whose q_proj contradicts config.json, and the
+    stage runs on 2 processes (the ranks tasks/launch.py starts, tasks.dist_entry): the first
+    process's import refuses the tensor by name, the other rank learns of it at once and
+    fails too (instead of waiting for a file that never comes), so the launch ends, non-zero,
+    long before any timeout, every rank on its own error."""
+    import re
+    import time
+
+    from tokenizers import Tokenizer, models
+
+    from moe.hf.model_init import init_architecture
+    from tests.test_hf import K_Q, _rewrite, hf_model
+    from tests.test_train import _data
+
+    hf_model("qwen3_moe", tmp_path / "hf")
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    _rewrite(tmp_path / "hf", lambda t: t.update({K_Q: t[K_Q][:-16]}))  # one head short
+    cfg = torchrun_config("cpu")
+    cfg.model.init = str(tmp_path / "hf")
+    cfg.model, cfg.moe = init_architecture(cfg.model, cfg.moe)
+    out = tmp_path / "model"
+    (out / ".dist").mkdir(parents=True)
+    cfg.dump(out / ".dist" / "params.yaml")
+    argv = ["pretrain", out / ".dist" / "params.yaml", _data(tmp_path / "data"), out]
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        # torchrun stops the other rank once one has exited: checked every 2 s (not 0.1 s),
+        # the other rank's own error is printed first even on a loaded machine
+        + ["--monitor-interval=2", "-m", "tasks.dist_entry", *map(str, argv)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,  # a rank left waiting for the streamed file fails the test here
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
+    err = proc.stderr
+    assert proc.returncode != 0 and time.monotonic() - t0 < 200, err[-3000:]
+    # The first process: the refusal the import gives, naming the tensor and the shape.
+    assert re.search(rf"InputError: .*{re.escape(K_Q)}.*shape", err), err[-3000:]
+    # The other rank: its own failure, at once, pointing at the first process's log.
+    assert "the import failed on another machine's first process" in err, err[-3000:]
+    # Nothing half-written: no model, no part of the streamed import.
+    assert not (out / "model.safetensors").exists() and not list(out.glob(".init/*"))
