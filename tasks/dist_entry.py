@@ -16,9 +16,11 @@ import torch.distributed as dist
 import tasks
 
 tasks.offline_defaults()  # before Prefect and W&B read their settings
+from moe.errors import InputError  # noqa: E402
 from moe.train import distributed as D  # noqa: E402
 from tasks.config import load_config  # noqa: E402
 from tasks.finetuning import finetune_model  # noqa: E402
+from tasks.launch import INPUT_ERROR  # noqa: E402
 from tasks.pretraining import pretrain_model  # noqa: E402
 
 
@@ -30,6 +32,7 @@ def main(argv: list[str]) -> int:
     cfg = load_config(params)
     device = cfg.pretrain.device if stage == "pretrain" else getattr(cfg, stage).device
     rank, _ = D.init(timeout_s=300, device=device)
+    refused = out_dir / ".dist" / INPUT_ERROR
     try:
         if stage == "pretrain":
             result = pretrain_model.fn(cfg, data_dir, out_dir, lambda row: None, budget_left)
@@ -39,6 +42,12 @@ def main(argv: list[str]) -> int:
             )
         if rank == 0:
             (out_dir / ".dist" / "result.json").write_text(json.dumps(asdict(result)))
+    except InputError as e:  # the user's input, not a crash: one line, exit 2, no retry
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if rank == 0:
+            refused.parent.mkdir(parents=True, exist_ok=True)
+            refused.write_text(str(e))
+        return 2
     finally:
         dist.destroy_process_group()
     return 0

@@ -75,6 +75,11 @@ def processes(cfg: Config, stage: str) -> int:
     return n
 
 
+# What rank 0 of a torchrun writes when the stage refused its input (moe.errors.InputError):
+# the launcher raises the same InputError, so the task is not retried.
+INPUT_ERROR = "input_error.txt"
+
+
 def torchrun(
     cfg: Config,
     stage: str,
@@ -97,12 +102,17 @@ def torchrun(
     cfg.dump(work / "params.yaml")
     result_file = work / "result.json"
     result_file.unlink(missing_ok=True)
+    refused = work / INPUT_ERROR
+    refused.unlink(missing_ok=True)
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
+        # once one rank has exited, torchrun stops the others at its next check: every 2 s
+        # (not 0.1 s), so each rank's own error reaches the log first
+        "--monitor-interval=2",
         "-m",
         "tasks.dist_entry",
         stage,
@@ -118,6 +128,8 @@ def torchrun(
 
     env = {**os.environ, "MOE_ATTEMPT_STARTED": str(psutil.Process().create_time())}
     proc = subprocess.run(cmd, cwd=Path.cwd(), env=env)
+    if refused.is_file():
+        raise InputError(refused.read_text())
     if proc.returncode != 0 or not result_file.is_file():
         raise RuntimeError(
             f"{stage} under torchrun ({nproc} processes) failed with exit code "
