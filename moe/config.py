@@ -338,6 +338,9 @@ class TokenizerConfig:
         50_000_000, ge=0, note=" (0 = all)"
     )  # train the BPE on at most this much of the corpus (0 = all)
     path: str = ""  # an existing tokenizer.json to use instead of training one
+    # With tokenizer.path (a model's own tokenizer): ask the model in its chat template when
+    # it has one (chat_template.jinja beside it), in finetuning, evaluation and `ask` alike.
+    chat_template: bool = True
 
     def check(self, p: Problems) -> None:
         if self.path:

@@ -65,8 +65,19 @@ def build_tokenizer(cfg: Config, work: Path) -> Path:
         config = Path(cfg.tokenizer.path).with_name("tokenizer_config.json")
         if config.is_file():
             shutil.copyfile(config, work / "tokenizer_config.json")
+            c = json.loads(config.read_text())
+            if not cfg.tokenizer.chat_template and "chat_template" in c:
+                del c["chat_template"]
+                (work / "tokenizer_config.json").write_text(json.dumps(c, indent=2))
         else:
             (work / "tokenizer_config.json").unlink(missing_ok=True)
+        # ... and its chat template, in which every stage asks it (moe/data/tokenizer.py)
+        for name in ("chat_template.jinja", "chat_template.json"):
+            src = Path(cfg.tokenizer.path).with_name(name)
+            if cfg.tokenizer.chat_template and src.is_file():
+                shutil.copyfile(src, work / name)
+            else:
+                (work / name).unlink(missing_ok=True)
         return out
     stats = CorpusStats()
     t0 = time.perf_counter()
@@ -167,7 +178,8 @@ def build_sql_sets(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, A
     meta.json records under `sql`: counts per set and kind, sources, skipped records,
     schema notes and token lengths."""
     tok = load_tokenizer(tokenizer_path)
-    prefix = len(specials(tok, tokenizer_path).prefix)  # a bos the model wants in front
+    sp = specials(tok, tokenizer_path)
+    prefix = len(sp.prefix)  # a bos the model wants in front
     budget = cfg.model.seq_len - cfg.evaluate.max_new_tokens
     if budget < 1:
         raise InputError(
@@ -182,6 +194,7 @@ def build_sql_sets(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, A
         ),
         prompt_max=budget,
         response_max=cfg.evaluate.max_new_tokens,
+        wrap=sp.chat,
         total_max={
             "train": cfg.finetune_sql.max_len,
             "generic": cfg.finetune_sql.max_len,

@@ -82,6 +82,7 @@ def evaluate_sql(cfg: Config, data_dir: Path, model_dir: Path) -> dict[str, Any]
                 row_limit=cfg.data.sql_row_limit,
                 prefix=sp.prefix,
                 test_suite=cfg.evaluate.test_suite,
+                chat=sp.chat,
             )
             done += len(pairs)
             log.info(

@@ -33,11 +33,12 @@ log = logging.getLogger(__name__)
 
 
 def sft_examples(path: Path, tok: Any, sp: Specials) -> list[SFTExample]:
-    """Prompt (after the model's bos, if it wants one) and answer ending in eos; nothing the
-    tokenizer's post-processor would add in the middle."""
+    """Prompt (after the model's bos, if it wants one; in its chat template, if it has one)
+    and answer ending in eos; nothing the tokenizer's post-processor would add in the
+    middle."""
     return [
         SFTExample(
-            [*sp.prefix, *encode_ids(tok, prompt_text(p))],
+            [*sp.prefix, *encode_ids(tok, sp.chat(prompt_text(p)))],
             [*encode_ids(tok, response_text(p)), sp.eos],
             p.weight,
         )

@@ -263,7 +263,7 @@ def ask(
 
     def encode(schema: str) -> list[int]:
         pair = SqlPair(question, "", str(db), schema)
-        return [*sp.prefix, *tok.encode(prompt_text(pair), add_special_tokens=False).ids]
+        return [*sp.prefix, *tok.encode(sp.chat(prompt_text(pair)), add_special_tokens=False).ids]
 
     # room for the answer as evaluation gives it; a schema that leaves less is pruned to the
     # tables and columns the question names (with schema pruning on, as prepare does)

@@ -4,16 +4,19 @@ A tokenizer we trained has two special tokens, EOT and PAD. A model's own tokeni
 imported Hugging Face model: tokenizer.json beside tokenizer_config.json) names its special
 tokens in tokenizer_config.json; `specials` reads them from there, never assumes literals.
 Every text is encoded without the tokenizer's post-processor (no BOS or EOS added inside an
-example); where a model wants a BOS, the caller puts `Specials.prefix` in front.
+example); where a model wants a BOS, the caller puts `Specials.prefix` in front. A model
+whose tokenizer carries a chat template is asked in it (`Specials.chat`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -69,10 +72,57 @@ class Specials:
     pad: int  # fills batches (the eos id when the tokenizer has no pad token)
     bos: int | None = None
     add_bos: bool = False  # the model expects bos in front of every sequence
+    # the model's own chat template (chat_template.jinja beside tokenizer.json, or
+    # tokenizer_config.json's "chat_template"), and the texts of its bos and eos
+    chat_template: str | None = None
+    bos_text: str = ""
+    eos_text: str = ""
 
     @property
     def prefix(self) -> list[int]:
+        if self.chat_template and "bos_token" in self.chat_template:
+            return []  # the template writes its own bos
         return [self.bos] if self.add_bos and self.bos is not None else []
+
+    def chat(self, prompt: str) -> str:
+        """`prompt` as the user's turn of the model's chat template, ready for the
+        assistant's answer (as transformers' apply_chat_template with
+        add_generation_prompt=True renders it); `prompt` itself without a template."""
+        if not self.chat_template:
+            return prompt
+        return _template(self.chat_template).render(
+            messages=[{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            bos_token=self.bos_text,
+            eos_token=self.eos_text,
+        )
+
+
+@functools.lru_cache(maxsize=4)
+def _template(source: str) -> Any:
+    """A chat template compiled the way transformers compiles it (a sandboxed jinja2
+    environment, trim_blocks and lstrip_blocks)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(source)
+
+
+def read_chat_template(folder: Path) -> str | None:
+    """The chat template a tokenizer folder carries, or None."""
+    jinja = Path(folder) / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        f = Path(folder) / name
+        if f.is_file():
+            try:
+                t = json.loads(f.read_text()).get("chat_template")
+            except (json.JSONDecodeError, AttributeError):
+                t = None
+            if isinstance(t, str):
+                return t
+    return None
 
 
 def _token_text(value: object) -> str | None:
@@ -111,6 +161,9 @@ def specials(tok: Tokenizer, path: str | Path) -> Specials:
         pad=ids["pad"] if ids["pad"] is not None else ids["eos"],  # type: ignore[arg-type]
         bos=ids["bos"],
         add_bos=bool(c.get("add_bos_token", False)) and ids["bos"] is not None,
+        chat_template=read_chat_template(path.parent),
+        bos_text=_token_text(c.get("bos_token")) or "",
+        eos_text=_token_text(c.get("eos_token")) or "",
     )
 
 

@@ -39,6 +39,7 @@ def sql_accuracy(
     row_limit: int = 10_000,
     prefix: list[int] | tuple[int, ...] = (),
     test_suite: int = 0,
+    chat: Callable[[str], str] = str,
 ) -> dict[str, Any]:
     """Greedy-generate SQL for each pair (in batches, with a KV cache) and score it: valid
     (it runs on the pair's database), execution match (the same rows as the reference, as
@@ -47,7 +48,8 @@ def sql_accuracy(
     Predicted SQL runs on a read-only connection that refuses writes, ATTACH, pragmas and
     extensions, within `time_limit_s` and `row_limit`; what exceeds them counts as wrong
     and is counted (`timeouts`, `row_limits`, `denied`). `progress(n)` hears how many are
-    done. `prefix` (the model's bos, when it wants one) goes before every prompt.
+    done. `prefix` (the model's bos, when it wants one) goes before every prompt, and `chat`
+    renders it in the model's chat template when it has one.
 
     With `test_suite` > 0, also test-suite accuracy: a prediction that matches must match on
     that many differently filled copies of its database too (moe/sql/testsuite.py), built in
@@ -75,7 +77,8 @@ def sql_accuracy(
         for lo in range(0, len(pairs), batch_size):
             chunk = pairs[lo : lo + batch_size]
             prompts = [
-                [*prefix, *tok.encode(prompt_text(p), add_special_tokens=False).ids] for p in chunk
+                [*prefix, *tok.encode(chat(prompt_text(p)), add_special_tokens=False).ids]
+                for p in chunk
             ]
             _refuse_long_prompts(prompts, chunk, keep)
             outs = model.generate_batch(prompts, max_new_tokens, stop)

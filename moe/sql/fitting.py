@@ -37,10 +37,12 @@ class Limits:
     response_max: int
     total_max: dict[str, int]
     keys: dict[str, str]
+    # the prompt as the model reads it (its chat template, moe/data/tokenizer.py Specials.chat)
+    wrap: Callable[[str], str] = str
 
 
-def _prompt(schema: str, r: Record) -> str:
-    return prompt_text(SqlPair(r.question, r.sql, "", schema, evidence=r.evidence))
+def _prompt(schema: str, r: Record, limits: Limits) -> str:
+    return limits.wrap(prompt_text(SqlPair(r.question, r.sql, "", schema, evidence=r.evidence)))
 
 
 @dataclass
@@ -78,7 +80,7 @@ def fit_schema(
     first = style
     while True:
         text = schema_of(style)
-        prompts = limits.count([_prompt(text, r) for _, r in members])
+        prompts = limits.count([_prompt(text, r, limits) for _, r in members])
         answers = limits.count([r.sql + "\n" for _, r in members])
         over = _too_long(members, prompts, answers, limits)
         schema_tokens = limits.count([text])[0]
@@ -119,7 +121,7 @@ def _prune(
         required = gold if role in TRAINING_ROLES else set()
 
         def fits(text: str, r: Record = r, a: int = a, role: str = role) -> bool:
-            p = limits.count([_prompt(text, r)])[0]
+            p = limits.count([_prompt(text, r, limits)])[0]
             return not _too_long([(role, r)], [p], [a], limits)
 
         s: SchemaStyle | None = style
@@ -131,7 +133,7 @@ def _prune(
             still.append(o)
             continue
         got.gold_kept = gold <= set(got.kept_tables)
-        p = limits.count([_prompt(got.text, r)])[0]
+        p = limits.count([_prompt(got.text, r, limits)])[0]
         pruned[id(r)] = got
         lengths[id(r)] = p + a + 1
     return still

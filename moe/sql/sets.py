@@ -216,7 +216,12 @@ def _make_sets(
             }
         result.sets[set_name] = pairs
         result.longest[set_name] = max(
-            (n + 1 for n in limits.count([prompt_text(p) + response_text(p) for p in pairs])),
+            (
+                n + 1
+                for n in limits.count(
+                    [limits.wrap(prompt_text(p)) + response_text(p) for p in pairs]
+                )
+            ),
             default=0,
         )
 
