@@ -142,6 +142,12 @@ def test_an_upcycled_dense_model_computes_the_dense_function_at_step_0(tmp_path:
         assert float(ours.moe_layers[0].router.gate.weight.detach().std()) > 0
     with pytest.raises(InputError, match="top_k >= 2"):
         load_hf_model(tmp_path / "hf", MoEConfig(num_experts=4, top_k=1), seq_len=64)
+    # moe.num_experts = 1 keeps it dense: no router, the checkpoint's own feed-forwards
+    ours, arch = load_hf_model(tmp_path / "hf", MoEConfig(num_experts=1, top_k=1), seq_len=64)
+    assert not ours.moe_layers and ours.cfg.dense_layers == [0, 1, 2]
+    idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert float((ours.eval()(idx)[0] - hf_logits(hf, idx)).abs().max()) < 1e-5
 
 
 def perturbed(model: MoETransformer) -> MoETransformer:

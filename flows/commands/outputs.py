@@ -177,7 +177,9 @@ def model_import(args: argparse.Namespace) -> int:
     from moe.hf.importer import import_model
 
     source = import_model(args.dir, args.out, cfg.moe, cfg.model.seq_len)
-    how = " (dense, upcycled)" if source["upcycled"] else ""
+    how = ""
+    if source["upcycled"]:
+        how = " (dense, kept dense)" if cfg.moe.num_experts == 1 else " (dense, upcycled)"
     print(
         f"{source['model_type']}{how}: {args.dir} -> {args.out} in"
         f" {time.perf_counter() - t0:.1f}s; start from it with --set model.init={args.out}"
