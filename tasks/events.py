@@ -42,9 +42,14 @@ def emit(
     this runs in); returns the event, or None when there is no flow run or it was not sent.
     `once` names what the event is about when it may be emitted twice (two runs of the same
     automation): the event's id is derived from it, and the server keeps one."""
+    from prefect.context import FlowRunContext, TaskRunContext
     from prefect.events import emit_event
     from prefect.runtime import flow_run as current
 
+    if flow_run is None and FlowRunContext.get() is None and TaskRunContext.get() is None:
+        # not in a run (a torchrun rank, a node's pod), even where the worker's
+        # PREFECT__FLOW_RUN_ID was inherited: the parent replays its rows, and emits them once
+        return None
     run_id, run_name = flow_run or (current.get_id(), current.get_name())
     if not run_id:
         return None

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import Config
+from tasks.config import Config, load_config
 from tasks.cost import cost_ledger, phase_costs, storage_costs
 from tasks.presentation import plot_cost
 
@@ -38,6 +38,46 @@ def test_budget_alert_on_a_tiny_budget() -> None:
     cfg.cost.budget = 0.3
     ledger = cost_ledger(cfg, _records())
     assert ledger["budget_alert"] is True and ledger["budget_used"] > 1
+
+
+def test_stages_that_share_a_pool_are_billed_together_on_it() -> None:
+    """The shipped params.yaml puts several stages on one pool (prepare and publish on cpu):
+    that pool's line of the bill is the sum of its stages, not the last one's cost."""
+    from tests.conftest import ROOT
+
+    cfg = load_config(ROOT / "params.yaml")
+    stages = cfg.pools.stages
+    costs = {s: 0.001 * (i + 1) for i, s in enumerate(stages)}  # each stage its own figure
+    records = [
+        {"stage": s, "pool": pool, "wall_s": 60.0, "cost": costs[s]} for s, pool in stages.items()
+    ]
+    shared = {p for p in stages.values() if list(stages.values()).count(p) > 1}
+    assert shared, "params.yaml no longer puts two stages on one pool: pick records that do"
+    ledger = cost_ledger(cfg, records)
+    assert set(ledger["by_pool"]) == set(stages.values())
+    for pool in stages.values():
+        on_it = [costs[s] for s, p in stages.items() if p == pool]
+        assert ledger["by_pool"][pool] == pytest.approx(sum(on_it)), (pool, on_it)
+
+
+@pytest.mark.parametrize(
+    ("spend", "alert"),
+    [(0.79, False), (0.8, True), (0.85, True), (0.99, True), (1.2, True), (0.1, False)],
+)
+def test_the_budget_alert_fires_at_its_fraction_not_only_past_the_budget(
+    spend: float, alert: bool
+) -> None:
+    """alert_fraction 0.8 of a budget of 1: a spend of 0.8 up to the budget already raises
+    the alert (what a user sets alert_fraction for); below 0.8 it does not."""
+    cfg = Config()
+    cfg.cost.budget, cfg.cost.alert_fraction = 1.0, 0.8
+    records = [
+        {"stage": "prepare", "pool": "cpu", "wall_s": 10.0, "cost": spend / 2},
+        {"stage": "pretrain", "pool": "gpu-h100", "wall_s": 10.0, "cost": spend / 2},
+    ]
+    ledger = cost_ledger(cfg, records)
+    assert ledger["budget_used"] == pytest.approx(spend)
+    assert ledger["budget_alert"] is alert, ledger
 
 
 def test_each_phase_is_billed_by_value_on_a_known_schedule() -> None:

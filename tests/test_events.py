@@ -96,6 +96,60 @@ def test_the_budget_alert_and_stop_are_events_of_the_stage_run(api: str, tmp_pat
     assert stop.payload["reason"].startswith("budget")
 
 
+def test_a_stage_under_torchrun_emits_its_budget_and_early_stop_events_once(
+    api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pretrain.nproc 2: the training runs in torchrun's rank processes, outside the flow
+    run, yet the stage's run has its budget alert and its early stop, each once, with the
+    rank's figures. The run is started as a process worker starts a deployment's run: its
+    id and the API in the environment, which the ranks inherit. Any spend raises the alert
+    (alert_fraction 1e-9 of 1.0 left) and the time budget (1e-9 s) stops after step 1, so
+    both come at step 1 on any machine."""
+    from prefect import flow
+    from prefect.events import emit_event
+    from prefect.runtime import flow_run
+
+    from tasks.events import EARLY_STOP
+    from tasks.launch import processes
+    from tasks.pretraining import pretrain_model
+    from tests.test_distributed import torchrun_config
+    from tests.test_train import _data
+
+    cfg = torchrun_config("cpu")  # gloo on CPU, GPU host or not
+    cfg.pretrain.time_budget_s = 1e-9
+    cfg.cost.alert_fraction = 1e-9
+    assert processes(cfg, "pretrain") == 2
+    data = _data(tmp_path / "data")
+    rows: list[dict] = []
+
+    @flow(name="pretrain-under-torchrun")
+    def stage() -> tuple[str, Any]:
+        run_id = str(flow_run.get_id())
+        monkeypatch.setenv("PREFECT__FLOW_RUN_ID", run_id)
+        monkeypatch.setenv("PREFECT_API_URL", api)
+        return run_id, pretrain_model.fn(cfg, data, tmp_path / "model", rows.append, 1.0)
+
+    run_id, result = stage()
+    assert result.world == 2 and result.steps == 1
+    assert result.stop_reason.startswith("time budget")
+    # the ranks' rows reached the stage (replayed): the alert and the stop among them
+    assert [r["step"] for r in rows if "budget_alert" in r or "early_stop" in r] == [1, 1]
+    # a marker after both: once it is stored, so is every event sent before it
+    emit_event(
+        event="moe.test.marker", resource={"prefect.resource.id": f"prefect.flow-run.{run_id}"}
+    )
+    events_of(run_id, ["moe.test.marker"], want=1)
+    got = events_of(run_id, [BUDGET_ALERT, BUDGET_STOP, EARLY_STOP], want=2)
+    assert [e.event for e in got] == [BUDGET_ALERT, EARLY_STOP], [e.payload for e in got]
+    alert, stopped = got
+    for e in got:
+        assert e.resource.id == f"prefect.flow-run.{run_id}"
+        assert e.payload["stage"] == "pretrain" and e.payload["pool"] == "gpu-h100"
+        assert e.payload["step"] == 1
+    assert 0 < alert.payload["cost"] < 1.0 and alert.payload["budget_left"] == 1.0
+    assert stopped.payload["reason"].startswith("time budget")
+
+
 class _Hook(BaseHTTPRequestHandler):
     received: list[dict] = []
 
@@ -107,6 +161,36 @@ class _Hook(BaseHTTPRequestHandler):
 
     def log_message(self, *args: object) -> None:
         pass
+
+
+def _automation_loaded(timeout: float = 120) -> None:
+    """The alert automation is loaded by the server's trigger service (which reads new ones
+    some time after they are stored, and matches only events that arrive after): probe
+    budget alerts about a flow run of no one's, one every few seconds, until one reaches the
+    webhook. A condition; the timeout bounds the wait."""
+    import uuid
+
+    from prefect.events import emit_event
+
+    deadline = time.monotonic() + timeout
+    while True:
+        emit_event(
+            event=BUDGET_ALERT,
+            resource={"prefect.resource.id": f"prefect.flow-run.{uuid.uuid4()}"},
+            payload={"stage": "probe", "message": "is the automation loaded?"},
+        )
+        _flush_events()
+        wait = time.monotonic() + 3
+        while time.monotonic() < wait:
+            if any("(probe)" in r["subject"] for r in _Hook.received):
+                return
+            time.sleep(0.1)
+        assert time.monotonic() < deadline, "the server never ran the alert automation"
+
+
+def _from_runs() -> list[dict]:
+    """What the webhook received about real runs (not _automation_loaded's probes)."""
+    return [r for r in _Hook.received if "(probe)" not in r["subject"]]
 
 
 def test_the_alert_automation_sends_a_budget_alert_to_a_block(
@@ -143,12 +227,12 @@ def test_the_alert_automation_sends_a_budget_alert_to_a_block(
             assert len(client.read_automations_by_name(ALERT)) == 1
         r = pipeline_cli(["alerts", "install", "--block", "custom-webhook/nope"], tmp_path, env)
         assert r.returncode == 2 and "no notification block custom-webhook/nope" in r.stderr
-        time.sleep(2)  # the server loads new automations before it matches events to them
+        _automation_loaded()  # the server matches events to an automation once it loaded it
         run_id, _ = _budgeted_training(tmp_path)
         deadline = time.monotonic() + 90  # a bound on the wait, not the verdict
-        while not _Hook.received and time.monotonic() < deadline:
+        while not _from_runs() and time.monotonic() < deadline:
             time.sleep(0.5)
-        [sent] = _Hook.received
+        [sent] = _from_runs()
         assert "moe.budget.alert" in sent["subject"] and "(pretrain)" in sent["subject"]
         assert "stage pretrain on pool gpu-h100" in sent["text"], sent
         assert "cost so far 8" in sent["text"] or "cost so far 9" in sent["text"], sent
@@ -177,18 +261,34 @@ def test_a_completed_stage_is_an_event_with_its_figures_and_cost(
     params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), tiny_params())
     params["data"].update(source="corpus.txt", doc_max_bytes=512)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    prepare = STAGE_FLOWS["prepare"].with_options(flow_run_name="prepare-for-events")
-    result = prepare(params_file="params.yaml")
-    with get_client(sync_client=True) as client:
-        [fr] = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["prepare-for-events"]))
+    results, events = {}, {}
+    for stage in ("prepare", "publish"):  # publish's figures include floats (its ratio, seconds)
+        name = f"{stage}-for-events-{tmp_path.name}"
+        results[stage] = STAGE_FLOWS[stage].with_options(flow_run_name=name)(
+            params_file="params.yaml"
         )
-    [done] = events_of(fr.id, [STAGE_COMPLETED], want=1)
-    assert done.resource["moe.stage"] == "prepare" and done.payload["pool"] == "cpu"
-    assert done.payload["cost"] > 0 and done.payload["wall_s"] > 0
-    figures = done.payload["figures"]
-    assert figures and all(figures[k] == v for k, v in result.items() if k in figures)
-    assert "completed on pool cpu" in done.payload["message"]
+        with get_client(sync_client=True) as client:
+            [fr] = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name]))
+            )
+        [events[stage]] = events_of(fr.id, [STAGE_COMPLETED], want=1)
+    for stage, done in events.items():
+        result, out = results[stage], {"prepare": "data/prepared", "publish": "data/published"}
+        record = json.loads((tmp_path / out[stage] / "lineage.json").read_text())
+        assert done.resource["moe.stage"] == stage and done.payload["pool"] == "cpu"
+        assert "completed on pool cpu" in done.payload["message"]
+        # the figures as the stage made them: every scalar, each of its own type (a float
+        # stays a float, not an int, a string or left out)
+        figures = done.payload["figures"]
+        scalars = {k: v for k, v in result.items() if isinstance(v, (int, float, str, bool))}
+        assert figures == scalars
+        assert {k: type(v) for k, v in figures.items()} == {k: type(v) for k, v in scalars.items()}
+        for key in ("cost", "wall_s"):  # the lineage record's figures, as floats
+            assert isinstance(done.payload[key], float), (key, done.payload[key])
+            assert done.payload[key] == record[key] and record[key] > 0, key
+    floats = {k for k, v in events["publish"].payload["figures"].items() if type(v) is float}
+    assert {"token_archive_ratio", "seconds"} <= floats
+    assert 0 < events["publish"].payload["figures"]["token_archive_ratio"] < 1
 
 
 def test_deployments_configure_fills_the_run_forms_in(

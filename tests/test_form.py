@@ -81,6 +81,64 @@ def test_every_field_of_the_config_is_on_the_form_with_a_description(form: Any) 
     assert _resolve(schema, fields["pretrain"])["additionalProperties"] is False
 
 
+def _source_comment(cls: type, name: str) -> str:
+    """The comment a reader of the config's source sees for field `name` of `cls`, read
+    line by line (independently of moe.config.field_docs' tokenizer): the comment lines
+    right above its declaration, then the comments on the declaration's own line(s)."""
+    import inspect
+    import re
+    import textwrap
+
+    owner = next(c for c in cls.__mro__ if name in c.__dict__.get("__annotations__", {}))
+    lines = textwrap.dedent(inspect.getsource(owner)).splitlines()
+    [i] = [k for k, line in enumerate(lines) if re.match(rf"    {name}\s*:", line)]
+    above: list[str] = []
+    k = i - 1
+    while k >= 0 and lines[k].startswith("    #"):
+        above.insert(0, lines[k].strip().lstrip("#").strip())
+        k -= 1
+    parts, depth = [], 0
+    for line in lines[i:]:
+        if line.strip().startswith("#"):
+            code, comment = "", line.strip()[1:]
+        else:
+            code, _, comment = line.partition("  #")
+        if comment.strip():
+            parts.append(comment.strip())
+        depth += sum(code.count(c) for c in "([{") - sum(code.count(c) for c in ")]}")
+        if depth <= 0:
+            break
+    return " ".join([*above, *parts]).strip()
+
+
+def test_each_fields_description_is_its_own_comment(form: Any) -> None:
+    """What the UI shows under a field is that field's comment in the config's source, not
+    its neighbour's (above or below it) nor a section's: every field, every section."""
+    _, fields = form
+
+    def walk(cls: type, path: str = "") -> Any:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            here = f"{path}.{f.name}" if path else f.name
+            yield cls, f.name, here
+            if dataclasses.is_dataclass(hints[f.name]):
+                yield from walk(hints[f.name], here)
+
+    checked = 0
+    for cls, name, path in walk(Config):
+        want = _source_comment(cls, name)
+        assert want, f"{cls.__name__}.{name} has no comment in the source"
+        assert fields[path].get("description") == want, path
+        checked += 1
+    assert checked > 200  # every field of the config, not a sample
+    # the three shapes a comment takes in the source, each its own field's
+    assert fields["pretrain.lr"]["description"] == "peak learning rate (AdamW)"
+    assert fields["pretrain.time_budget_s"]["description"].startswith("Above 0: stop after")
+    assert fields["cost.alert_fraction"]["description"] == (
+        "warn when spend passes this fraction of the budget"
+    )
+
+
 def test_declared_ranges_and_choices_are_the_schemas(form: Any) -> None:
     _, f = form
     assert f["pretrain.lr"]["exclusiveMinimum"] == 0 and f["pretrain.lr"]["type"] == "number"
