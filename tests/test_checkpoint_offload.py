@@ -128,32 +128,34 @@ def test_training_resumes_from_a_checkpoint_that_lives_in_s3(
 
 
 def test_a_failing_after_save_hook_does_not_skip_the_next(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    moto_server: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """After each save the offload runs, then the multi-node mirror. The offload failing (the
-    object store refusing, here) is logged and the mirror still follows the save."""
+    """After each save the offload runs, then the multi-node mirror. The offload failing is
+    logged and the mirror still follows the save. The failure is the real S3 API's (moto):
+    it refuses the offload's upload, whose storage class it does not know, while the
+    mirror's uploads (no storage class) to the same bucket land."""
     import logging
 
-    import tasks.checkpoints as ck
     from tasks.multinode import mirror_prefix
     from tasks.storage import open_store
 
-    cfg = Config(
-        storage=StorageConfig(backend="local", root=str(tmp_path / "store")),
-        checkpoint=CheckpointConfig(offload=True),
+    boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1").create_bucket(
+        Bucket="ckpt-hooks"
     )
-
-    def refuse(*a: object, **k: object) -> None:
-        raise ConnectionError("the object store refused the upload")
-
-    monkeypatch.setattr(ck, "offload", refuse)
+    cfg = _cfg(tmp_path, moto_server, "ckpt-hooks")
+    cfg.checkpoint.cold_storage_class = "NOT-A-STORAGE-CLASS"
     monkeypatch.setenv("MOE_CHECKPOINT_MIRROR", "pretrain/abc")
     store = checkpoint_store(cfg, tmp_path / "ckpt", "pretrain/abc")
     store.background = False
     model, opt, rng, state = _state(1)
     with caplog.at_level(logging.WARNING, logger="tasks.checkpoints"):
         store.save(1, model, opt, rng, state, param_names=NAMES, expert_load=LOAD)
-    assert "the object store refused the upload" in caplog.text
+    [failed] = [r.getMessage() for r in caplog.records if r.name == "tasks.checkpoints"]
+    assert "after-save step failed" in failed and "InvalidStorageClass" in failed, failed
+    assert (tmp_path / "ckpt" / "step_00000001" / "L2.bin").is_file()  # kept: not offloaded
     assert open_store(cfg.storage).exists(f"{mirror_prefix('pretrain/abc')}/manifest.json")
 
 
@@ -202,30 +204,39 @@ def test_the_pretrain_stage_offloads_after_each_save(tmp_path: Path, moto_server
 
 
 def test_the_stage_offloads_at_its_end_what_the_saves_could_not(
-    tmp_path: Path, moto_server: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, moto_server: str
 ) -> None:
-    """Every after-save offload fails (the store refuses on the writer thread): training goes
-    on, and the stage's own offload at its end moves the older checkpoints."""
-    import threading
+    """Every after-save offload fails (the real S3 API answers NoSuchBucket: the bucket is
+    not there while the stage trains): training goes on, and once the last save's offload has
+    failed the bucket is made, so the stage's own offload at its end moves the older
+    checkpoints. The bucket appears on that sixth failure's log record, on the writer thread
+    itself: a condition, not a moment."""
+    import logging
 
-    import tasks.checkpoints as ck
     from tasks.pretraining import pretrain_model
     from tests.test_train import _data
 
     cfg, steps_in_s3 = _offloading_stage(tmp_path, moto_server, "stage-offload-end")
-    real = ck.offload
-    refused = []
+    s3 = boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1")
+    s3.delete_bucket(Bucket="stage-offload-end")
+    refused: list[str] = []
 
-    def flaky(*a: Any, **k: Any) -> dict:
-        if threading.current_thread().name == "checkpoint-writer":
-            refused.append(1)
-            raise ConnectionError("the object store refused the upload")
-        return real(*a, **k)
+    class BucketAfterTheLastSave(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("after-save step failed"):
+                refused.append(record.getMessage())
+                if len(refused) == 6:  # saves at 2, 4, .., 12: the last one's offload failed
+                    s3.create_bucket(Bucket="stage-offload-end")
 
-    monkeypatch.setattr(ck, "offload", flaky)
-    out = tmp_path / "pretrain"
-    assert pretrain_model.fn(cfg, _data(tmp_path / "data"), out, lambda r: None).steps == 12
-    assert len(refused) == 6  # one per save, and training went on
+    logger = logging.getLogger("tasks.checkpoints")
+    handler = BucketAfterTheLastSave(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        out = tmp_path / "pretrain"
+        assert pretrain_model.fn(cfg, _data(tmp_path / "data"), out, lambda r: None).steps == 12
+    finally:
+        logger.removeHandler(handler)
+    assert len(refused) == 6 and all("NoSuchBucket" in r for r in refused), refused
     assert {"step_00000002", "step_00000010"} <= steps_in_s3()
     assert not (out / "checkpoints" / "step_00000010" / "L0.bin").exists()
 

@@ -382,50 +382,166 @@ def _launch_config(tmp_path: Path) -> Any:
     return cfg
 
 
-def _quick_job(cluster: LocalCluster, cfg: Any, job: str, run_key: str, seconds: float) -> None:
-    """A Job of two pods that sleep `seconds` and exit 0, as the launcher renders it."""
+def _sleeping_job(cfg: Any, job: str, run_key: str, seconds: float) -> list[dict[str, Any]]:
+    """The ConfigMap and Job of two pods that sleep `seconds` and exit 0, as the launcher
+    renders them."""
     spec = NodeJob(job, run_key.split("/")[0], run_key, {}, {}, 2, 1, "x:1", 60)
     config_map, _, manifest = manifests(cfg, spec, "img")
     pod = manifest["spec"]["template"]["spec"]["containers"][0]
     pod["command"] = ["python", "-c", f"import time; time.sleep({seconds})"]
-    cluster.create(config_map)
-    cluster.create(manifest)
+    return [config_map, manifest]
+
+
+def _quick_job(cluster: LocalCluster, cfg: Any, job: str, run_key: str, seconds: float) -> None:
+    """A Job of two pods that sleep `seconds` and exit 0, created on `cluster`."""
+    for manifest in _sleeping_job(cfg, job, run_key, seconds):
+        cluster.create(manifest)
+
+
+FOLLOWER = r"""
+import json, logging, pickle, sys
+from pathlib import Path
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from tasks.multinode import run_on_cluster
+from tests import local_cluster
+from tests.local_cluster import LocalCluster
+
+work, job = Path(sys.argv[1]), sys.argv[2]
+cfg = pickle.loads((work / "cfg.pickle").read_bytes())
+
+
+class Cluster(LocalCluster):
+    def delete(self, kind, namespace, name):  # said as it happens: SIGTERM ends this process
+        super().delete(kind, namespace, name)
+        print("deleted", kind, name, flush=True)
+
+
+cluster = Cluster(work / f"cluster-{job}")
+for manifest in json.loads((work / f"{job}.json").read_text()):
+    cluster.create(manifest)  # the Job the flow run before this one launched: it trains on
+print("pods", json.dumps([p.pid for p, _ in local_cluster._JOBS[job]["procs"]]), flush=True)
+follower = logging.getLogger("tasks.multinode")
+follower.setLevel(logging.INFO)
+follower.addHandler(logging.StreamHandler(sys.stdout))
+
+
+@flow(name="follow-a-job")
+def follow_a_job() -> None:
+    print("flow run", flow_run.get_id(), flush=True)
+    run_on_cluster(cfg, "pretrain", {}, work / "data", work / "out", lambda r: None, cluster=cluster)
+
+
+follow_a_job()
+"""
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_a_cancelled_flow_run_deletes_its_job_and_an_ended_one_keeps_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, prefect_server: dict[str, str]
 ) -> None:
     """The follower stops (the flow run ends) while the Job trains. Cancelled by the user:
     the Job goes, the machines bill. Otherwise (the flow run's machine went away) the Job
-    trains on, and after a Job ends, its Job object is kept for its logs."""
-    import tasks.multinode as mn
+    trains on, and after a Job ends, its Job object is kept for its logs.
+
+    Two real flow runs on the fixture's Prefect server, each a process of its own following
+    a training Job (its pods sleep). One is cancelled as the UI cancels (its state set to
+    Cancelling on the server), then its process gets the SIGTERM its worker sends a
+    cancelled run; the other gets the SIGTERM alone, as from a machine that is going away.
+    Each is signalled once its follower has polled the Job (its log line): a condition."""
+    import os
+    import pickle
+    import signal
+    import subprocess
+    import sys
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Cancelling
+
     from moe.errors import InputError
     from tasks.runs import training_fingerprint
+    from tests.conftest import cli_env
     from tests.test_train import _data
 
     cfg = _launch_config(tmp_path)
     data = _data(tmp_path / "data")
     run_key = f"pretrain/{training_fingerprint(cfg, 'pretrain', data)[:16]}"
+    (tmp_path / "cfg.pickle").write_bytes(pickle.dumps(cfg))
+    runs: dict[bool, tuple[str, Path, subprocess.Popen]] = {}
     for cancelled in (True, False):
-        cluster = LocalCluster(tmp_path / f"cluster-{cancelled}")
         job = f"moe-pretrain-follow-{str(cancelled).lower()}"
-        _quick_job(cluster, cfg, job, run_key, 30)
-        monkeypatch.setattr(mn, "_cancelled", lambda c=cancelled: c)  # Prefect's answer
-
-        def stop(*a: Any, **k: Any) -> Any:  # the flow run ends while the Job trains
-            raise KeyboardInterrupt
-
-        monkeypatch.setattr(mn, "_follow", stop)
-        LocalCluster.deleted.clear()
-        with pytest.raises(KeyboardInterrupt):
-            run_on_cluster(
-                cfg, "pretrain", {}, data, tmp_path / "out", lambda r: None, cluster=cluster
+        (tmp_path / f"{job}.json").write_text(json.dumps(_sleeping_job(cfg, job, run_key, 600)))
+        out = tmp_path / f"{job}.log"
+        with open(out, "w") as f:
+            runs[cancelled] = (
+                job,
+                out,
+                subprocess.Popen(
+                    [sys.executable, "-c", FOLLOWER, str(tmp_path), job],
+                    env=cli_env(prefect_server),
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                ),
             )
-        kinds = {k for k, name in LocalCluster.deleted if name == job}
-        assert kinds == ({"Job", "Service", "ConfigMap"} if cancelled else set()), kinds
-        cluster.delete("Job", "default", job)  # tidy: stop the sleeping pods
+
+    def said(out: Path, proc: subprocess.Popen, what: str) -> list[str]:
+        deadline = time.monotonic() + 300  # a bound on the wait, not the verdict
+        while what not in (text := out.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, text[-3000:]
+            time.sleep(0.1)
+        return text.splitlines()
+
+    def pods(out: Path) -> list[int]:  # the pids of the Job's pods, as the follower said
+        return [
+            p for x in out.read_text().splitlines() if x[:5] == "pods " for p in json.loads(x[5:])
+        ]
+
+    try:
+        with temporary_settings({PREFECT_API_URL: prefect_server["PREFECT_API_URL"]}):
+            with get_client(sync_client=True) as client:
+                for cancelled, (job, out, proc) in runs.items():
+                    lines = said(out, proc, f"Job {job} after")  # the follower has polled
+                    [run_id] = [x.split()[-1] for x in lines if x.startswith("flow run ")]
+                    if cancelled:  # the user cancels the stage's flow run
+                        state = client.set_flow_run_state(run_id, Cancelling()).state
+                        assert state is not None and state.type == StateType.CANCELLING
+                    proc.send_signal(signal.SIGTERM)
+                    # Prefect's SIGTERM bridge lets the flow's code finish, then ends the
+                    # process by the signal
+                    assert proc.wait(timeout=120) == -signal.SIGTERM, out.read_text()[-3000:]
+                    lines = out.read_text().splitlines()
+                    kinds = {x.split()[1] for x in lines if x.startswith("deleted ")}
+                    assert all(x.endswith(f" {job}") for x in lines if x.startswith("deleted "))
+                    if cancelled:
+                        assert kinds == {"Job", "Service", "ConfigMap"}, lines[-20:]
+                        assert any("was cancelled: deleting Job" in x for x in lines)
+                    else:
+                        assert kinds == set(), lines[-20:]
+                        assert any(f"Job {job} trains on" in x for x in lines)
+                    # deleted: its pods were killed; kept: they train on without a follower
+                    assert [_alive(pid) for pid in pods(out)] == [not cancelled] * 2
+    finally:
+        for _, out, proc in runs.values():
+            proc.kill()
+            proc.wait(timeout=60)
+            for pid in pods(out):  # tidy: stop the pods of a Job that trains on
+                if _alive(pid):
+                    os.killpg(pid, signal.SIGKILL)
     # A Job that ended: its Service and ConfigMap go, the Job (its pods' logs) stays.
-    monkeypatch.undo()
     cluster = LocalCluster(tmp_path / "cluster-ended")
     _quick_job(cluster, cfg, "moe-pretrain-ended", run_key, 0)
     LocalCluster.deleted.clear()

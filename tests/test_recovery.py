@@ -144,6 +144,25 @@ def _recoveries_of(client: Any, fr: Any) -> list[Any]:
     )
 
 
+def _settled(flow_run_id: Any) -> None:
+    """Every event this process sent about the run so far is on the server (or was refused
+    there as a duplicate of one that is): a marker event, sent after them through the same
+    events client (one queue, one websocket, in order), has been stored. The server reads
+    what a websocket sends in order and persists it in that order, in batches: the marker
+    is stored with the events before it or after them. A condition, not a time window."""
+    from prefect.events import emit_event
+
+    from tests.test_events import events_of
+
+    marker = emit_event(
+        event="moe.test.settled",
+        resource={"prefect.resource.id": f"prefect.flow-run.{flow_run_id}"},
+    )
+    assert marker is not None
+    stored = events_of(flow_run_id, [marker.event], want=1)
+    assert [e.id for e in stored] == [marker.id], "the marker event never reached the server"
+
+
 def test_a_crashed_stage_is_run_again_once_then_given_up_on(
     client: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -174,10 +193,12 @@ def test_a_crashed_stage_is_run_again_once_then_given_up_on(
     assert str(second.id) == got["flow_run_id"] and second.parameters == params
     assert {RECOVERY_TAG, LINK + str(first.id), "pool:gpu"} <= set(second.tags)
 
-    # one event for the stage run's loss, however often the recover flow ran for it
+    # one event for the stage run's loss, however often the recover flow ran for it: counted
+    # once the server has stored a marker sent after the three recover runs' events
     from tests.test_events import events_of
 
-    [started] = events_of(first.id, [events.RECOVERED], want=2, timeout=5)
+    _settled(first.id)
+    [started] = events_of(first.id, [events.RECOVERED], want=1)
     assert started.payload["recovery_flow_run_id"] == got["flow_run_id"]
     assert started.payload["stage"] == "pretrain" and started.payload["attempt"] == 2
 
@@ -196,6 +217,7 @@ def test_a_crashed_stage_is_run_again_once_then_given_up_on(
         if r.name == "flows.recovery" and r.levelno == logging.ERROR
     ]
     assert "is not recovered" in line and "max_attempts" in line and second.name in line
+    _settled(second.id)
     [gave_up] = events_of(second.id, [events.GAVE_UP], want=1)
     assert "max_attempts" in gave_up.payload["message"] and gave_up.payload["attempts"] == 2
     # the pipeline waiting on the first run follows the chain and stops at the given-up run
