@@ -433,7 +433,8 @@ COMMANDS = (
         (
             arg("dir", type=Path, help="a model folder (e.g. models/finetune_domain)"),
             arg("question"),
-            arg("--db", type=Path, required=True, help="the sqlite database to ask"),
+            # a str: a URL's // would not survive Path
+            arg("--db", required=True, help="the database to ask: a sqlite file or a server's URL"),
             arg("--data", type=Path, default=None, help="the prepared data (its tokenizer)"),
             arg("--rows", type=int, default=20, help="rows to print (default 20)"),
             *PARAMS,

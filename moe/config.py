@@ -258,8 +258,19 @@ class DataConfig:
         0.2, ge=0, lt=1
     )  # share of a source's databases held out for testing when it has no test split
     # Stage two: the target domain. A sqlite file of the user's ("" = the embedded default's
-    # generated database); only read, never written: the pipeline works on a copy.
+    # generated database; only read, never written: the pipeline works on a copy), or a
+    # database on a server by SQLAlchemy URL, without a password: postgresql+psycopg://
+    # reader@host:5432/shop (pairs are written and checked in its dialect, on the server).
     sql_domain_database: str = ""
+    # Where a server database's password comes from: env:NAME (an environment variable) or
+    # prefect:BLOCK (a Prefect Secret block); "" = the driver's own (PGPASSWORD, ~/.pgpass).
+    sql_domain_password: str = knob(
+        "", pattern=r"|env:\w+|prefect:[\w-]+", note="'', env:NAME or prefect:BLOCK"
+    )
+    # The server's schema (namespace) whose tables the model is taught ("" = the session's
+    # current schema, e.g. public), and whether its views count as tables.
+    sql_domain_schema: str = ""
+    sql_domain_views: bool = False
     # The user's own {question, sql} pairs on that database (JSONL; optional).
     sql_domain_pairs: str = ""
     # The held-out domain questions: a JSONL file of the user's, or a fraction of
@@ -300,6 +311,24 @@ class DataConfig:
         p.require(bool(self.text_field), "text_field", self.text_field, "must not be empty")
         for key in ("sql_domain_database", "sql_domain_pairs"):
             value = getattr(self, key)
+            if key == "sql_domain_database" and "://" in value:
+                # a server: its URL is a param (dumped, recorded), so it holds no password
+                userinfo = value.split("//", 1)[1].split("/", 1)[0].rpartition("@")[0]
+                p.require(
+                    ":" not in userinfo,
+                    key,
+                    "(a URL with a password, not shown)",
+                    "must not hold a password: remove it and set data.sql_domain_password",
+                )
+                engine, _, driver = value.split("://", 1)[0].partition("+")
+                p.require(
+                    ":" in userinfo or (engine == "postgresql" and driver in ("", "psycopg")),
+                    key,
+                    value,
+                    "must be a sqlite file or a PostgreSQL URL (postgresql+psycopg://user@host/db):"
+                    " only PostgreSQL has a sandbox here (moe/sql/server.py)",
+                )
+                continue
             p.require(not value or Path(value).expanduser().is_file(), key, value, "no such file")
         src = self.sql_generic_source
         p.require(

@@ -33,6 +33,7 @@ from moe.sql.fitting import Limits
 from moe.sql.sets import build_sql_sets as build_sets
 from tasks import retry_unless_input_error
 from tasks.config import Config
+from tasks.databases import FINGERPRINT_FILE, preflight, write_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -211,8 +212,11 @@ def build_sql_sets(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, A
         },
     )
     t0 = time.perf_counter()
+    preflight(cfg.data)  # a server domain: reachable, and said when its login may write
     sets = build_sets(cfg.data, work / "sql", limits)
     summary = sets.summary()
+    # the domain database as prepare read it: a dep of dvc.yaml's prepare stage
+    write_fingerprint(summary["domain_database"])
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     for line in sets.skipped[:20]:
         log.warning("skipped (data.on_bad_record: skip): %s", line)
@@ -220,6 +224,14 @@ def build_sql_sets(cfg: Config, work: Path, tokenizer_path: Path) -> dict[str, A
         log.warning("... and %d more skipped records (meta.json)", len(sets.skipped) - 20)
     for note in sets.notes:
         log.warning("schema shortened: %s", note)
+    if "sha256" in summary["domain_database"]:
+        log.info(
+            "the domain database %s: fingerprint %s (%s), in %s",
+            summary["domain_database"]["database"],
+            summary["domain_database"]["sha256"][:16],
+            ", ".join(f"{t} {n}" for t, n in summary["domain_database"]["tables"].items()),
+            FINGERPRINT_FILE,
+        )
     log.info(
         "SQL pairs that execute on their databases: %s (sources %s, %d skipped) in %.1fs",
         summary["counts"],

@@ -17,6 +17,7 @@ from moe.train.ranks import resolve_device
 from moe.train.validation import perplexity
 from tasks import retry_unless_input_error
 from tasks.config import Config
+from tasks.databases import check_domain_database
 from tasks.progress import progress
 from tasks.training import load_model
 
@@ -66,6 +67,10 @@ def evaluate_sql(cfg: Config, data_dir: Path, model_dir: Path) -> dict[str, Any]
     }
     total = sum(len(p) for p in sets.values())
     out: dict[str, Any] = {}
+    # a server domain: the database evaluated on is the one prepare read, or the change is said
+    domain = check_domain_database(data_dir, cfg.data.sql_time_limit_s, cfg.data.sql_row_limit)
+    if domain is not None:
+        out["domain_database"] = domain
     with progress(f"evaluate-{model_dir.name}", total, "questions") as update:
         done = 0
         for name, pairs in sets.items():

@@ -5,6 +5,8 @@ hashes, the resolved params, the code commit, the Prefect flow-run id, the W&B r
 pool and worker, wall time and cost, with a copy in the object store. `up_to_date` reads it
 back to decide whether a stage can be skipped, and `lineage_chain` follows the records from
 an output back to its corpus (`moe-pipeline lineage`). Secrets never reach a record (`scrub`).
+Prepare's record also says what the domain database was (`domain_database`: its URL or
+path and its schema-and-row-count fingerprint), against which evaluation checks it.
 """
 
 from __future__ import annotations
@@ -230,6 +232,10 @@ class StageRecord:
             "currency": self.cfg.cost.currency,
             "metrics": metrics or {},
         }
+        if self.stage == "prepare":
+            domain = _domain_database(outputs)
+            if domain:
+                record["domain_database"] = domain
         if res.get("interruptions"):
             lost = res["interruptions"]
             record["interruptions"] = {
@@ -261,6 +267,19 @@ class StageRecord:
             log.warning(
                 "could not copy the %s lineage record to the object store: %s", self.stage, e
             )
+
+
+def _domain_database(outputs: dict[str, Path]) -> dict[str, Any] | None:
+    """What prepare recorded of the domain database (meta.json `sql.domain_database`: where
+    it is, never a password, and its schema-and-row-count fingerprint)."""
+    for p in outputs.values():
+        meta = p / "meta.json"
+        if meta.is_file():
+            try:
+                return json.loads(meta.read_text()).get("sql", {}).get("domain_database")
+            except ValueError:
+                return None
+    return None
 
 
 # --------------------------------------------------------------------------- the walk back

@@ -21,7 +21,7 @@ from moe.errors import InputError
 from moe.hashing import sha256_file, weights_files_digest
 from moe.hf.exporter import ExportPlan, export_hf, export_plan
 from moe.hf.families.registry import FAMILIES
-from moe.hf.model_dir import load_model_dir
+from moe.hf.model_dir import load_model_dir, read_model_spec
 from moe.hf.peft_adapter import unsupported, write_peft_folder
 from moe.hf.tokenizer_files import copy_tokenizer, native_tokenizer_config
 from moe.model.transformer import MoETransformer
@@ -225,81 +225,106 @@ def _export_adapter(
 def ask(
     model_dir: Path,
     question: str,
-    db: Path,
+    db: Path | str,
     data_dir: Path,
     max_new_tokens: int = 128,
     time_limit_s: float = 2.0,
     row_limit: int = 10_000,
     schema_values: int = 0,
     prune_schema: bool = True,
+    password: str = "",
 ) -> dict[str, Any]:
-    """The SQL the model writes for `question` over the database `db` (its schema read from
-    the file as prepare reads it, pruned to what the question names when the whole schema
-    leaves the answer no room), the rows that SQL returns on a read-only, time-limited
-    connection, and what pruning left out ("" when nothing)."""
+    """The SQL the model writes for `question` over the database `db` (a sqlite file, or a
+    server's URL with its password from `password`: data.sql_domain_password; `ask_prompt`
+    says what the model reads), the rows that SQL returns on a read-only, time- and
+    row-limited connection (moe/sql/databases.py `open_database`), and what pruning left
+    out ("" when nothing)."""
     import torch
 
-    from moe.sql.prompts import prompt_text
-    from moe.sql.pruning import Pruner
-    from moe.sql.records import SqlPair
-    from moe.sql.sandbox import (
-        ReadOnlyDb,
-        SchemaStyle,
-        inspect_database,
-        open_checked,
-        serialize_schema,
-    )
+    from moe.sql.databases import open_database
+    from moe.sql.evaluate import stop_ids
+    from tasks.databases import remember_password
 
-    con = open_checked(db)
-    try:
-        full = inspect_database(con)
-    finally:
-        con.close()
-    style = SchemaStyle(values=schema_values)
+    remember_password(password)
     model = load_model_dir(Path(model_dir), dtype=torch.float32).eval()
     tok_path = find_tokenizer(Path(model_dir), data_dir)
     tok = load_tokenizer(tok_path)
     sp = specials(tok, tok_path)
-
-    def encode(schema: str) -> list[int]:
-        pair = SqlPair(question, "", str(db), schema)
-        return [*sp.prefix, *tok.encode(sp.chat(prompt_text(pair)), add_special_tokens=False).ids]
-
-    # room for the answer as evaluation gives it; a schema that leaves less is pruned to the
-    # tables and columns the question names (with schema pruning on, as prepare does)
-    room_needed = min(max_new_tokens, model.cfg.seq_len // 2)
-    prompt = encode(serialize_schema(full, style))
-    pruned = ""
-    if len(prompt) + room_needed > model.cfg.seq_len and prune_schema:
-        ro = ReadOnlyDb(db, time_limit_s=time_limit_s, row_limit=row_limit)
-        try:
-            cut = Pruner(full, ro).prune(
-                question,
-                style,
-                lambda text: len(encode(text)) + room_needed <= model.cfg.seq_len,
-            )
-        finally:
-            ro.close()
-        if cut is not None:
-            prompt, pruned = encode(cut.text), cut.note
-    room = model.cfg.seq_len - len(prompt)
-    if room < 1:
-        raise InputError(
-            f"the question with the schema of {db} is {len(prompt)} tokens"
-            f"{', even pruned,' if prune_schema else ''} and the model reads"
-            f" {model.cfg.seq_len}: ask about a smaller database"
-            + ("" if prune_schema else " or turn data.sql_schema_pruning on")
-        )
-    from moe.sql.evaluate import stop_ids
-
-    stop = stop_ids(tok, sp.eos)
-    out = model.generate_batch([prompt], min(max_new_tokens, room), stop)[0]
-    sql = tok.decode(out).strip()
-    ro = ReadOnlyDb(db, time_limit_s=time_limit_s, row_limit=row_limit)
+    ro = open_database(db, time_limit_s, row_limit, password)
     try:
+        prompt, pruned = _ask_prompt(ro, question, model.cfg.seq_len, tok, sp.prefix,
+                                     max_new_tokens, schema_values, prune_schema)  # fmt: skip
+        room = model.cfg.seq_len - len(prompt)
+        out = model.generate_batch([prompt], min(max_new_tokens, room), stop_ids(tok, sp.eos))
+        sql = tok.decode(out[0]).strip()
         return {"sql": sql, "outcome": ro.run(sql), "pruned": pruned}
     finally:
         ro.close()
+
+
+def ask_prompt(
+    model_dir: Path,
+    question: str,
+    db: Path | str,
+    data_dir: Path,
+    max_new_tokens: int = 128,
+    schema_values: int = 0,
+    prune_schema: bool = True,
+    password: str = "",
+) -> list[int]:
+    """The tokens `ask` gives the model for `question` over `db`."""
+    from moe.sql.databases import open_database
+
+    seq_len = int(read_model_spec(Path(model_dir))["model"]["seq_len"])
+    tok_path = find_tokenizer(Path(model_dir), data_dir)
+    tok = load_tokenizer(tok_path)
+    with open_database(db, password=password) as ro:
+        return _ask_prompt(ro, question, seq_len, tok, specials(tok, tok_path).prefix,
+                           max_new_tokens, schema_values, prune_schema)[0]  # fmt: skip
+
+
+def _ask_prompt(
+    ro: Any,
+    question: str,
+    seq_len: int,
+    tok: Any,
+    prefix: list[int] | tuple[int, ...],
+    max_new_tokens: int,
+    schema_values: int,
+    prune_schema: bool,
+) -> tuple[list[int], str]:
+    """The prompt for `question` with the schema read from the database `ro` as prepare
+    reads it, pruned to what the question names when the whole schema leaves the answer no
+    room (with schema pruning on, as prepare does), and what pruning left out."""
+    from moe.sql.prompts import prompt_text
+    from moe.sql.pruners import pruner_for
+    from moe.sql.records import SqlPair
+    from moe.sql.sandbox import SchemaStyle, serialize_schema
+
+    full = ro.schema()
+    style = SchemaStyle(values=schema_values)
+
+    def encode(schema: str) -> list[int]:
+        pair = SqlPair(question, "", ro.label, schema)
+        return [*prefix, *tok.encode(prompt_text(pair), add_special_tokens=False).ids]
+
+    # room for the answer as evaluation gives it
+    room_needed = min(max_new_tokens, seq_len // 2)
+    prompt, pruned = encode(serialize_schema(full, style)), ""
+    if len(prompt) + room_needed > seq_len and prune_schema:
+        cut = pruner_for(full, ro).prune(
+            question, style, lambda text: len(encode(text)) + room_needed <= seq_len
+        )
+        if cut is not None:
+            prompt, pruned = encode(cut.text), cut.note
+    if seq_len - len(prompt) < 1:
+        raise InputError(
+            f"the question with the schema of {ro.label} is {len(prompt)} tokens"
+            f"{', even pruned,' if prune_schema else ''} and the model reads"
+            f" {seq_len}: ask about a smaller database"
+            + ("" if prune_schema else " or turn data.sql_schema_pruning on")
+        )
+    return prompt, pruned
 
 
 def publish_model(cfg: Any, folder: Path, name: str) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -303,3 +304,94 @@ def ui_settings(ui_url: str) -> dict:
 
     with urllib.request.urlopen(f"{ui_url}/ui-settings", timeout=10) as resp:
         return json.loads(resp.read())
+
+
+def _postgres_bin() -> Path | None:
+    """The PostgreSQL binaries the `pgserver` wheel ships (a dev dependency: pip brings the
+    server, so CI needs no apt), found without importing pgserver (whose own launcher adds a
+    system user when run as root and listens on a socket only)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("pgserver")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+    return found if (found / "postgres").is_file() else None
+
+
+@contextlib.contextmanager
+def running_postgres(bin_dir: Path) -> Iterator[dict[str, Any]]:
+    """A real PostgreSQL server on 127.0.0.1 (a free port), password logins only (scram),
+    stopped and its folder removed afterwards. As root the server runs as `nobody`
+    (PostgreSQL refuses root). Yields where it is, its superuser `owner` and that one's
+    password, and `psql` (a function running SQL as the owner on a database)."""
+    import secrets
+    import shutil
+    import tempfile
+
+    as_root = os.geteuid() == 0
+    user = "nobody" if as_root else None
+    home = Path(tempfile.mkdtemp(prefix="moe-pg-"))  # /tmp: `nobody` reaches it
+    password = "owner-" + secrets.token_hex(8)
+    (home / "pw").write_text(password + "\n")
+    if as_root:
+        shutil.chown(home, "nobody")
+        shutil.chown(home / "pw", "nobody")
+        # a copy `nobody` can reach wherever the checkout lives (a 0700 home folder, say), in
+        # the wheel's layout: the binaries find libpq at $ORIGIN/../../../pgserver.libs
+        site = bin_dir.parents[2]
+        shutil.copytree(bin_dir.parent, home / "pkg" / "pgserver" / "pginstall",
+                        ignore=shutil.ignore_patterns("include"))  # fmt: skip
+        if (site / "pgserver.libs").is_dir():
+            shutil.copytree(site / "pgserver.libs", home / "pkg" / "pgserver.libs")
+        bin_dir = home / "pkg" / "pgserver" / "pginstall" / "bin"
+    port = free_port()
+    run = dict(user=user, check=True, capture_output=True, text=True, timeout=120)
+    try:
+        subprocess.run(
+            [str(bin_dir / "initdb"), "-D", str(home / "data"), "-U", "owner", "-E", "UTF8",
+             "--locale=C", f"--pwfile={home / 'pw'}", "--auth=scram-sha-256"],
+            **run,
+        )  # fmt: skip
+        (home / "pw").unlink()
+        opts = f"-h 127.0.0.1 -p {port} -k {home} -c fsync=off -c synchronous_commit=off"
+        subprocess.run(
+            [str(bin_dir / "pg_ctl"), "-D", str(home / "data"), "-w", "-t", "60",
+             "-l", str(home / "server.log"), "-o", opts, "start"],
+            **run,
+        )  # fmt: skip
+
+        def psql(sql: str, db: str = "postgres") -> str:
+            import psycopg
+
+            with psycopg.connect(
+                host="127.0.0.1", port=port, user="owner", password=password, dbname=db,
+                autocommit=True,
+            ) as con:  # fmt: skip
+                cur = con.execute(sql)
+                if cur.description is None:
+                    return ""
+                return "\n".join("|".join(map(str, r)) for r in cur.fetchall())
+
+        yield {"host": "127.0.0.1", "port": port, "owner": "owner", "password": password,
+               "psql": psql, "log": home / "server.log"}  # fmt: skip
+    finally:
+        if (home / "data" / "postmaster.pid").exists():
+            subprocess.run(
+                [str(bin_dir / "pg_ctl"), "-D", str(home / "data"), "-m", "fast", "-w", "stop"],
+                user=user, capture_output=True, timeout=60,
+            )  # fmt: skip
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[dict[str, Any]]:
+    """`running_postgres` on the binaries of the `pgserver` wheel (a dev dependency), for the
+    session. Missing under CI is a failure, elsewhere a skip that says why."""
+    bin_dir = _postgres_bin()
+    if bin_dir is None:
+        if os.environ.get("CI"):
+            pytest.fail("pgserver is not installed (make venv): PostgreSQL is untested")
+        pytest.skip("pgserver (a PostgreSQL server wheel) is not installed here (make venv)")
+    with running_postgres(bin_dir) as server:
+        yield server

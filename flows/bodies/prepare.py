@@ -7,8 +7,10 @@ import shutil
 from pathlib import Path
 
 from flows.stage import Done, Stage, files
+from moe.sql.server import is_url
 from tasks.config import Config
 from tasks.data import build_sql_sets, build_tokenizer, commit_folder, tokenize_corpus
+from tasks.databases import preflight
 from tasks.lineage import StageRecord
 
 
@@ -25,6 +27,9 @@ def _corpus(cfg: Config) -> dict[str, Path]:
         "sql_domain_pairs": d.sql_domain_pairs,
         "sql_domain_test": d.sql_domain_test,
         "tokenizer": cfg.tokenizer.path,  # model.init's own tokenizer, or one the user named
+        # a server domain: its fingerprint (schema and row counts), rewritten by prepare and
+        # evaluate (tasks/databases.py), so that a changed database re-runs prepare
+        "domain_database": "domain_database.json" if is_url(d.sql_domain_database) else "",
     }
     out = {}
     for key, value in named.items():
@@ -41,6 +46,7 @@ def _prepare(cfg: Config, record: StageRecord) -> Done:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
+        preflight(cfg.data)  # a server domain reached (URL, password, login) before any compute
         tok = build_tokenizer(cfg, tmp)
         # the SQL pairs first: each is executed and fitted before the corpus is tokenized
         sql = build_sql_sets(cfg, tmp, tok)

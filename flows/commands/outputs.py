@@ -204,7 +204,8 @@ def model_export(args: argparse.Namespace) -> int:
 
 
 def answer(args: argparse.Namespace) -> int:
-    """`ask`: tasks/publish.py `ask`; the SQL, then its rows (exit 1 if it fails)."""
+    """`ask`: tasks/publish.py `ask` (--db: a sqlite file, or a server's URL whose password
+    data.sql_domain_password names); the SQL, then its rows (exit 1 if it fails)."""
     from tasks.publish import ask
 
     cfg = load_config(args.params, args.overrides)
@@ -218,6 +219,7 @@ def answer(args: argparse.Namespace) -> int:
         cfg.data.sql_row_limit,
         cfg.data.sql_schema_values,
         cfg.data.sql_schema_pruning,
+        cfg.data.sql_domain_password,  # a server URL's password: where it comes from
     )
     if got["pruned"]:
         print(f"-- {got['pruned']}")

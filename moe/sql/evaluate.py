@@ -12,6 +12,7 @@ import torch
 
 from moe.errors import InputError
 from moe.model.transformer import MoETransformer
+from moe.sql.databases import open_database
 from moe.sql.generator import KINDS
 from moe.sql.prompts import prompt_text
 from moe.sql.records import SqlPair
@@ -60,20 +61,8 @@ def sql_accuracy(
     if keep < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room in model.seq_len")
     rows: list[dict[str, Any]] = []
-    dbs: dict[Path, ReadOnlyDb] = {}
-
-    def open_db(path: Path) -> ReadOnlyDb:
-        if path not in dbs:
-            dbs[path] = ReadOnlyDb(path, time_limit_s, row_limit)
-        return dbs[path]
-
-    tmp = tempfile.TemporaryDirectory(prefix="test-suite-") if test_suite else None
-    suites: dict[str, list[Path]] = {}
+    scorer = _Scorer(pairs, db_dir, time_limit_s, row_limit, test_suite)
     try:
-        if tmp is not None:
-            for name in sorted({p.db for p in pairs}):
-                gold = [p.sql for p in pairs if p.db == name]
-                suites[name] = build_suite(db_dir / name, Path(tmp.name), gold, test_suite)
         for lo in range(0, len(pairs), batch_size):
             chunk = pairs[lo : lo + batch_size]
             prompts = [
@@ -83,22 +72,63 @@ def sql_accuracy(
             _refuse_long_prompts(prompts, chunk, keep)
             outs = model.generate_batch(prompts, max_new_tokens, stop)
             for pair, out in zip(chunk, outs, strict=True):
-                predicted = tok.decode(out).split("\n")[0].strip()
-                row = _score_one(open_db(db_dir / pair.db), pair, predicted)
-                if tmp is not None:
-                    copies = [open_db(c) for c in suites[pair.db]]
-                    row["test_suite_match"] = row["execution_match"] and suite_match(
-                        copies, pair.sql, predicted
-                    )
-                rows.append(row)
+                rows.append(scorer.score(pair, tok.decode(out).split("\n")[0].strip()))
             if progress:
                 progress(len(rows))
     finally:
-        for db in dbs.values():
-            db.close()
-        if tmp is not None:
-            tmp.cleanup()
+        scorer.close()
+    return _report(rows, max_new_tokens, test_suite)
 
+
+class _Scorer:
+    """Scores predictions on their databases (opened once each, a file or a server's link)
+    and, with `test_suite` > 0, on that many filled copies of each sqlite database, built in
+    a temporary folder from the gold queries of `pairs` (a server's database gets none:
+    nothing is written to a server)."""
+
+    def __init__(
+        self,
+        pairs: list[SqlPair],
+        db_dir: Path,
+        time_limit_s: float,
+        row_limit: int,
+        test_suite: int,
+    ) -> None:
+        self.db_dir, self.time_limit_s, self.row_limit = db_dir, time_limit_s, row_limit
+        self.dbs: dict[Path, ReadOnlyDb] = {}
+        self.tmp = tempfile.TemporaryDirectory(prefix="test-suite-") if test_suite else None
+        self.suites: dict[str, list[Path]] = {}
+        if self.tmp is not None:
+            for name in sorted({p.db for p in pairs if p.db.endswith(".sqlite")}):
+                gold = [p.sql for p in pairs if p.db == name]
+                self.suites[name] = build_suite(
+                    db_dir / name, Path(self.tmp.name), gold, test_suite
+                )
+
+    def _open(self, path: Path) -> ReadOnlyDb:
+        if path not in self.dbs:
+            self.dbs[path] = open_database(path, self.time_limit_s, self.row_limit)
+        return self.dbs[path]
+
+    def score(self, pair: SqlPair, predicted: str) -> dict[str, Any]:
+        row = _score_one(self._open(self.db_dir / pair.db), pair, predicted)
+        if self.tmp is not None and pair.db in self.suites:
+            copies = [self._open(c) for c in self.suites[pair.db]]
+            row["test_suite_match"] = row["execution_match"] and suite_match(
+                copies, pair.sql, predicted
+            )
+        return row
+
+    def close(self) -> None:
+        for db in self.dbs.values():
+            db.close()
+        if self.tmp is not None:
+            self.tmp.cleanup()
+
+
+def _report(rows: list[dict[str, Any]], max_new_tokens: int, test_suite: int) -> dict[str, Any]:
+    """The figures of the scored rows: overall, per kind of query, how they were decoded,
+    and samples."""
     return {
         **_score(rows),
         "decoding": {

@@ -14,6 +14,11 @@ writes questions of five kinds, drawn evenly:
 Values come from the rows (a category that exists, a number inside the column's range), so
 a question has an answer on this database. A kind the schema cannot express (no foreign key:
 no joins) is left out. Every statement is executed by the caller before it is kept.
+
+The templates are written once, in sqlite's SQL; for a database on a server each statement is
+rewritten by sqlglot into the server's dialect (moe/sql/sandbox.py `in_dialect`): a table or column name that the
+server folds or reserves is quoted (`"Track"`, `"order"` on PostgreSQL) and the meaning kept
+where the dialects differ (sqlite sorts NULLs first, PostgreSQL last: `DESC NULLS LAST`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from moe.sql.sandbox import Column, Schema, Table, ident
+from moe.sql.sandbox import Column, Schema, Table, ident, in_dialect
 
 KINDS = ("filters", "ordering", "aggregates", "grouping", "joins")
 _AGGREGATES = ("COUNT(", "AVG(", "MIN(", "MAX(", "SUM(")
@@ -65,11 +70,12 @@ def article(word: str) -> str:
 
 
 def _literal(v: object) -> str:
-    if isinstance(v, str):
-        return "'" + v.replace("'", "''") + "'"
     if isinstance(v, float):
         return repr(round(v, 2))
-    return str(v)
+    if isinstance(v, (int, bool)):
+        return str(v)
+    s = str(v)  # text, and a date or time of a server's column: a quoted literal
+    return "'" + s.replace("'", "''") + "'"
 
 
 _OPS = [(">", "greater than"), ("<", "less than"), (">=", "at least"), ("<=", "at most")]
@@ -445,8 +451,9 @@ class _Joins(_Tables):
 
 
 class QuestionGenerator(_Filters, _Ordering, _Aggregates, _Grouping, _Joins):
-    """An endless stream of (question, SQL) over one database's schema, the kinds drawn in
-    turn; `kinds` says which the schema supports."""
+    """An endless stream of (question, SQL in sqlite's dialect) over one database's schema,
+    the kinds drawn in turn; `kinds` says which the schema supports, `in_dialect` rewrites a
+    statement for the database's own engine."""
 
     def __init__(self, schema: Schema) -> None:
         super().__init__(schema)
@@ -460,6 +467,11 @@ class QuestionGenerator(_Filters, _Ordering, _Aggregates, _Grouping, _Joins):
         }  # fmt: skip
         probe = random.Random(0)
         self.kinds = [k for k in KINDS if any(self._try(t, probe) for t in self.templates[k] * 4)]
+
+    def in_dialect(self, sql: str) -> str:
+        """A statement of the stream (sqlite's SQL) as the database's engine reads it
+        (moe/sql/sandbox.py `in_dialect`; unchanged for sqlite)."""
+        return in_dialect(sql, self.schema)
 
     @staticmethod
     def _try(t: Template, rng: random.Random) -> tuple[str, str] | None:

@@ -13,6 +13,7 @@ What was left out is recorded with the example.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -202,7 +203,7 @@ def _subschema(schema: Schema, keep: dict[str, list[str] | None]) -> Schema:
         tables.append(
             Table(t.name, [c for c in t.columns if cols is None or c.name in cols], t.rows)
         )
-    return Schema(tables)
+    return dataclasses.replace(schema, tables=tables)  # the dialect and namespace kept
 
 
 def prune(

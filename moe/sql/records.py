@@ -3,8 +3,9 @@ text the model reads; written as JSONL by prepare and read back by `load_pairs`)
 (a pair before its schema text is fixed), reading records from a `{question, sql[, db]}`
 JSONL file or a Spider/BIRD folder, and checking each against its database.
 
-Every pair's SQL is executed on its database before any compute (`check_records`); what does
-not run is named by file and line (`settle` refuses or counts them, per data.on_bad_record).
+Every pair's SQL is executed on its database before any compute (moe/sql/databases.py
+`check_records`); what does not run is named by file and line (`settle` refuses or counts
+them, per data.on_bad_record).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any
 
 from moe.errors import InputError
 from moe.sql.generator import kind_of
-from moe.sql.sandbox import ReadOnlyDb
 
 
 @dataclass
@@ -26,7 +26,7 @@ class SqlPair:
 
     question: str
     sql: str
-    db: str  # database file name, relative to the dbs folder
+    db: str  # database file name, relative to the dbs folder (a server's: its link, domain.url)
     schema: str  # the schema text given to the model (moe/sql/sandbox.py: serialize_schema)
     kind: str = ""  # filters, ordering, aggregates, grouping, joins (moe/sql/generator.py: kind_of)
     evidence: str = ""  # BIRD's external knowledge, given in the prompt
@@ -241,50 +241,6 @@ def read_corpus_folder(folder: Path, bad: list[str]) -> list[Record]:
 # --------------------------------------------------------------------------- checking
 
 
-class Databases:
-    """One checked, read-only connection per database file, opened on first use."""
-
-    def __init__(self, time_limit_s: float, row_limit: int) -> None:
-        self.open: dict[Path, ReadOnlyDb | InputError] = {}
-        self.time_limit_s, self.row_limit = time_limit_s, row_limit
-
-    def get(self, path: Path) -> ReadOnlyDb:
-        if path not in self.open:
-            try:
-                self.open[path] = ReadOnlyDb(path, self.time_limit_s, self.row_limit)
-            except InputError as e:
-                self.open[path] = e
-        got = self.open[path]
-        if isinstance(got, InputError):
-            raise got
-        return got
-
-    def close(self) -> None:
-        for db in self.open.values():
-            if isinstance(db, ReadOnlyDb):
-                db.close()
-
-
-def check_records(records: list[Record], dbs: Databases, bad: list[str]) -> list[Record]:
-    """The records whose SQL runs on their database within the limits; each other one is
-    added to `bad`, named by its file and line."""
-    good = []
-    for r in records:
-        try:
-            db = dbs.get(r.db)
-        except InputError as e:
-            bad.append(f"{r.where}: {e}")
-            continue
-        out = db.run(r.sql)
-        if out.ok:
-            good.append(r)
-        else:
-            bad.append(
-                f"{r.where}: the SQL does not run on {r.db.name} ({out.status}: {out.message})"
-            )
-    return good
-
-
 def settle(bad: list[str], policy: str, what: str) -> None:
     """data.on_bad_record: `error` refuses the whole prepare, naming every bad record on a
     line of its own; `skip` goes on (the caller counts them)."""
@@ -295,14 +251,17 @@ def settle(bad: list[str], policy: str, what: str) -> None:
         )
 
 
-def drop_trained_questions(test: list[Record], train: list[Record], bad: list[str]) -> list[Record]:
-    """The test records whose question is not a training one; each other one is added to
-    `bad`."""
-    trained = {norm_question(r.question) for r in train}
+def drop_trained_pairs(test: list[Record], train: list[Record], bad: list[str]) -> list[Record]:
+    """The test records whose question and SQL are not training ones (as `norm_question`
+    and `norm_sql` compare them); each other one is added to `bad`."""
+    questions = {norm_question(r.question) for r in train}
+    queries = {norm_sql(r.sql) for r in train}
     keep = []
     for r in test:
-        if norm_question(r.question) in trained:
+        if norm_question(r.question) in questions:
             bad.append(f"{r.where}: test question is also a training question: {r.question!r}")
+        elif norm_sql(r.sql) in queries:
+            bad.append(f"{r.where}: test SQL is also a training pair's SQL: {r.sql!r}")
         else:
             keep.append(r)
     return keep

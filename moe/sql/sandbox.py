@@ -1,5 +1,7 @@
 """A sqlite database as the SQL stages meet it: what it holds, how the model sees it, and a
-way to run a statement on it that cannot change, reach beyond or hang on it.
+way to run a statement on it that cannot change, reach beyond or hang on it. (A database on a
+server is moe/sql/server.py's; moe/sql/databases.py `open_database` opens either. The schema
+model they share, `Schema` and `serialize_schema`, is moe/sql/schema.py's, re-exported here.)
 
 - `open_checked` refuses a file that is missing, not sqlite (or encrypted), or locked, saying
   which, before any work is done on it.
@@ -13,7 +15,8 @@ way to run a statement on it that cannot change, reach beyond or hang on it.
   extension loading), a time limit (sqlite's progress handler) and a row limit.
 - `same_result` compares two result sets as Spider's and BIRD's evaluators do (a multiset of
   rows, ordered only when the gold query orders, floats within a tolerance) and
-  `normalized_sql` rewrites a query through a real SQL parser (sqlglot) for exact match.
+  `normalized_sql` rewrites a query through a real SQL parser (sqlglot) for exact match;
+  `in_dialect` rewrites a generated query into a server's dialect.
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ import re
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 from moe.errors import InputError
+from moe.sql.schema import CATEGORICAL_MAX, Column, Outcome, Schema, Table
+from moe.sql.schema import SchemaStyle as SchemaStyle
+from moe.sql.schema import ident as ident
+from moe.sql.schema import serialize_schema as serialize_schema
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 
@@ -83,79 +89,6 @@ def copy_database(src: Path, dst: Path) -> None:
 
 
 # --------------------------------------------------------------------------- the schema
-
-CATEGORICAL_MAX = 30  # a text column with at most this many distinct values, each on 2+ rows
-# on average, is categorical
-
-
-@dataclass
-class Column:
-    name: str
-    type: str  # declared type, as written in CREATE TABLE ("" when none)
-    pk: bool = False
-    references: tuple[str, str] | None = None  # (table, column) of a foreign key
-    numeric: bool = False  # what the rows hold: numbers
-    values: list[Any] = field(default_factory=list)  # the distinct values, most frequent first
-    distinct: int = 0
-    lo: float | None = None
-    hi: float | None = None
-    nulls: int = 0
-    # text with few distinct values that repeat across rows (a department, a country)
-    categorical: bool = False
-
-
-@dataclass
-class Table:
-    name: str
-    columns: list[Column]
-    rows: int
-
-    def column(self, name: str) -> Column:
-        return next(c for c in self.columns if c.name == name)
-
-
-@dataclass
-class Schema:
-    tables: list[Table]
-
-    def table(self, name: str) -> Table:
-        return next(t for t in self.tables if t.name == name)
-
-    @property
-    def foreign_keys(self) -> list[tuple[str, str, str, str]]:
-        """(child table, child column, parent table, parent column) for every foreign key."""
-        return [
-            (t.name, c.name, *c.references)
-            for t in self.tables
-            for c in t.columns
-            if c.references is not None
-        ]
-
-
-_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# SQLite's keywords (https://sqlite.org/lang_keywords.html): a name that is one is quoted.
-_RESERVED = set(
-    """abort action add after all alter always analyze and as asc attach autoincrement before
-    begin between by cascade case cast check collate column commit conflict constraint create
-    cross current current_date current_time current_timestamp database default deferrable
-    deferred delete desc detach distinct do drop each else end escape except exclude exclusive
-    exists explain fail filter first following for foreign from full generated glob group groups
-    having if ignore immediate in index indexed initially inner insert instead intersect into is
-    isnull join key last left like limit match materialized natural no not nothing notnull null
-    nulls of offset on or order others outer over partition plan pragma preceding primary query
-    raise range recursive references regexp reindex release rename replace restrict returning
-    right rollback row rows savepoint select set table temp temporary then ties to transaction
-    trigger unbounded union unique update using vacuum values view virtual when where window
-    with without""".split()
-)
-
-
-def ident(name: str) -> str:
-    """`name` as it must be written in SQL: quoted when it is not a plain identifier or is a
-    keyword (Spider's databases have columns such as "Home Town" and "order")."""
-    if _IDENT.fullmatch(name) and name.lower() not in _RESERVED:
-        return name
-    return '"' + name.replace('"', '""') + '"'
 
 
 def _text(b: bytes) -> str:
@@ -229,71 +162,7 @@ def _column_stats(con: sqlite3.Connection, table: str, col: Column, sample_rows:
         col.lo, col.hi = lo, hi
 
 
-def _short_type(t: str) -> str:
-    u = t.upper()
-    if "INT" in u:
-        return "int"
-    if any(a in u for a in ("REAL", "FLOA", "DOUB", "NUM", "DEC")):
-        return "real"
-    if any(a in u for a in ("CHAR", "TEXT", "CLOB")):
-        return "text"
-    if "DATE" in u or "TIME" in u:
-        return "date"
-    return u.lower() or "any"
-
-
-@dataclass(frozen=True)
-class SchemaStyle:
-    """What the serialised schema carries. Shortening drops sample values first, then the
-    column types, each only when the longest example does not fit otherwise."""
-
-    values: int = 0  # up to this many sample values of each categorical column
-    types: bool = True
-
-    def shorter(self) -> SchemaStyle | None:
-        if self.values:
-            return SchemaStyle(0, self.types)
-        if self.types:
-            return SchemaStyle(0, False)
-        return None
-
-
-def serialize_schema(schema: Schema, style: SchemaStyle = SchemaStyle()) -> str:
-    """Compact, one line a table: `table(col type pk, col type -> parent.col, col text
-    [a|b|c], ...)` joined with '; '. Keys always; types and sample values per `style`."""
-    parts = []
-    for t in schema.tables:
-        cols = []
-        for c in t.columns:
-            s = c.name
-            if style.types:
-                s += " " + _short_type(c.type)
-            if c.pk:
-                s += " pk"
-            if c.references:
-                s += f" -> {c.references[0]}.{c.references[1]}"
-            if style.values and c.categorical:
-                s += " [" + "|".join(str(v) for v in c.values[: style.values]) + "]"
-            cols.append(s)
-        parts.append(f"{t.name}({', '.join(cols)})")
-    return "; ".join(parts)
-
-
 # --------------------------------------------------------------------------- execution
-
-
-@dataclass
-class Outcome:
-    """What running one statement gave: rows, or why not ('error', 'timeout', 'row_limit',
-    'denied')."""
-
-    rows: list[tuple[Any, ...]] | None
-    status: str = "ok"
-    message: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
 
 
 # Actions a statement may take: read tables and columns, call a (non-extension) function,
@@ -310,6 +179,8 @@ class ReadOnlyDb:
     off, an authorizer that allows only reads, `time_limit_s` of execution per statement
     (checked by sqlite's progress handler every `tick` VM steps, against `clock`) and at most
     `row_limit` rows fetched."""
+
+    dialect = "sqlite"
 
     def __init__(
         self,
@@ -378,6 +249,11 @@ class ReadOnlyDb:
         if len(rows) > self.row_limit:
             return Outcome(None, "row_limit", f"over {self.row_limit} rows")
         return Outcome(rows)
+
+    @property
+    def label(self) -> str:
+        """How messages name the database: its file name."""
+        return self.path.name
 
     def schema(self) -> Schema:
         """The database's schema (`inspect_database`, on a connection of its own: this one's
@@ -484,30 +360,61 @@ def _column_orders(
             yield perm
 
 
-def orders(sql: str) -> bool:
+def sqlglot_dialect(dialect: str) -> str:
+    """sqlglot's name for a SQLAlchemy dialect name (postgresql -> postgres)."""
+    return {"postgresql": "postgres", "": "sqlite"}.get(dialect, dialect)
+
+
+def orders(sql: str, dialect: str = "sqlite") -> bool:
     """Whether a query's result order is part of its answer: its outermost ORDER BY (an
     ORDER BY inside a subquery or a string does not order the result)."""
-    tree = _parse(sql)
+    tree = _parse(sql, dialect)
     if tree is None:
         return "ORDER BY" in " ".join(sql.upper().split())
     return tree.args.get("order") is not None
 
 
-def _parse(sql: str) -> Any:
+def _parse(sql: str, dialect: str = "sqlite") -> Any:
     import sqlglot
     from sqlglot.errors import SqlglotError
 
     try:
-        return sqlglot.parse_one(sql, read="sqlite")
+        return sqlglot.parse_one(sql, read=sqlglot_dialect(dialect))
     except (SqlglotError, ValueError, RecursionError):
         return None
 
 
-def normalized_sql(sql: str) -> str | None:
-    """`sql` rewritten by sqlglot (sqlite dialect, identifiers and keywords normalised), or
+def normalized_sql(sql: str, dialect: str = "sqlite") -> str | None:
+    """`sql` rewritten by sqlglot (in `dialect`, identifiers and keywords normalised), or
     None when it does not parse: two queries written differently but parsed the same compare
     equal."""
-    tree = _parse(sql)
+    tree = _parse(sql, dialect)
     if tree is None:
         return None
-    return tree.sql(dialect="sqlite", normalize=True, pretty=False)
+    return tree.sql(dialect=sqlglot_dialect(dialect), normalize=True, pretty=False)
+
+
+_PLAIN_PG = re.compile(r"[a-z_][a-z0-9_$]*")
+
+
+def in_dialect(sql: str, schema: Schema) -> str:
+    """`sql` (a template's, in sqlite's SQL) as `schema`'s engine must read it: unchanged for
+    sqlite; else rewritten by sqlglot, with each table or column name the server would fold
+    to lower case or reads as a keyword quoted. A statement sqlglot cannot read is left as
+    it is (the caller executes it, and drops it if it fails)."""
+    if schema.dialect in ("", "sqlite"):
+        return sql
+    import sqlglot
+    from sqlglot import exp
+    from sqlglot.errors import SqlglotError
+
+    names = {t.name for t in schema.tables} | {c.name for t in schema.tables for c in t.columns}
+    try:
+        tree = sqlglot.parse_one(sql, read="sqlite")
+        for node in tree.find_all(exp.Identifier):
+            name = node.name
+            if name in names and (not _PLAIN_PG.fullmatch(name) or name in schema.keywords):
+                node.set("quoted", True)
+        return tree.sql(dialect=sqlglot_dialect(schema.dialect))
+    except (SqlglotError, ValueError, RecursionError):
+        return sql

@@ -1,7 +1,9 @@
 """The text-to-SQL pair sets a prepare makes: `build_sql_sets` takes each source's records
 (moe/sql/sources.py), fits each database's schema text to the model's lengths
-(moe/sql/fitting.py) and writes the five sets with copies of their databases;
-`SqlSets` says what was made, skipped and left out. No test question is a training one.
+(moe/sql/fitting.py) and writes the five sets with copies of their databases (a server
+database stays where it is: its link, dbs/domain.url); `SqlSets` says what was made, skipped
+and left out, and what the domain database was (its fingerprint). No test question is a
+training one.
 """
 
 from __future__ import annotations
@@ -13,12 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from moe.errors import InputError
+from moe.hashing import sha256_file
+from moe.sql.databases import Databases, is_link
 from moe.sql.fitting import Limits, fit_schema
 from moe.sql.generator import KINDS
 from moe.sql.prompts import prompt_text, response_text
-from moe.sql.pruning import Pruned, Pruner
-from moe.sql.records import Databases, Record, SqlPair, settle
+from moe.sql.pruners import pruner_for
+from moe.sql.pruning import Pruned
+from moe.sql.records import Record, SqlPair, settle
 from moe.sql.sandbox import SchemaStyle, copy_database, serialize_schema
+from moe.sql.schema import fingerprint
+from moe.sql.server import ServerLink
 from moe.sql.sources import Split, domain_records, generated_generic, outside_generic
 
 SET_ROLE = {  # which length limit a set's examples must fit
@@ -43,6 +50,8 @@ class SqlSets:
     schema_tokens: dict[str, int] = field(default_factory=dict)  # per database
     # per set: examples given a pruned schema, and of those how many kept their gold tables
     pruned: dict[str, dict[str, int]] = field(default_factory=dict)
+    # the domain database at prepare: where, and its schema-and-row-count `fingerprint`
+    domain: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -60,6 +69,7 @@ class SqlSets:
             "longest_example_tokens": self.longest,
             "schema_tokens": self.schema_tokens,
             "schema_pruned": self.pruned,
+            "domain_database": self.domain,
         }
 
 
@@ -87,6 +97,7 @@ def build_sql_sets(d: Any, out_dir: Path, limits: Limits) -> SqlSets:
             "domain_test": dtest,
         }
         result = SqlSets({}, bad, sources={"generic": gsrc, **src}, dropped=result_dropped)
+        result.domain = domain_fingerprint(d, dbs_dir, dbs)
         names = _database_names(raw, dbs_dir)
         texts, too_long, pruned = _fit_schemas(raw, dbs, d, limits, names, result)
         _make_sets(raw, names, texts, too_long, pruned, limits, result)
@@ -114,6 +125,26 @@ def _generic(
         gsrc = d.sql_generic_source
     settle(bad, d.on_bad_record, f"data.sql_generic_source ({gsrc})")
     return g, gsrc
+
+
+def domain_fingerprint(d: Any, dbs_dir: Path, dbs: Databases) -> dict[str, Any]:
+    """What the domain database was at prepare: where it is (a server's URL without a
+    password, a file's path) and its schema-and-row-count fingerprint (moe/sql/schema.py),
+    a file's sha256 too; kept in meta.json, the prepare lineage record and the link of a
+    server database, against which evaluation checks the database it meets."""
+    if not d.sql_domain_database:
+        return {"database": "generated"}
+    link = dbs_dir / "domain.url"
+    path = link if is_link(link) and link.is_file() else dbs_dir / "domain.sqlite"
+    db = dbs.get(path)
+    if path == link:
+        got = {"database": db.label, **fingerprint(db.schema())}
+        saved = ServerLink.read(link)
+        saved.fingerprint = got
+        saved.write(link)
+        return got
+    user = Path(d.sql_domain_database).expanduser()
+    return {"database": str(user), **fingerprint(db.schema()), "file_sha256": sha256_file(user)}
 
 
 def _refuse_empty(g: Split, gsrc: str, dtrain: list[Record], dtest: list[Record]) -> None:
@@ -168,7 +199,7 @@ def _fit_schemas(
     for db_path, members in by_db.items():
         db = dbs.get(db_path)
         schema = db.schema()
-        pruner = Pruner(schema, db) if d.sql_schema_pruning else None
+        pruner = pruner_for(schema, db) if d.sql_schema_pruning else None
         fitted = fit_schema(
             db_path,
             lambda style, s=schema: serialize_schema(s, style),

@@ -11,8 +11,10 @@ pairs of the target domain (`data.sql_domain_database`). Either comes from:
   BIRD's (the same, `*_databases/` folders, `SQL` and `evidence` fields), or a JSONL file of
   `{question, sql, db}` with `db` a sqlite path relative to the file (moe/sql/records.py
   reads them);
-- the user's domain: their sqlite file, their own `{question, sql}` pairs (JSONL), and pairs
-  generated from that database's schema and rows when they have few or none.
+- the user's domain: their sqlite file or their database on a server (a SQLAlchemy URL:
+  PostgreSQL, moe/sql/server.py; its pairs are generated and checked in its own dialect, on
+  the server), their own `{question, sql}` pairs (JSONL), and pairs generated from that
+  database's schema and rows when they have few or none.
 
 Each source gives its training records and its test records: for the generic sets, test
 pairs on databases trained on ('seen') and on databases never trained on ('held out');
@@ -27,12 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from moe.errors import InputError
+from moe.sql.databases import LINK_SUFFIX, Databases, check_records
 from moe.sql.generator import KINDS, QuestionGenerator, kind_of
 from moe.sql.records import (
-    Databases,
     Record,
-    check_records,
-    drop_trained_questions,
+    drop_trained_pairs,
     norm_question,
     norm_sql,
     read_corpus_folder,
@@ -40,6 +41,7 @@ from moe.sql.records import (
     settle,
 )
 from moe.sql.sandbox import copy_database, open_checked
+from moe.sql.server import ServerLink, is_url, parse_url, shown
 from moe.sql.themes import DOMAIN_THEME, GENERIC_THEMES, HELD_OUT_THEMES, SYLLABLES, Theme
 
 Split = tuple[list[Record], list[Record], list[Record]]  # training, test seen, test held out
@@ -98,9 +100,11 @@ def generate_records(
     seen: set[tuple[Path, str]],
 ) -> list[Record]:
     """Up to `count` new (question, SQL) pairs generated from the database's own schema and
-    rows, each executed before it is kept; `seen` holds what any set already has."""
+    rows, in its engine's dialect, each executed before it is kept; `seen` holds what any set
+    already has."""
     db = dbs.get(db_path)
-    stream = QuestionGenerator(db.schema()).stream(rng)
+    gen = QuestionGenerator(db.schema())
+    stream = gen.stream(rng)
     out: list[Record] = []
     for _ in range(count * 50):
         if len(out) >= count:
@@ -109,6 +113,9 @@ def generate_records(
         if got is None:
             break
         q, sql = got
+        if (db_path, norm_question(q)) in seen:
+            continue  # asked already: nothing to rewrite or run
+        sql = gen.in_dialect(sql)  # a server's dialect (sqlglot); sqlite's stays as it is
         keys = {(db_path, sql), (db_path, norm_question(q)), (db_path, norm_sql(sql))}
         if keys & seen or not db.run(sql).ok:
             continue
@@ -284,20 +291,20 @@ def _drop_repeats(test: list[Record], train: list[Record], dropped: list[str]) -
 def domain_records(
     d: Any, dbs_dir: Path, dbs: Databases, rng: random.Random, bad: list[str]
 ) -> tuple[list[Record], list[Record], dict[str, str]]:
-    """The domain's training and test pairs on dbs/domain.sqlite: the user's database (a
-    copy; the file itself is only read) or the embedded default's, the user's pairs (weighted)
+    """The domain's training and test pairs on dbs/domain.sqlite (or dbs/domain.url, the link
+    to a server database): the user's database (a copy of a file, which is only read; a
+    server's is read where it is) or the embedded default's, the user's pairs (weighted)
     and pairs generated from the database for the rest of `data.sql_domain_train_pairs`. The
     test set is only ever the user's pairs when there are any."""
-    path = dbs_dir / "domain.sqlite"
     src: dict[str, str] = {}
-    _domain_database(d, path, rng, src)
+    path = _domain_database(d, dbs_dir, rng, src)
     user_train, user_test = _user_pairs(d, path, dbs, bad, src)
     held = d.sql_domain_test
     if user_train and not user_test and _is_fraction(held or "0.3"):
         user_test, user_train = _split_user_pairs(d, user_train, rng, src)
     for r in user_test:
         r.weight = 1.0
-    user_test = drop_trained_questions(user_test, user_train, bad)
+    user_test = drop_trained_pairs(user_test, user_train, bad)
     seen = {(r.db, r.sql) for r in user_train + user_test}
     seen |= {(r.db, norm_sql(r.sql)) for r in user_train + user_test}
     seen |= {(r.db, norm_question(r.question)) for r in user_train + user_test}
@@ -312,9 +319,18 @@ def domain_records(
     return user_train + generated, test, src
 
 
-def _domain_database(d: Any, path: Path, rng: random.Random, src: dict[str, str]) -> None:
-    """Put the domain's database at `path`: a copy of the user's, checked first, or the
-    embedded default's, built from its theme."""
+def _domain_database(d: Any, dbs_dir: Path, rng: random.Random, src: dict[str, str]) -> Path:
+    """Put the domain's database in `dbs_dir` and say where: a copy of the user's sqlite file,
+    checked first (domain.sqlite), the link to their server database (domain.url: the URL,
+    never a password), or the embedded default's, built from its theme."""
+    if is_url(d.sql_domain_database):
+        url = shown(parse_url(d.sql_domain_database))
+        path = dbs_dir / f"domain{LINK_SUFFIX}"
+        link = ServerLink(url, d.sql_domain_password, d.sql_domain_schema, d.sql_domain_views)
+        link.write(path)
+        src["domain_database"] = url
+        return path
+    path = dbs_dir / "domain.sqlite"
     if d.sql_domain_database:
         user_db = Path(d.sql_domain_database).expanduser()
         open_checked(user_db, "data.sql_domain_database").close()  # says what is wrong
@@ -323,6 +339,7 @@ def _domain_database(d: Any, path: Path, rng: random.Random, src: dict[str, str]
     else:
         build_database(path, DOMAIN_THEME, rng, rows=40)
         src["domain_database"] = "generated"
+    return path
 
 
 def _user_pairs(
@@ -353,7 +370,8 @@ def _split_user_pairs(
     d: Any, user_train: list[Record], rng: random.Random, src: dict[str, str]
 ) -> tuple[list[Record], list[Record]]:
     """(test, training): the `data.sql_domain_test` share (0.3 unless given) of the user's
-    pairs, drawn at random, held out for the test."""
+    pairs, drawn at random, held out for the test; pairs with the same SQL (`norm_sql`) go
+    to the same side."""
     frac = float(d.sql_domain_test or "0.3")
     if len(user_train) < 2:
         raise InputError(
@@ -363,7 +381,21 @@ def _split_user_pairs(
     rng.shuffle(user_train)
     cut = min(len(user_train) - 1, max(1, round(len(user_train) * frac)))
     src["domain_test"] = f"{frac:g} of the user's pairs"
-    return user_train[:cut], user_train[cut:]
+    # pairs that share their SQL (one query asked in other words) stay on one side, and
+    # at least one query is left for training
+    queries = {norm_sql(r.sql) for r in user_train}
+    if len(queries) < 2:
+        raise InputError(
+            f"{d.sql_domain_pairs}: pairs that all have the same SQL cannot be split into"
+            " training and test: write pairs of other queries, or give a test file"
+            " (data.sql_domain_test)"
+        )
+    held: set[str] = set()
+    for r in user_train[:cut]:
+        if len(held) < len(queries) - 1:
+            held.add(norm_sql(r.sql))
+    test = [r for r in user_train if norm_sql(r.sql) in held]
+    return test, [r for r in user_train if norm_sql(r.sql) not in held]
 
 
 def _is_fraction(s: str) -> bool:
