@@ -426,6 +426,72 @@ def test_domain_pairs_problems_are_named(tmp_path: Path, tok, chinook_db: Path) 
         )
 
 
+def _domain_only(chinook_db: Path, **kw) -> DataConfig:
+    """The user's Chinook pairs as the whole domain (nothing generated for it), beside a
+    small generated generic set: a prepare of a few seconds."""
+    return small(
+        sql_domain_database=str(chinook_db),
+        sql_generic_pairs=60,
+        sql_generic_test_pairs=10,
+        **kw,
+    )
+
+
+def test_a_test_sql_that_is_a_training_sql_is_refused(tmp_path: Path, tok, chinook_db) -> None:
+    """A leak is the same query, not only the same words: a test pair asking another
+    question with a training pair's SQL (other case, other spacing) is refused."""
+    pairs = _pairs_file(tmp_path / "p.jsonl", HANDWRITTEN[:4])
+    test = _pairs_file(
+        tmp_path / "t.jsonl",
+        [("Count every track.", "select COUNT(*)\n  FROM  track"), HANDWRITTEN[5]],
+    )
+    d = _domain_only(
+        chinook_db, sql_domain_pairs=str(pairs), sql_domain_test=str(test), sql_domain_train_pairs=4
+    )
+    with pytest.raises(InputError) as e:
+        build_sql_sets(d, tmp_path / "out", limits(tok))
+    assert "1 bad SQL pair(s)" in str(e.value)
+    assert "t.jsonl, line 1: test SQL is also a training pair's SQL" in str(e.value)
+    # skipped when told to: the other test pair stays
+    got = build_sql_sets(dataclasses.replace(d, on_bad_record="skip"), tmp_path / "o2", limits(tok))
+    assert [p.question for p in got.sets["domain_test"]] == [HANDWRITTEN[5][0]]
+    # a share of the user's pairs held out: one query asked in other words stays on one side
+    worded = [(f"Please answer: {q}", s) for q, s in HANDWRITTEN]
+    mixed = _pairs_file(tmp_path / "m.jsonl", [*HANDWRITTEN, *worded])
+    split = build_sql_sets(
+        dataclasses.replace(d, sql_domain_pairs=str(mixed), sql_domain_test="0.3"),
+        tmp_path / "split",
+        limits(tok),
+    )
+    held = [p.sql for p in split.sets["domain_test"]]
+    trained = {p.sql for p in split.sets["domain_train"] if p.origin != "generated"}
+    assert held and trained and not set(held) & trained
+    assert len(held) == 2 * len(set(held))  # both wordings of each held query
+
+
+def test_a_test_answer_longer_than_max_new_tokens_is_refused(
+    tmp_path: Path, tok, chinook_db
+) -> None:
+    """Evaluation generates at most evaluate.max_new_tokens: a test answer longer than that
+    could never be matched, so prepare refuses it. A training answer may be longer."""
+    pairs = _pairs_file(tmp_path / "p.jsonl", HANDWRITTEN[:5])
+    test = _pairs_file(tmp_path / "t.jsonl", HANDWRITTEN[5:6])
+    count = limits(tok).count
+    answer = count([HANDWRITTEN[5][1] + "\n"])[0]
+    assert max(count([s + "\n" for _, s in HANDWRITTEN[:5]])) > answer  # a longer training one
+    d = _domain_only(
+        chinook_db, sql_domain_pairs=str(pairs), sql_domain_test=str(test), sql_domain_train_pairs=5
+    )
+    got = build_sql_sets(d, tmp_path / "fits", limits(tok, response=answer))
+    assert [p.question for p in got.sets["domain_test"]] == [HANDWRITTEN[5][0]]
+    with pytest.raises(InputError) as e:  # the same pairs, one token less to generate
+        build_sql_sets(d, tmp_path / "over", limits(tok, response=answer - 1))
+    msg = str(e.value)
+    assert "t.jsonl, line 1 on domain.sqlite: the example does not fit the model" in msg
+    assert f"SQL {answer} tokens" in msg
+    assert f"evaluate.max_new_tokens = {answer - 1} for a test answer" in msg
+
+
 def test_keyword_names_and_text_that_is_not_utf8_are_read(tmp_path: Path, tok) -> None:
     db = tmp_path / "odd.sqlite"
     con = sqlite3.connect(db)
@@ -576,6 +642,74 @@ def test_a_runaway_query_stops_within_the_real_time_limit(chinook_db: Path) -> N
     with ReadOnlyDb(chinook_db, time_limit_s=0.3) as db:
         out = db.run("SELECT count(*) FROM track, invoice_line, playlist_track")
     assert out.status == "timeout" and out.message == "over 0.3 s"
+
+
+def _counting_db(path: Path, rows: int = 300) -> Path:
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, name TEXT, n INT)")
+    con.executemany("INSERT INTO t VALUES (?, ?, ?)", [(i, f"x{i}", i % 7) for i in range(rows)])
+    con.commit()
+    con.close()
+    return path
+
+
+def test_the_time_limit_is_read_from_the_clock_not_counted_in_steps(tmp_path: Path) -> None:
+    """The limit is time on the injected clock: however many times sqlite's progress handler
+    looks (a slow CPU looks more often), a query runs while the clock stays under the limit
+    and stops at the first look past it."""
+    db = _counting_db(tmp_path / "t.sqlite")
+    long = "SELECT count(*) FROM t AS a, t AS b"  # 90,000 rows visited: thousands of looks
+
+    def clock_after(start: float, later: list[float]):
+        looks: list[float] = []
+
+        def clock() -> float:  # the first reading is the start; then `later`, then its last
+            looks.append(start if not looks else later[min(len(looks) - 1, len(later) - 1)])
+            return looks[-1]
+
+        return clock, looks
+
+    # the clock stands just under the limit: the query runs to its end
+    clock, looks = clock_after(100.0, [104.999])
+    with ReadOnlyDb(db, time_limit_s=5, clock=clock, tick=100) as ro:
+        out = ro.run(long)
+    assert out.status == "ok" and out.rows == [(90_000,)], out
+    assert len(looks) > 500  # the handler looked often, and counting looks did not stop it
+    # the clock passes the limit at its 50th look: stopped there, not before and not after
+    clock, looks = clock_after(100.0, [100.0 + i / 20 for i in range(49)] + [105.001])
+    with ReadOnlyDb(db, time_limit_s=5, clock=clock, tick=100) as ro:
+        out = ro.run(long)
+        assert out.status == "timeout" and out.message == "over 5 s", out
+        assert len(looks) == 1 + 50
+        assert ro.run("SELECT count(*) FROM t").rows == [(300,)]  # a fresh limit per statement
+
+
+def test_scoring_compares_in_order_only_when_the_gold_query_orders(tmp_path: Path) -> None:
+    db = tmp_path / "s.sqlite"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, name TEXT, n INT)")
+    con.executemany("INSERT INTO t VALUES (?, ?, ?)", [(1, "b", 2), (2, "a", 1), (3, "c", 3)])
+    con.commit()
+    con.close()
+
+    def match(gold: str, predicted: str) -> bool:
+        pair = SqlPair("q", gold, "s.sqlite", "t(id int pk, name text, n int)")
+        with ReadOnlyDb(db) as ro:
+            got = _score_one(ro, pair, predicted)
+        assert got["valid"] and got["status"] == "ok", got
+        return got["execution_match"]
+
+    # the gold query orders: the same rows in another order are a wrong answer
+    assert match("SELECT name FROM t ORDER BY n", "SELECT name FROM t ORDER BY n")
+    assert not match("SELECT name FROM t ORDER BY n", "SELECT name FROM t ORDER BY n DESC")
+    assert not match("select name from t order\n  by name desc", "SELECT name FROM t")
+    # it does not: any order of the same rows is right, a missing or extra row is not
+    assert match("SELECT name FROM t", "SELECT name FROM t ORDER BY name DESC")
+    assert not match("SELECT name FROM t", "SELECT name FROM t WHERE n > 1 ORDER BY name")
+    # an ORDER BY inside a subquery or a string does not order the result
+    sub = "SELECT name FROM (SELECT name, n FROM t ORDER BY n LIMIT 2)"
+    assert match(sub, "SELECT name FROM t WHERE n < 3 ORDER BY name DESC")
+    assert match("SELECT name FROM t WHERE name <> 'ORDER BY'", "SELECT name FROM t ORDER BY n")
 
 
 def test_results_compare_as_spider_and_bird_do() -> None:
