@@ -204,7 +204,8 @@ def suite_match(copies: list[ReadOnlyDb], gold_sql: str, predicted: str) -> bool
 def _score_one(db: ReadOnlyDb, pair: SqlPair, predicted: str) -> dict[str, Any]:
     gold = db.run(pair.sql)
     got = db.run(predicted)
-    norm_p, norm_g = normalized_sql(predicted), normalized_sql(pair.sql)
+    dialect = getattr(db, "dialect", "sqlite")  # a server's SQL is parsed in its own dialect
+    norm_p, norm_g = normalized_sql(predicted, dialect), normalized_sql(pair.sql, dialect)
     exact = (
         norm_p == norm_g
         if norm_p is not None and norm_g is not None
@@ -221,6 +222,6 @@ def _score_one(db: ReadOnlyDb, pair: SqlPair, predicted: str) -> dict[str, Any]:
         "status": got.status if gold.ok else "reference_failed",
         "execution_match": gold.ok
         and got.ok
-        and same_result(got.rows or [], gold.rows or [], ordered=orders(pair.sql)),
+        and same_result(got.rows or [], gold.rows or [], ordered=orders(pair.sql, dialect)),
         "exact": exact,
     }
