@@ -268,9 +268,9 @@ class DataConfig:
         "", pattern=r"|env:\w+|prefect:[\w-]+", note="'', env:NAME or prefect:BLOCK"
     )
     # The server's schema (namespace) whose tables the model is taught ("" = the session's
-    # current schema, e.g. public), and whether its views count as tables.
+    # current schema, e.g. public).
     sql_domain_schema: str = ""
-    sql_domain_views: bool = False
+    sql_domain_views: bool = False  # a server schema's views count as tables too
     # The user's own {question, sql} pairs on that database (JSONL; optional).
     sql_domain_pairs: str = ""
     # The held-out domain questions: a JSONL file of the user's, or a fraction of

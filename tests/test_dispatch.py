@@ -31,9 +31,11 @@ def api(prefect_server: dict[str, str]) -> Iterator[str]:
         yield prefect_server["PREFECT_API_URL"]
 
 
-def _stage_deployments(client: Any, cfg: Any) -> dict[Any, str]:
-    """`<stage>/<stage>` on the stage's pool (created where missing), on a paused queue;
-    returns the deployment ids' stages."""
+def _stage_deployments(client: Any, cfg: Any, created: list[str]) -> dict[Any, str]:
+    """`<stage>/<stage>` on the stage's pool (created where missing, and named in `created`
+    so that the test removes it: the server is shared with other files' tests, which create
+    these pools with their own types), on a paused queue; returns the deployment ids'
+    stages."""
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectAlreadyExists
 
@@ -42,6 +44,7 @@ def _stage_deployments(client: Any, cfg: Any) -> dict[Any, str]:
         pool = cfg.pools.stages[stage]
         try:
             client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+            created.append(pool)
         except ObjectAlreadyExists:
             pass
         try:
@@ -64,7 +67,7 @@ def _stage_deployments(client: Any, cfg: Any) -> dict[Any, str]:
 
 
 def test_the_run_forms_values_reach_every_stage_run(
-    api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.client.schemas.filters import (
@@ -96,8 +99,16 @@ def test_the_run_forms_values_reach_every_stage_run(
         default.evaluate.max_examples,
     )
     key = f"dispatch-{uuid.uuid4().hex[:12]}"  # the hand-off run key: this test's runs
+    created: list[str] = []
+
+    def remove_pools() -> None:
+        with SyncPrefectClient(api) as client:
+            for pool in created:
+                client.delete_work_pool(pool)
+
+    request.addfinalizer(remove_pools)
     with SyncPrefectClient(api) as client:
-        deployments = _stage_deployments(client, cfg)
+        deployments = _stage_deployments(client, cfg, created)
 
     received: dict[str, dict[str, Any]] = {}
     stop, failed = threading.Event(), []

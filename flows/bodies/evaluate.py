@@ -116,8 +116,6 @@ def headline(metrics: dict[str, Any], ledger: dict[str, Any]) -> dict[str, Any]:
             "ppl": round(metrics[s]["val"]["perplexity"], 3),
             "exec_acc": round(metrics[s]["sql"]["execution_accuracy"], 4),
         }
-        if "test_suite_accuracy" in metrics[s]["sql"]:
-            out[s]["ts_acc"] = round(metrics[s]["sql"]["test_suite_accuracy"], 4)
         generic = [metrics[s][k] for k in ("generic_seen", "generic_heldout") if k in metrics[s]]
         if generic:
             n = sum(g["examples"] for g in generic)
