@@ -16,7 +16,7 @@ from typing import Any
 
 from safetensors.torch import load_file
 
-from moe.data.tokenizer import load_tokenizer, specials
+from moe.data.tokenizer import Specials, load_tokenizer, specials
 from moe.errors import InputError
 from moe.hashing import sha256_file, weights_files_digest
 from moe.hf.exporter import ExportPlan, export_hf, export_plan
@@ -252,7 +252,7 @@ def ask(
     sp = specials(tok, tok_path)
     ro = open_database(db, time_limit_s, row_limit, password)
     try:
-        prompt, pruned = _ask_prompt(ro, question, model.cfg.seq_len, tok, sp.prefix,
+        prompt, pruned = _ask_prompt(ro, question, model.cfg.seq_len, tok, sp,
                                      max_new_tokens, schema_values, prune_schema)  # fmt: skip
         room = model.cfg.seq_len - len(prompt)
         out = model.generate_batch([prompt], min(max_new_tokens, room), stop_ids(tok, sp.eos))
@@ -279,7 +279,7 @@ def ask_prompt(
     tok_path = find_tokenizer(Path(model_dir), data_dir)
     tok = load_tokenizer(tok_path)
     with open_database(db, password=password) as ro:
-        return _ask_prompt(ro, question, seq_len, tok, specials(tok, tok_path).prefix,
+        return _ask_prompt(ro, question, seq_len, tok, specials(tok, tok_path),
                            max_new_tokens, schema_values, prune_schema)[0]  # fmt: skip
 
 
@@ -288,12 +288,13 @@ def _ask_prompt(
     question: str,
     seq_len: int,
     tok: Any,
-    prefix: list[int] | tuple[int, ...],
+    sp: Specials,
     max_new_tokens: int,
     schema_values: int,
     prune_schema: bool,
 ) -> tuple[list[int], str]:
-    """The prompt for `question` with the schema read from the database `ro` as prepare
+    """The prompt for `question` (after the model's bos, in its chat template, as
+    finetuning and evaluation give it) with the schema read from the database `ro` as prepare
     reads it, pruned to what the question names when the whole schema leaves the answer no
     room (with schema pruning on, as prepare does), and what pruning left out."""
     from moe.sql.prompts import prompt_text
@@ -306,7 +307,7 @@ def _ask_prompt(
 
     def encode(schema: str) -> list[int]:
         pair = SqlPair(question, "", ro.label, schema)
-        return [*prefix, *tok.encode(prompt_text(pair), add_special_tokens=False).ids]
+        return [*sp.prefix, *tok.encode(sp.chat(prompt_text(pair)), add_special_tokens=False).ids]
 
     # room for the answer as evaluation gives it
     room_needed = min(max_new_tokens, seq_len // 2)

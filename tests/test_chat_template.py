@@ -91,3 +91,31 @@ def test_prepare_carries_the_template_and_finetuning_asks_in_it(
     finally:
         (tok_dir / "chat_template.jinja").unlink()
     assert json.loads((work / "tokenizer_config.json").read_text())["eos_token"] == "</s>"
+
+
+def test_ask_asks_in_the_template_as_finetuning_does(tmp_path: Path, tok_dir: Path) -> None:
+    import sqlite3
+
+    from moe.config import ModelConfig, MoEConfig
+    from moe.hf.model_dir import save_model_dir
+    from moe.model.transformer import MoETransformer
+    from tasks.publish import ask_prompt
+
+    folder = tmp_path / "model"
+    tok = load_tokenizer(tok_dir / "tokenizer.json")
+    save_model_dir(
+        MoETransformer(ModelConfig(seq_len=256, n_layer=1, d_model=32), MoEConfig(),
+                       tok.get_vocab_size()),
+        folder,
+    )  # fmt: skip
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / f).write_bytes((tok_dir / f).read_bytes())
+    (folder / "chat_template.jinja").write_text(SMOL)
+    db = tmp_path / "s.sqlite"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE singer (id INTEGER PRIMARY KEY)")
+    con.commit()
+    con.close()
+    ids = ask_prompt(folder, "How many singers?", db, tmp_path, max_new_tokens=16)
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert text.endswith("<|im_start|>assistant\n") and "-- question: How many singers?" in text
