@@ -23,7 +23,7 @@ from moe.sql.sandbox import ReadOnlyDb, Schema, SchemaStyle, Table, ident, seria
 # Distinct values read per text column for the value index (bounded queries: a large table
 # is sampled, not scanned).
 VALUES_PER_COLUMN = 2000
-_SAMPLE_ROWS = 50_000
+SAMPLE_ROWS = 50_000
 _WORD = re.compile(r"[a-z0-9]+")
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 # Words a question uses for everything: they match no table.
@@ -51,7 +51,9 @@ def words(text: str) -> set[str]:
     return {_stem(w) for w in _WORD.findall(text) if w not in _STOP}
 
 
-def _phrase(text: str) -> str:
+def phrase(text: str) -> str:
+    """`text` as the value index compares it: its lower-case words, one space apart, with a
+    space either side."""
     return " " + " ".join(_WORD.findall(text.lower())) + " "
 
 
@@ -75,19 +77,19 @@ class ValueIndex:
                     continue
                 q = (
                     f"SELECT DISTINCT v FROM (SELECT {ident(c.name)} AS v FROM {ident(t.name)}"
-                    f" LIMIT {_SAMPLE_ROWS}) WHERE typeof(v) = 'text' AND length(v) BETWEEN 2"
+                    f" LIMIT {SAMPLE_ROWS}) WHERE typeof(v) = 'text' AND length(v) BETWEEN 2"
                     f" AND 60 LIMIT {min(per_column, db.row_limit)}"
                 )
                 got = db.run(q)
                 if got.ok and got.rows:
                     out[(t.name, c.name)] = [
-                        p for (v,) in got.rows if len(p := _phrase(str(v)).strip()) >= 2
+                        p for (v,) in got.rows if len(p := phrase(str(v)).strip()) >= 2
                     ]
         return cls(out)
 
     def hits(self, question: str) -> dict[tuple[str, str], list[str]]:
         """The columns holding a value the question names (whole words), with the values."""
-        q = _phrase(question)
+        q = phrase(question)
         found: dict[tuple[str, str], list[str]] = {}
         for key, vals in self.values.items():
             # a one-word value must not be a stop word or a short number ("a", "1")
