@@ -406,6 +406,20 @@ class ModelConfig:
     # projection (OLMoE), or none.
     qk_norm: Literal["none", "head", "full"] = "none"
     attn_bias: bool = False  # biases on the query, key and value projections (Qwen2)
+    # Rotary positions on the first rotary_dim features of each head only (GLM-4.5 rotates
+    # half of each head); 0 = the whole head.
+    rotary_dim: int = knob(0, ge=0, note=" (0 = the whole head)")
+    # "gqa": grouped-query heads. "mla": DeepSeek-V3's multi-head latent attention, keys and
+    # values read from one compressed latent per token; head_dim is then the width of a
+    # query/key head's un-rotated part (qk_nope_head_dim).
+    attention: Literal["gqa", "mla"] = "gqa"
+    # mla: width of the compressed query (q_lora_rank); 0 = an uncompressed query projection.
+    mla_q_rank: int = knob(0, ge=0, note=" (0 = an uncompressed query projection)")
+    mla_kv_rank: int = knob(64, ge=1)  # mla: width of the key/value latent (kv_lora_rank)
+    # mla: the rotated part of each query and key head, one key part shared by all heads
+    # (qk_rope_head_dim).
+    mla_rope_dim: int = knob(16, ge=2)
+    mla_v_dim: int = knob(0, ge=0, note=" (0 = head_dim)")  # mla: width of a value head
     rope_theta: float = knob(10_000.0, gt=0)  # base of the rotary position frequencies
     norm_eps: float = knob(1e-5, gt=0)  # epsilon of every RMSNorm
     init_std: float = knob(0.02, gt=0)  # std of the normal init of linear and embedding weights
@@ -417,6 +431,18 @@ class ModelConfig:
     @property
     def head_width(self) -> int:
         return self.head_dim or self.d_model // max(self.n_head, 1)
+
+    @property
+    def rope_width(self) -> int:
+        """The rotated features of a query or key head."""
+        if self.attention == "mla":
+            return self.mla_rope_dim
+        return self.rotary_dim or self.head_width
+
+    @property
+    def v_width(self) -> int:
+        """The width of a value head."""
+        return (self.mla_v_dim or self.head_width) if self.attention == "mla" else self.head_width
 
     def is_moe_block(self, i: int) -> bool:
         """Blocks moe_every-1, 2*moe_every-1, ... are MoE, except the listed dense ones."""
@@ -430,12 +456,31 @@ class ModelConfig:
                 self.d_model,
                 f"must be divisible by n_head ({self.n_head}) unless model.head_dim is set",
             )
-        if self.n_head >= 1 and self.d_model >= 1:
+        if self.n_head >= 1 and self.d_model >= 1 and self.attention == "gqa":
             p.require(
                 self.head_width % 2 == 0,
                 "head_dim" if self.head_dim else "d_model",
                 self.head_dim or self.d_model,
                 "the head width must be even (rotary positions)",
+            )
+            p.require(
+                self.rotary_dim <= self.head_width and self.rotary_dim % 2 == 0,
+                "rotary_dim",
+                self.rotary_dim,
+                f"must be even and at most the head width ({self.head_width})",
+            )
+        if self.attention == "mla":
+            p.require(
+                self.mla_rope_dim % 2 == 0,
+                "mla_rope_dim",
+                self.mla_rope_dim,
+                "must be even (rotary positions)",
+            )
+            p.require(
+                self.n_kv_head in (0, self.n_head),
+                "n_kv_head",
+                self.n_kv_head,
+                "must be 0 with attention: mla (every head reads the shared latent)",
             )
         if self.n_kv_head:
             p.require(
@@ -535,6 +580,16 @@ class MoEConfig:
     shared_expert_hidden: int = knob(0, ge=0, note=" (0 = expert_hidden)")  # its feed-forward width
     # The shared expert's output scaled by sigmoid(a learned gate) per token (Qwen2-MoE).
     shared_expert_gate: bool = False
+    # How the router scores experts: a softmax over them (Mixtral, Qwen), or an independent
+    # sigmoid per expert (DeepSeek-V3, GLM-4.5; the chosen weights then renormalised when
+    # moe.renormalize). aux_free's bias is added to these scores to choose.
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    # Group-limited routing (DeepSeek-V3): the experts in n_group equal groups, each scored by
+    # its two best scores; a token chooses among its topk_group best groups only. 1 = none.
+    n_group: int = knob(1, ge=1)
+    topk_group: int = knob(1, ge=1)  # with n_group > 1: the groups a token may route into
+    # The routed experts' combined output times this (DeepSeek-V3's routed_scaling_factor).
+    routed_scale: float = knob(1.0, gt=0)
     force_balanced: bool = False  # debug: round-robin routing, for throughput/memory tests
     # Expert growth and pruning while training (moe/model/growth.py); off by default.
     growth: GrowthConfig = field(default_factory=GrowthConfig)
@@ -566,6 +621,27 @@ class MoEConfig:
                 self.capacity_factor,
                 "must be > 0 when moe.dropless is false",
             )
+        if self.n_group > 1:
+            size = self.num_experts // self.n_group
+            p.require(
+                self.num_experts % self.n_group == 0 and size >= 2,
+                "n_group",
+                self.n_group,
+                f"must divide moe.num_experts ({self.num_experts}) into groups of 2 or more",
+            )
+            p.require(
+                self.topk_group <= self.n_group and self.top_k <= self.topk_group * size,
+                "topk_group",
+                self.topk_group,
+                f"must be <= moe.n_group ({self.n_group}) and its groups must hold moe.top_k"
+                f" ({self.top_k}) experts",
+            )
+        p.require(
+            not (self.score_func == "sigmoid" and "util_aware" in self.balancing),
+            "balancing",
+            self.balancing,
+            "util_aware scales softmax logits; it does not apply with score_func: sigmoid",
+        )
         p.require(
             len(set(self.balancing)) == len(self.balancing),
             "balancing",

@@ -72,6 +72,45 @@ ARCHS = {
             tie_word_embeddings=True,
         ),
     ),
+    # The DeepSeek-V3 line: multi-head latent attention with a compressed query, sigmoid
+    # routing in 4 groups of 2 (a token may use 2), a routed scale, a dense first block.
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            num_key_value_heads=4,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            q_lora_rank=16,
+            kv_lora_rank=8,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=6,
+            routed_scaling_factor=2.5,
+        ),
+    ),
+    # GLM-4.5: grouped-query attention with q/k/v biases, q/k norm and half of each head
+    # rotated, DeepSeek-V3's MoE layer.
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        dict(
+            head_dim=16,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            use_qk_norm=True,
+            attention_bias=True,
+            routed_scaling_factor=1.5,
+        ),
+    ),
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", dict(head_dim=8)),
@@ -82,11 +121,11 @@ MOE = MoEConfig(num_experts=4, top_k=2, balancing=["aux_free", "z_loss"])
 def hf_model(model_type: str, folder: Path, seed: int = 0) -> torch.nn.Module:
     cls_name, extra = ARCHS[model_type]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, cls_name)(**COMMON, **extra)
+    cfg = getattr(transformers, cls_name)(**{**COMMON, **extra})
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1 or "e_score_correction_bias" in name:
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if p.dim() == 1 and "rotary" not in name or "e_score_correction_bias" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder)
     return model
@@ -196,6 +235,38 @@ NATIVE = {
         "olmoe",
     ),
     "plain": (ModelConfig(seq_len=64, tie_embeddings=False), MoEConfig(balancing=[]), "qwen3_moe"),
+    # Aux-free over sigmoid scores, groups, a routed scale, a shared expert, the first block
+    # dense, half of each head rotated -> GLM-4.5 (its correction bias is ours).
+    "sigmoid, aux-free": (
+        ModelConfig(
+            seq_len=64, n_layer=3, dense_layers=[0], rotary_dim=16, attn_bias=True, qk_norm="head"
+        ),
+        MoEConfig(
+            score_func="sigmoid",
+            n_group=4,
+            topk_group=2,
+            routed_scale=2.0,
+            shared_expert=True,
+            shared_expert_hidden=512,
+        ),
+        "glm4_moe",
+    ),
+    # The same with multi-head latent attention -> DeepSeek-V3.
+    "latent attention": (
+        ModelConfig(
+            seq_len=64,
+            n_layer=3,
+            dense_layers=[0],
+            attention="mla",
+            head_dim=16,
+            mla_q_rank=24,
+            mla_kv_rank=16,
+            mla_rope_dim=8,
+            mla_v_dim=12,
+        ),
+        MoEConfig(score_func="sigmoid", n_group=2, topk_group=1, shared_expert=True),
+        "deepseek_v3",
+    ),
 }
 
 

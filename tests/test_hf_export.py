@@ -45,6 +45,36 @@ FAMILY = {
     ),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
     "olmoe": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2)),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            num_key_value_heads=4,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            q_lora_rank=16,
+            kv_lora_rank=8,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+        ),
+    ),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        dict(
+            head_dim=8,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            use_qk_norm=True,  # which ERNIE-4.5-MoE, the bias's other home, has not
+        ),
+    ),
 }
 
 
@@ -190,13 +220,14 @@ def _token_store(folder: Path, vocab: int) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "olmoe"])
+@pytest.mark.parametrize("model_type", ["mixtral", "olmoe", "deepseek_v3", "glm4_moe"])
 def test_an_imported_moe_trained_a_few_steps_exports_as_its_own_family(
     model_type: str, tmp_path: Path
 ) -> None:
     """Imported, started from with model.init (its routing knobs the embedded default's:
-    aux-free balancing, which neither family has), trained by the library's Trainer, saved
-    as a stage saves, exported: the family it came from, loaded with every key in place."""
+    aux-free balancing, which Mixtral and OLMoE have no place for and which trains DeepSeek-V3's
+    and GLM-4.5's correction bias), trained by the library's Trainer, saved as a stage saves,
+    exported: the family it came from, loaded with every key in place."""
     from moe.checkpoint.store import CheckpointStore
     from moe.config import PretrainConfig
     from moe.data.tokens import BatchSampler, TokenStore
@@ -258,6 +289,13 @@ def test_an_imported_moe_trained_a_few_steps_exports_as_its_own_family(
     ours = load_model_dir(tmp_path / "stage", dtype=torch.float32).eval()
     diff = (logits(ours, IDX) - logits(hf, IDX)).abs().max()
     assert float(diff) < 1e-4, float(diff)
+    if model_type in ("deepseek_v3", "glm4_moe"):  # the bias aux-free trained is theirs
+        assert "aux_free" in trained.mcfg.balancing
+        bias = trained.blocks[1].ffn.router.expert_bias_E
+        assert float(bias.abs().max()) > 0
+        with safe_open(str(tmp_path / "export" / "model.safetensors"), "pt") as f:
+            theirs = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
+        assert torch.equal(theirs, bias.float())
 
 
 def test_an_imported_long_context_model_exports_its_own_context_length(

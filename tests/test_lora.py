@@ -66,11 +66,18 @@ def _tiny(seed: int = 0, **moe: object) -> MoETransformer:
     return MoETransformer(cfg, MoEConfig(num_experts=4, top_k=2, **moe), 64)
 
 
-def _peft_model(hf: torch.nn.Module, rank: int, alpha: float, experts: bool) -> torch.nn.Module:
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# DeepSeek-V3's latent attention: every projection of it
+LATENT = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+
+
+def _peft_model(
+    hf: torch.nn.Module, rank: int, alpha: float, experts: bool, modules: list[str] = ATTENTION
+) -> torch.nn.Module:
     cfg = peft.LoraConfig(
         r=rank,
         lora_alpha=alpha,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        target_modules=modules,
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
         if experts
         else None,
@@ -92,21 +99,23 @@ def _peft_named(pm: torch.nn.Module, what: str) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "llama"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "llama", "deepseek_v3", "glm4_moe"])
 def test_our_lora_computes_what_peft_computes(model_type: str, tmp_path: Path) -> None:
     """Same adapter weights in PEFT's LoRA and ours: the same logits, and after the same loss
-    the same adapter gradients (fp32, 1e-5). Qwen3-MoE carries adapters on attention and on the
-    routed experts (PEFT's target_parameters); Llama (upcycled on import, so its MLP is
-    experts) on attention."""
+    the same adapter gradients (fp32, 1e-5). Qwen3-MoE, DeepSeek-V3 (every projection of its
+    latent attention, its rotated rows permuted) and GLM-4.5 carry adapters on attention and
+    on the routed experts (PEFT's target_parameters); Llama (upcycled on import, so its MLP
+    is experts) on attention."""
     hf = hf_model(model_type, tmp_path / "hf")
     ours, arch = load_hf_model(tmp_path / "hf", MOE, seq_len=64, dtype=torch.float32)
-    moe_adapters = model_type == "qwen3_moe"
+    moe_adapters = model_type != "llama"
     # (PEFT on transformers 5 cannot name a dense or shared MLP inside an MoE model:
     # moe/hf/peft_adapter.py lists those adapters as not expressible)
     targets = LoraTargets(mlp=False, shared_expert=False, experts=moe_adapters)
     add_adapters(ours, LoraConfig(rank=4, alpha=8.0, targets=targets), seed=0)
     _randomize_adapters(ours, seed=1)
-    pm = _peft_model(hf, 4, 8.0, experts=moe_adapters)
+    modules = LATENT if model_type == "deepseek_v3" else ATTENTION
+    pm = _peft_model(hf, 4, 8.0, experts=moe_adapters, modules=modules)
     theirs, _, _ = peft_tensors(ours, _our_tensors(ours, "value"), FAMILIES[arch.model_type], 4)
     assert set(theirs) == set(_peft_named(pm, "value")), "the adapters map one to one"
     result = peft.set_peft_model_state_dict(pm, theirs)

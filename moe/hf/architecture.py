@@ -139,7 +139,7 @@ def _check_fields(path: Path, hf: dict[str, Any], family: Family) -> None:
         raise refuse(path, why)
 
 
-def _rope_theta(path: Path, hf: dict[str, Any]) -> float:
+def _rope_theta(path: Path, hf: dict[str, Any], family: Family) -> float:
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     for what in (params, scaling):
@@ -150,8 +150,9 @@ def _rope_theta(path: Path, hf: dict[str, Any]) -> float:
                 f"RoPE scaling {kind!r} is not implemented (only plain RoPE); the model cannot"
                 " be imported exactly",
             )
-    if "partial_rotary_factor" in params and params["partial_rotary_factor"] != 1.0:
-        raise refuse(path, "partial_rotary_factor != 1 is not implemented")
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if factor != 1.0 and not family.partial_rotary:
+        raise refuse(path, f"partial_rotary_factor = {factor} is not implemented for this family")
     theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
     return float(theta)
 
@@ -163,7 +164,7 @@ def _dimensions(path: Path, hf: dict[str, Any], family: Family) -> dict[str, Any
     head_dim = int(hf.get("head_dim") or 0)
     if head_dim == D // H:
         head_dim = 0
-    theta = _rope_theta(path, hf)
+    theta = _rope_theta(path, hf, family)
     attn_bias = bool(hf.get("attention_bias") or hf.get("qkv_bias", family.qkv_bias))
     return {
         "n_layer": n_layer,
@@ -212,6 +213,12 @@ def _moe_config(moe_defaults: MoEConfig, shape: MoEShape) -> MoEConfig:
     moe.renormalize = shape.renormalize
     moe.shared_expert, moe.shared_expert_hidden = shape.shared_expert, shape.shared_expert_hidden
     moe.shared_expert_gate = shape.shared_expert_gate
+    moe.score_func = shape.score_func  # type: ignore[assignment]
+    moe.n_group, moe.topk_group, moe.routed_scale = (
+        shape.n_group,
+        shape.topk_group,
+        shape.routed_scale,
+    )
     if shape.shared_expert_hidden == shape.expert_hidden:
         moe.shared_expert_hidden = 0
     return moe
@@ -260,6 +267,8 @@ def read_architecture(folder: Path, moe_defaults: MoEConfig, seq_len: int) -> Ar
     dims = _dimensions(path, hf, family)
     shape = family.moe_shape(hf, dims["n_layer"], moe_defaults)
     model = _model_config(folder, hf, dims, shape, seq_len)
+    for name, value in family.dimensions(hf).items():  # its attention's own shape
+        setattr(model, name, value)
     moe = _moe_config(moe_defaults, shape)
     _check_consistent(path, hf, model, moe, family)
     ids = {k: hf.get(f"{k}_token_id") for k in ("bos", "eos", "pad")}

@@ -6,7 +6,8 @@ tokenizer, generation config and model card (`export_hf`).
 Which architecture fits is each family's answer (moe/hf/families/); the families are tried
 in their export order, the one the model was imported from first. The aux-free selection
 bias (a bias that chooses experts but does not weight them) exports only to a family with
-one (ERNIE-4.5-MoE); with the bias at zero any matching architecture will do. What no
+one (ERNIE-4.5-MoE over softmax scores; GLM-4.5 and DeepSeek-V3 over sigmoid scores); with
+the bias at zero any matching architecture will do. What no
 architecture represents is refused with the reason: utilisation-aware routing (the scores
 depend on a running average), a growth ramp in progress, unequal expert counts."""
 
@@ -27,6 +28,7 @@ from moe.hf.families.protocol import Family, LayerNames
 from moe.hf.families.registry import FAMILIES, exporters
 from moe.hf.safetensors_io import write_shards
 from moe.hf.tokenizer_files import copy_tokenizer
+from moe.model.attention import LatentAttention
 from moe.model.transformer import Block, MoELayer, MoETransformer
 
 
@@ -68,6 +70,23 @@ def _refuse_unexportable(model: MoETransformer) -> None:
         raise InputError("cannot export: the model has no MoE layer")
 
 
+def _routing_and_attention(model: MoETransformer, family: Family) -> list[str]:
+    """Why the family's router or attention cannot compute the model's, whichever family."""
+    c, m = model.cfg, model.mcfg
+    reasons = []
+    if m.score_func != family.score_func:
+        reasons.append(f"its router scores experts with {family.score_func}, not {m.score_func}")
+    if not family.group_routing and m.n_group > 1 and m.topk_group < m.n_group:
+        reasons.append("it has no group-limited routing (moe.n_group)")
+    if not family.group_routing and m.routed_scale != 1.0:
+        reasons.append("it has no routed scaling factor (moe.routed_scale)")
+    if c.attention != family.attention:
+        reasons.append(f"its attention is {family.attention}, not {c.attention}")
+    if c.attention == "gqa" and c.rope_width != c.head_width and not family.partial_rotary:
+        reasons.append("it rotates whole heads (model.rotary_dim)")
+    return reasons
+
+
 def export_plan(model: MoETransformer, prefer: str = "") -> ExportPlan:
     """The transformers architecture that represents `model` exactly, or InputError saying
     why none does. `prefer` (the architecture it was imported from) wins when it fits."""
@@ -75,7 +94,7 @@ def export_plan(model: MoETransformer, prefer: str = "") -> ExportPlan:
     bias = _selection_bias(model)
     why: dict[str, str] = {}
     for family in exporters(prefer):
-        reasons = []
+        reasons = _routing_and_attention(model, family)
         if bias and not family.selection_bias:
             reasons.append("it has no selection bias (aux-free balancing is on)")
         reasons += family.export_refusals(model.cfg, model.mcfg)
@@ -88,8 +107,9 @@ def export_plan(model: MoETransformer, prefer: str = "") -> ExportPlan:
         ]
         if bias:
             notes.append(
-                "The aux-free selection bias is ERNIE-4.5-MoE's e_score_correction_bias:"
-                " it chooses experts and does not weight them, as in training."
+                f"The aux-free selection bias is {family.architecture}'s"
+                " e_score_correction_bias: it chooses experts and does not weight them, as in"
+                " training."
             )
         return ExportPlan(family.model_type, family.architecture, notes)
     raise InputError(
@@ -138,6 +158,9 @@ def _attention_out(
     a = block.attn
     yield p + "input_layernorm.weight", block.norm1.weight
     yield p + "post_attention_layernorm.weight", block.norm2.weight
+    if isinstance(a, LatentAttention):
+        yield from _latent_attention_out(c, family, a, p + "self_attn.")
+        return
     q, k, v = a.qkv.weight.split(a.widths)
     q, k = family.qk_to_hf(q, k, c)
     for name, w in zip("qkv", (q, k, v), strict=True):
@@ -156,6 +179,24 @@ def _attention_out(
     if a.q_norm is not None:
         yield p + "self_attn.q_norm.weight", a.q_norm.weight
         yield p + "self_attn.k_norm.weight", a.k_norm.weight  # type: ignore[union-attr]
+
+
+def _latent_attention_out(
+    c: ModelConfig, family: Family, a: LatentAttention, p: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Multi-head latent attention as DeepSeek-V3's projections."""
+    q = a.q_b.weight if a.q_rank else a.q.weight
+    q, kv_a = family.qk_to_hf(q, a.kv_a.weight, c)
+    if a.q_rank:
+        yield p + "q_a_proj.weight", a.q_a.weight
+        yield p + "q_a_layernorm.weight", a.q_norm.weight
+        yield p + "q_b_proj.weight", q
+    else:
+        yield p + "q_proj.weight", q
+    yield p + "kv_a_proj_with_mqa.weight", kv_a
+    yield p + "kv_a_layernorm.weight", a.kv_norm.weight
+    yield p + "kv_b_proj.weight", a.kv_b.weight
+    yield p + "o_proj.weight", a.proj.weight
 
 
 def _swiglu_out(

@@ -39,6 +39,9 @@ def _attention_in(
     """A block's norms and attention."""
     yield ours + "norm1.weight", src.get(p + "input_layernorm.weight")
     yield ours + "norm2.weight", src.get(p + "post_attention_layernorm.weight")
+    if c.attention == "mla":
+        yield from _latent_attention_in(c, src, family, p + "self_attn.", ours + "attn.")
+        return
     q = src.get(p + "self_attn.q_proj.weight")
     k = src.get(p + "self_attn.k_proj.weight")
     q, k = family.qk_from_hf(q, k, c)
@@ -53,6 +56,26 @@ def _attention_in(
     if c.qk_norm != "none":
         yield ours + "attn.q_norm.weight", src.get(p + "self_attn.q_norm.weight")
         yield ours + "attn.k_norm.weight", src.get(p + "self_attn.k_norm.weight")
+
+
+def _latent_attention_in(
+    c: ModelConfig, src: Shards, family: Family, a: str, ours: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Multi-head latent attention (DeepSeek-V3): the compressed projections, their norms,
+    and the rotated rows in our order (the family's qk_from_hf)."""
+    q = src.get(a + ("q_b_proj.weight" if c.mla_q_rank else "q_proj.weight"))
+    kv_a = src.get(a + "kv_a_proj_with_mqa.weight")
+    q, kv_a = family.qk_from_hf(q, kv_a, c)
+    if c.mla_q_rank:
+        yield ours + "q_a.weight", src.get(a + "q_a_proj.weight")
+        yield ours + "q_norm.weight", src.get(a + "q_a_layernorm.weight")
+        yield ours + "q_b.weight", q
+    else:
+        yield ours + "q.weight", q
+    yield ours + "kv_a.weight", kv_a
+    yield ours + "kv_norm.weight", src.get(a + "kv_a_layernorm.weight")
+    yield ours + "kv_b.weight", src.get(a + "kv_b_proj.weight")
+    yield ours + "proj.weight", src.get(a + "o_proj.weight")
 
 
 def _dense_ffn_in(
@@ -122,6 +145,17 @@ def _our_tensors(
             yield from _dense_ffn_in(block, src, n.p, ours)
         else:
             yield from _moe_ffn_in(block.ffn, src, family, n, ours)
+    if family.extra_layers:  # multi-token-prediction layers: not part of the model
+        past = [k for k in src.where if _layer_of(k) >= c.n_layer]
+        src.used.update(past)
+
+
+def _layer_of(name: str) -> int:
+    """The decoder layer a tensor name belongs to (-1 for none)."""
+    if not name.startswith("model.layers."):
+        return -1
+    index = name.split(".")[2]
+    return int(index) if index.isdigit() else -1
 
 
 def _check_complete(folder: Path, missing: list[str], src: Shards) -> None:

@@ -37,6 +37,10 @@ MOE_SHAPE = (
     "shared_expert",
     "shared_expert_hidden",
     "shared_expert_gate",
+    "score_func",
+    "n_group",
+    "topk_group",
+    "routed_scale",
 )
 
 
@@ -67,14 +71,18 @@ def init_architecture(model: ModelConfig, moe: MoEConfig) -> tuple[ModelConfig, 
     check_tokenizer(folder)
     source_type = _source_type(folder)
     balancing = list(moe.balancing)
-    # ERNIE-4.5-MoE is the one architecture with a selection bias (export_plan); it has no
-    # q/k norm, no gated shared expert and always renormalises.
+    # An architecture with a selection bias (ERNIE-4.5-MoE, DeepSeek-V3, GLM-4.5) keeps
+    # aux_free: its correction bias is ours. A dense model upcycled (or ours) exports with the
+    # bias as ERNIE-4.5-MoE, which has no q/k norm, no gated shared expert and always
+    # renormalises.
     ernie_fits = (
         arch_model.qk_norm == "none" and not shape["shared_expert_gate"] and shape["renormalize"]
     )
     family = FAMILIES.get(source_type)
-    from_moe = family is not None and not family.upcycled and not family.selection_bias
-    if "aux_free" in balancing and (from_moe or not ernie_fits):
+    moe_family = family is not None and not family.upcycled
+    from_moe = moe_family and not family.selection_bias  # type: ignore[union-attr]
+    keeps_bias = moe_family and bool(family.selection_bias)  # type: ignore[union-attr]
+    if "aux_free" in balancing and not keeps_bias and (from_moe or not ernie_fits):
         # The imported architecture has no selection bias: a model trained with one could
         # not be exported back to it (export_plan refuses). Train it as it was made instead.
         balancing = [m for m in balancing if m != "aux_free"]

@@ -88,6 +88,27 @@ def peft_tensors(
                 tensors[f"{pre}attn.proj.lora_B"],
             )
             modules.add("o_proj")
+        if f"{pre}attn.kv_a.lora_A" in tensors:  # latent attention (DeepSeek-V3)
+            q = "q_b" if f"{pre}attn.q_b.lora_A" in tensors else "q"
+            # B's rows are output rows: the rotated ones permuted as the base weight's
+            bq, bkv = family.qk_to_hf(
+                tensors[f"{pre}attn.{q}.lora_B"], tensors[f"{pre}attn.kv_a.lora_B"], c
+            )
+            theirs = {
+                "q_a": "q_a_proj",
+                "q_b": "q_b_proj",
+                "q": "q_proj",
+                "kv_a": "kv_a_proj_with_mqa",
+                "kv_b": "kv_b_proj",
+            }
+            for ours_name, hf_name in theirs.items():
+                if f"{pre}attn.{ours_name}.lora_A" not in tensors:
+                    continue
+                b = {q: bq, "kv_a": bkv}.get(ours_name, tensors[f"{pre}attn.{ours_name}.lora_B"])
+                _linear(
+                    out, f"{n.p}self_attn.{hf_name}", tensors[f"{pre}attn.{ours_name}.lora_A"], b
+                )
+                modules.add(hf_name)
         ex = f"{pre}ffn.experts.lora."
         if f"{ex}a13" in tensors:
             a13, b13 = tensors[f"{ex}a13"], tensors[f"{ex}b13"]

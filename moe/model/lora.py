@@ -23,9 +23,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moe.config import LoraConfig
+from moe.model.attention import CausalSelfAttention, LatentAttention
 from moe.model.experts import GroupedExperts
 from moe.model.quant import dequantize, frozen_linear, is_nf4, quantize
-from moe.model.transformer import CausalSelfAttention, MoELayer, SwiGLU
+from moe.model.transformer import MoELayer, SwiGLU
 
 ROUTER_POLICIES = ("trained", "frozen", "bias-only")
 
@@ -161,6 +162,17 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
+def attention_segments(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """An attention module's adapted projections and their output segments: q/k/v (one
+    segment each, on the fused projection) and the output; for latent attention (DeepSeek-V3)
+    every projection, as PEFT's adapters on q_a/q_b (or q), kv_a, kv_b and o_proj."""
+    if isinstance(module, CausalSelfAttention):
+        return {"qkv": module.widths, "proj": (module.proj.out_features,)}
+    names = ["q_a", "q_b"] if module.q_rank else ["q"]
+    names += ["kv_a", "kv_b", "proj"]
+    return {n: (getattr(module, n).out_features,) for n in names}
+
+
 def expert_rank(lcfg: LoraConfig, num_experts: int) -> int:
     """The routed experts' per-expert rank under `lora.expert_rank`."""
     return lcfg.rank if lcfg.expert_rank == "same" else max(1, lcfg.rank // num_experts)
@@ -178,8 +190,8 @@ def add_adapters(model: nn.Module, lcfg: LoraConfig, seed: int) -> AdapterPlan:
     linears: list[str] = []
     experts: list[str] = []
     for name, module in list(model.named_modules()):
-        if isinstance(module, CausalSelfAttention) and t.attention:
-            wanted = {"qkv": module.widths, "proj": (module.proj.out_features,)}
+        if isinstance(module, (CausalSelfAttention, LatentAttention)) and t.attention:
+            wanted = attention_segments(module)
         elif isinstance(module, SwiGLU):
             shared = name.endswith(".shared")
             if not (t.shared_expert if shared else t.mlp):
@@ -228,8 +240,9 @@ def adapter_counts(model: nn.Module, lcfg: LoraConfig) -> tuple[int, int]:
     adapters = adapted = 0
     for name, module in model.named_modules():
         linears: list[tuple[nn.Linear, int]] = []
-        if isinstance(module, CausalSelfAttention) and t.attention:
-            linears = [(module.qkv, len(module.widths)), (module.proj, 1)]
+        if isinstance(module, (CausalSelfAttention, LatentAttention)) and t.attention:
+            segments = attention_segments(module)
+            linears = [(getattr(module, n), len(w)) for n, w in segments.items()]
         elif isinstance(module, SwiGLU):
             if t.shared_expert if name.endswith(".shared") else t.mlp:
                 linears = [(getattr(module, n), 1) for n in ("w1", "w3", "w2")]

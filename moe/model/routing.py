@@ -23,8 +23,14 @@ Each method is switched on by name in `moe.balancing` (params.yaml) and they com
 - `aux_free`: auxiliary-loss-free balancing (Wang et al. 2024; DeepSeek-V3 §2.1.2): a
   per-expert bias added to the scores only to *choose* experts, updated after each optimizer
   step by u * sign(mean_load - load_i) and re-centred to mean 0. The combine weights come
-  from the unbiased probabilities. Departure: DeepSeek-V3 biases sigmoid affinities; we bias
-  the softmax probabilities the rest of this router uses.
+  from the unbiased probabilities. With the default softmax scores this departs from
+  DeepSeek-V3, which biases sigmoid affinities (`score_func: sigmoid` below): we bias the
+  softmax probabilities.
+- `score_func: sigmoid` (DeepSeek-V3, GLM-4.5): independent sigmoid affinities instead of
+  the softmax; aux_free's bias is added to them to choose, as DeepSeek-V3 does, and the
+  balancing losses read them normalised per token. `n_group`/`topk_group` limit a token's
+  choice to its best groups of experts (`limit_groups`), `routed_scale` multiplies the
+  combine weights (routed_scaling_factor).
 - `warmup`: expert warm-up: for the first `warmup_steps` pretraining steps tokens
   go to K experts drawn uniformly at random with equal weights; over the next
   `warmup_blend_steps` the router's choice and weights are blended in linearly.
@@ -128,7 +134,11 @@ class Router(nn.Module):
             shifted_TE = logits_TE - logits_TE.detach().min(dim=-1, keepdim=True).values
             scale_E = 1 + cfg.util_alpha * (1 - self.util_E).clamp(-1, 1)
             scores_TE = shifted_TE * scale_E
-        probs_TE = (scores_TE + self.logit_offset_E).softmax(dim=-1)
+        sigmoid = cfg.score_func == "sigmoid"
+        if sigmoid:  # DeepSeek-V3: an independent affinity per expert
+            probs_TE = torch.sigmoid(scores_TE + self.logit_offset_E)
+        else:
+            probs_TE = (scores_TE + self.logit_offset_E).softmax(dim=-1)
 
         choose_TE = probs_TE.detach()
         if "aux_free" in self.methods:
@@ -141,20 +151,27 @@ class Router(nn.Module):
             if blend < 1.0:
                 noise_TE = torch.rand(T, E, device=x_TD.device)
                 choose_TE = (1 - blend) * noise_TE + blend * choose_TE
+            if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+                choose_TE = limit_groups(choose_TE, cfg.n_group, cfg.topk_group)
             experts_TK = choose_TE.topk(K, dim=-1).indices
         weights_TK = probs_TE.gather(1, experts_TK)
-        if cfg.renormalize and K > 1:
-            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        if cfg.renormalize and (K > 1 or sigmoid):
+            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
         if cfg.force_balanced:
             weights_TK = torch.full_like(weights_TK, 1.0 / K)
         elif blend < 1.0:
             weights_TK = (1 - blend) / K + blend * weights_TK
+        if cfg.routed_scale != 1.0:
+            weights_TK = weights_TK * cfg.routed_scale
 
         tokens_per_expert_E = torch.bincount(experts_TK.flatten(), minlength=E)
         if self.training and not recomputing():  # counted once, not again in a recompute
             self.load_E += tokens_per_expert_E.to(self.load_E.dtype)
+        # The balancing losses read a distribution over experts: sigmoid affinities are
+        # normalised per token first (DeepSeek-V3's sequence-wise balance loss does the same).
+        dist_TE = probs_TE / probs_TE.sum(dim=-1, keepdim=True) if sigmoid else probs_TE
         balance, aux_loss, z_loss, cv_loss = self._balance_losses(
-            logits_TE, probs_TE, tokens_per_expert_E, T * K
+            logits_TE, dist_TE, tokens_per_expert_E, T * K
         )
 
         keep_TK = None
@@ -264,6 +281,18 @@ class Router(nn.Module):
             factor_E = (1 - self.cfg.rebalance_beta * (self.util_E - 1)).clamp(0.5, 1.5)
             self.gate.weight.mul_(factor_E.to(self.gate.weight.dtype).unsqueeze(1))
         load_E.zero_()
+
+
+def limit_groups(choose_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V3 §2.1.2): the experts in n_group equal groups, each
+    scored by the sum of its two best scores; the experts outside a token's topk_group best
+    groups are set to -inf, so that its top-k falls inside them."""
+    T, E = choose_TE.shape
+    group_TG = choose_TE.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(dim=-1)
+    best_TG = group_TG.topk(topk_group, dim=-1).indices
+    keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, best_TG, True)
+    keep_TE = keep_TG.repeat_interleave(E // n_group, dim=1)
+    return choose_TE.masked_fill(~keep_TE, float("-inf"))
 
 
 def capacity_mask(

@@ -3,8 +3,9 @@
 Shape suffixes: B batch, S sequence, D model width, H heads, Dh head width, V vocabulary,
 T = B*S flattened tokens, E experts.
 
-RMSNorm, rotary positions, causal attention through scaled_dot_product_attention, and a
-SwiGLU feed-forward that is an MoE layer in every `moe_every`-th block (dense otherwise).
+RMSNorm, rotary positions, causal attention (grouped-query or DeepSeek-V3's latent
+attention, moe/model/attention.py) through scaled_dot_product_attention, and a SwiGLU
+feed-forward that is an MoE layer in every `moe_every`-th block (dense otherwise).
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from moe.config import ModelConfig, MoEConfig
+from moe.model.attention import (
+    CausalSelfAttention,
+    KVCache,
+    LatentAttention,
+    RMSNorm,
+    rotary_tables,
+)
 from moe.model.experts import GroupedExperts
 from moe.model.routing import Router, recompute_context, recomputing
 
@@ -32,131 +40,6 @@ class MoEAux:
     z_loss: torch.Tensor
     tokens_per_expert: list[torch.Tensor] = field(default_factory=list)  # per MoE layer, (E,)
     dropped_fraction: list[torch.Tensor] = field(default_factory=list)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(
-            x.dtype
-        ) * self.weight
-
-
-def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles_SF = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-    return angles_SF.cos(), angles_SF.sin()
-
-
-def apply_rotary(x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
-    S = x_BHSDh.shape[-2]
-    x1, x2 = x_BHSDh.float().chunk(2, dim=-1)
-    cos, sin = cos_SF[:S], sin_SF[:S]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x_BHSDh.dtype)
-
-
-class CausalSelfAttention(nn.Module):
-    """Multi-head attention with grouped-query heads (n_kv_head key/value heads shared by
-    n_head / n_kv_head query heads each), optional q/k RMSNorm and q/k/v biases. The q, k and
-    v projections are one fused weight: rows [0, H*Dh) queries, then keys, then values."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_width
-        q_width, kv_width = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
-        self.widths = (q_width, kv_width, kv_width)
-        self.qkv = nn.Linear(cfg.d_model, q_width + 2 * kv_width, bias=cfg.attn_bias)
-        self.proj = nn.Linear(q_width, cfg.d_model, bias=False)
-        self.qk_norm = cfg.qk_norm
-        self.q_norm: RMSNorm | None = None
-        self.k_norm: RMSNorm | None = None
-        if cfg.qk_norm == "head":
-            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
-        elif cfg.qk_norm == "full":
-            self.q_norm = RMSNorm(q_width, cfg.norm_eps)
-            self.k_norm = RMSNorm(kv_width, cfg.norm_eps)
-
-    def forward(
-        self,
-        x_BSD: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: KVCache | None = None,
-        layer: int = 0,
-    ) -> torch.Tensor:
-        B, S, _ = x_BSD.shape
-        Dh = self.head_dim
-        q, k, v = self.qkv(x_BSD).split(self.widths, dim=-1)
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
-        q = q.view(B, S, self.n_head, Dh)
-        k = k.view(B, S, self.n_kv_head, Dh)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, S, Dh), (B, Hkv, S, Dh)
-        v = v.view(B, S, self.n_kv_head, Dh).transpose(1, 2)
-        gqa = self.n_kv_head != self.n_head
-        if cache is None:  # training and scoring: positions 0..S-1, causal
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:  # decoding: each row's own positions, keys and values appended to the cache
-            q, k = cache.rotate(q, cos, sin), cache.rotate(k, cos, sin)
-            k, v = cache.append(layer, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=gqa)
-        return self.proj(y.transpose(1, 2).reshape(B, S, self.n_head * Dh))
-
-
-class KVCache:
-    """Keys and values of every layer for batched greedy decoding of left-padded prompts.
-
-    Row b's prompt sits at the right of a (B, L) block after pad_b pad tokens; its tokens keep
-    positions 0.. (rotary angles by row), and no query attends to a pad key. A pad query
-    attends to itself only, so its (unused) output stays finite."""
-
-    def __init__(self, model: MoETransformer, pads_B: torch.Tensor, total: int) -> None:
-        c, device = model.cfg, pads_B.device
-        B = pads_B.numel()
-        dtype = model.embed.weight.dtype
-        shape = (B, c.kv_heads, total, c.head_width)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.n_layer)]
-        self.pads_B = pads_B
-        self.valid_BK = torch.arange(total, device=device)[None, :] >= pads_B[:, None]
-        self.length = 0  # keys cached so far
-        self.pos_BS = torch.zeros(B, 1, dtype=torch.long, device=device)
-        self.mask = torch.ones(B, 1, 1, 1, dtype=torch.bool, device=device)
-
-    def start(self, S: int) -> None:
-        """Positions and attention mask for the next S tokens of every row."""
-        device = self.pads_B.device
-        t0 = self.length
-        cols = torch.arange(t0, t0 + S, device=device)
-        self.pos_BS = (cols[None, :] - self.pads_B[:, None]).clamp_min(0)
-        keys = torch.arange(t0 + S, device=device)
-        causal_SK = keys[None, :] <= cols[:, None]
-        mask = causal_SK[None] & self.valid_BK[:, None, : t0 + S]
-        self.mask = (mask | (keys[None, None, :] == cols[None, :, None])).unsqueeze(1)
-
-    def rotate(
-        self, x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor
-    ) -> torch.Tensor:
-        cos, sin = cos_SF[self.pos_BS].unsqueeze(1), sin_SF[self.pos_BS].unsqueeze(1)
-        x1, x2 = x_BHSDh.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x_BHSDh.dtype)
-
-    def append(
-        self, layer: int, k_BHSDh: torch.Tensor, v_BHSDh: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.length + k_BHSDh.shape[2]
-        self.k[layer][:, :, self.length : end] = k_BHSDh
-        self.v[layer][:, :, self.length : end] = v_BHSDh
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
 class SwiGLU(nn.Module):
@@ -246,7 +129,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, mcfg: MoEConfig, use_moe: bool) -> None:
         super().__init__()
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = LatentAttention(cfg) if cfg.attention == "mla" else CausalSelfAttention(cfg)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn: MoELayer | SwiGLU = (
             MoELayer(cfg.d_model, mcfg) if use_moe else SwiGLU(cfg.d_model, cfg.dense_hidden)
@@ -314,7 +197,7 @@ class MoETransformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        cos, sin = rotary_tables(cfg.seq_len, cfg.head_width, cfg.rope_theta)
+        cos, sin = rotary_tables(cfg.seq_len, cfg.rope_width, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
@@ -399,8 +282,11 @@ class MoETransformer(nn.Module):
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 * active params + attention (PaLM appendix B)."""
         c = self.cfg
-        attn_width = c.n_head * c.head_width
-        return 6.0 * self.num_params(active_only=True) + 12.0 * c.n_layer * attn_width * c.seq_len
+        qk = c.head_width + (c.mla_rope_dim if c.attention == "mla" else 0)
+        scores_and_mix = c.n_head * (qk + c.v_width)  # Q K^T and the weighted sum of V
+        return (
+            6.0 * self.num_params(active_only=True) + 6.0 * c.n_layer * scores_and_mix * c.seq_len
+        )
 
     @torch.no_grad()
     def generate_batch(
@@ -425,7 +311,7 @@ class MoETransformer(nn.Module):
         idx_BS = torch.zeros(B, L, dtype=torch.long, device=device)
         for b, p in enumerate(prompts):
             idx_BS[b, L - len(p) :] = torch.tensor(p, device=device)
-        cache = KVCache(self, L - lens_B, L + max_new_tokens)
+        cache = KVCache(self.cfg, self.embed.weight.dtype, L - lens_B, L + max_new_tokens)
         stop = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=device)
         out: list[list[int]] = [[] for _ in range(B)]
         done_B = torch.zeros(B, dtype=torch.bool, device=device)

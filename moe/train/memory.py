@@ -115,6 +115,11 @@ def activation_bytes(
     T = rows * seq
     D, Q, KV = c.d_model, c.n_head * c.head_width, c.kv_heads * c.head_width
     attn = T * (3 * D + (Q + 2 * KV) + Q + KV + 2 * Q + c.n_head)
+    if c.attention == "mla":  # latents and their norms, q, kv_b's output, rotated q, k, v, out
+        H, qk = c.n_head, c.head_width + c.mla_rope_dim
+        latents = 3 * (c.mla_q_rank + c.mla_kv_rank + c.mla_rope_dim)
+        kv_b = H * (c.head_width + c.v_width)
+        attn = T * (3 * D + latents + 3 * H * qk + kv_b + 2 * H * c.v_width + H)
     total = 0.0
     for i in range(c.n_layer):
         total += attn

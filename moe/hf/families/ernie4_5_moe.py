@@ -17,17 +17,7 @@ from typing import Any
 import torch
 
 from moe.config import ModelConfig, MoEConfig
-from moe.hf.families.protocol import Family, MoEShape
-
-
-def _interleave_rows(w: torch.Tensor, heads: int, head_dim: int, inverse: bool) -> torch.Tensor:
-    """Rows of a q/k projection from rotate-half order to interleaved pairs (ERNIE), per head."""
-    half = head_dim // 2
-    perm = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
-    if inverse:
-        perm = torch.argsort(perm)
-    idx = (torch.arange(heads)[:, None] * head_dim + perm[None, :]).flatten()
-    return w[idx]
+from moe.hf.families.protocol import Family, MoEShape, interleave_rows
 
 
 def moe_layer_range(c: ModelConfig) -> tuple[int, int] | None:
@@ -95,15 +85,15 @@ class Ernie45Moe(Family):
     def qk_from_hf(
         self, q: torch.Tensor, k: torch.Tensor, c: ModelConfig
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        q = _interleave_rows(q, c.n_head, c.head_width, inverse=True)
-        k = _interleave_rows(k, c.kv_heads, c.head_width, inverse=True)
+        q = interleave_rows(q, c.n_head, c.head_width, inverse=True)
+        k = interleave_rows(k, c.kv_heads, c.head_width, inverse=True)
         return q, k
 
     def qk_to_hf(
         self, q: torch.Tensor, k: torch.Tensor, c: ModelConfig
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        q = _interleave_rows(q, c.n_head, c.head_width, inverse=False)
-        k = _interleave_rows(k, c.kv_heads, c.head_width, inverse=False)
+        q = interleave_rows(q, c.n_head, c.head_width, inverse=False)
+        k = interleave_rows(k, c.kv_heads, c.head_width, inverse=False)
         return q, k
 
     def bias_from_hf(self, t: torch.Tensor) -> torch.Tensor:

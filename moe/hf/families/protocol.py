@@ -42,6 +42,10 @@ class MoEShape:
     shared_expert: bool = False
     shared_expert_hidden: int = 0
     shared_expert_gate: bool = False
+    score_func: str = "softmax"  # or "sigmoid" (DeepSeek-V3, GLM-4.5)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,14 @@ class Family(ABC):
     selection_bias: str = ""  # under the MoE block: the tensor of an aux-free selection bias
     architecture: str = ""  # the transformers class exported to ("" = never exported to)
     export_priority: int = 0  # lower is tried first (after the architecture imported from)
+    # What its routing and attention can represent (the exporter refuses the rest by name):
+    score_func: str = "softmax"  # how its router scores experts
+    group_routing: bool = False  # group-limited top-k and a routed scaling factor
+    attention: str = "gqa"  # ModelConfig.attention
+    partial_rotary: bool = False  # RoPE on part of each head (partial_rotary_factor)
+    # Its checkpoints hold layers past num_hidden_layers that transformers ignores (DeepSeek's
+    # multi-token-prediction modules): skipped on import.
+    extra_layers: bool = False
 
     # ------------------------------------------------------------------ config.json in
 
@@ -84,6 +96,11 @@ class Family(ABC):
     def refusal(self, hf: dict[str, Any]) -> str | None:
         """Why the config cannot be imported exactly, beyond the common refusals."""
         return None
+
+    def dimensions(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """ModelConfig fields the family's config sets beyond the common ones (its attention's
+        shape, a partial rotation)."""
+        return {}
 
     @abstractmethod
     def moe_shape(self, hf: dict[str, Any], n_layer: int, moe_defaults: MoEConfig) -> MoEShape:
@@ -152,6 +169,25 @@ def sparse_moe_shape(hf: dict[str, Any], renormalize: bool) -> MoEShape:
         moe_every=int(hf.get("decoder_sparse_step", 1)),
         dense_layers=[int(i) for i in hf.get("mlp_only_layers") or []],
     )
+
+
+def interleave_rows(w: torch.Tensor, heads: int, head_dim: int, inverse: bool) -> torch.Tensor:
+    """Rows of a q/k projection (per head of head_dim rows) from rotate-half order to
+    interleaved pairs (inverse: back), which leaves every attention score unchanged. ERNIE
+    and DeepSeek rotate interleaved pairs where we rotate halves."""
+    half = head_dim // 2
+    perm = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
+    if inverse:
+        perm = torch.argsort(perm)
+    idx = (torch.arange(heads)[:, None] * head_dim + perm[None, :]).flatten()
+    return w[idx]
+
+
+def first_dense(c: ModelConfig) -> int | None:
+    """k when the dense blocks are exactly the first k and every other block is MoE
+    (first_k_dense_replace), else None."""
+    k = sum(1 for i in range(c.n_layer) if not c.is_moe_block(i))
+    return k if all(c.is_moe_block(i) == (i >= k) for i in range(c.n_layer)) else None
 
 
 def all_moe(c: ModelConfig) -> bool:

@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+from moe.hf.families.deepseek_v3 import DEEPSEEK_V3, KIMI_K2
 from moe.hf.families.dense import LLAMA, QWEN2, QWEN3
 from moe.hf.families.ernie4_5_moe import ERNIE4_5_MOE
+from moe.hf.families.glm4_moe import GLM4_MOE
 from moe.hf.families.mixtral import MIXTRAL
 from moe.hf.families.olmoe import OLMOE
 from moe.hf.families.protocol import Family
@@ -18,6 +20,9 @@ FAMILIES: dict[str, Family] = {
     "mixtral": MIXTRAL,
     "olmoe": OLMOE,
     "ernie4_5_moe": ERNIE4_5_MOE,
+    "deepseek_v3": DEEPSEEK_V3,
+    "kimi_k2": KIMI_K2,
+    "glm4_moe": GLM4_MOE,
     "llama": LLAMA,
     "qwen2": QWEN2,
     "qwen3": QWEN3,

@@ -1,0 +1,213 @@
+"""Attention and its positions: RMSNorm, rotary tables (whole heads, or GLM-4.5's partial
+rotation), grouped-query attention (`CausalSelfAttention`), DeepSeek-V3's multi-head latent
+attention (`LatentAttention`), and the KV cache of batched greedy decoding (`KVCache`).
+
+Shape suffixes: B batch, S sequence, D model width, H heads, Dh head width, F rotary
+frequencies."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moe.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(
+            x.dtype
+        ) * self.weight
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles_SF = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles_SF.cos(), angles_SF.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first 2 * cos.shape[-1] features of x's last dimension (all of
+    them, or GLM-4.5's partial rotation); the rest pass unchanged."""
+    r = 2 * cos.shape[-1]
+    x1, x2 = x[..., :r].float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+    return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
+
+
+def apply_rotary(x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
+    S = x_BHSDh.shape[-2]
+    return rotate(x_BHSDh, cos_SF[:S], sin_SF[:S])
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head attention with grouped-query heads (n_kv_head key/value heads shared by
+    n_head / n_kv_head query heads each), optional q/k RMSNorm and q/k/v biases. The q, k and
+    v projections are one fused weight: rows [0, H*Dh) queries, then keys, then values."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_width
+        q_width, kv_width = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        self.widths = (q_width, kv_width, kv_width)
+        self.qkv = nn.Linear(cfg.d_model, q_width + 2 * kv_width, bias=cfg.attn_bias)
+        self.proj = nn.Linear(q_width, cfg.d_model, bias=False)
+        self.qk_norm = cfg.qk_norm
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        elif cfg.qk_norm == "full":
+            self.q_norm = RMSNorm(q_width, cfg.norm_eps)
+            self.k_norm = RMSNorm(kv_width, cfg.norm_eps)
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        Dh = self.head_dim
+        q, k, v = self.qkv(x_BSD).split(self.widths, dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
+        q = q.view(B, S, self.n_head, Dh)
+        k = k.view(B, S, self.n_kv_head, Dh)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, S, Dh), (B, Hkv, S, Dh)
+        v = v.view(B, S, self.n_kv_head, Dh).transpose(1, 2)
+        gqa = self.n_kv_head != self.n_head
+        if cache is None:  # training and scoring: positions 0..S-1, causal
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:  # decoding: each row's own positions, keys and values appended to the cache
+            q, k = cache.rotate(q, cos, sin), cache.rotate(k, cos, sin)
+            k, v = cache.append(layer, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=gqa)
+        return self.proj(y.transpose(1, 2).reshape(B, S, self.n_head * Dh))
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3): queries through an optional low-rank
+    bottleneck (q_a, its RMSNorm, q_b), keys and values from one compressed latent per token
+    (kv_a, its RMSNorm, kv_b) plus a rotated key part shared by every head. A query/key head
+    is [un-rotated head_dim | rotated mla_rope_dim]; a value head is mla_v_dim wide. The
+    latent norms use eps 1e-6, as DeepSeek's own code does.
+
+    Attention runs through scaled_dot_product_attention on the expanded heads (the KV cache
+    keeps them expanded too: decoding here is for evaluation, not serving)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        H, D = cfg.n_head, cfg.d_model
+        self.n_head, self.nope, self.rope, self.v_dim = (
+            H,
+            cfg.head_width,
+            cfg.mla_rope_dim,
+            cfg.v_width,
+        )
+        qk = self.nope + self.rope
+        self.q_rank, self.kv_rank = cfg.mla_q_rank, cfg.mla_kv_rank
+        if self.q_rank:
+            self.q_a = nn.Linear(D, self.q_rank, bias=False)
+            self.q_norm = RMSNorm(self.q_rank, 1e-6)
+            self.q_b = nn.Linear(self.q_rank, H * qk, bias=False)
+        else:
+            self.q = nn.Linear(D, H * qk, bias=False)
+        self.kv_a = nn.Linear(D, self.kv_rank + self.rope, bias=False)
+        self.kv_norm = RMSNorm(self.kv_rank, 1e-6)
+        self.kv_b = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
+        self.proj = nn.Linear(H * self.v_dim, D, bias=False)
+        self.scale = qk**-0.5
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        H, nope, rope = self.n_head, self.nope, self.rope
+        q = self.q_b(self.q_norm(self.q_a(x_BSD))) if self.q_rank else self.q(x_BSD)
+        q = q.view(B, S, H, nope + rope).transpose(1, 2)
+        latent, k_rot = self.kv_a(x_BSD).split([self.kv_rank, rope], dim=-1)
+        kv = self.kv_b(self.kv_norm(latent)).view(B, S, H, nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([nope, self.v_dim], dim=-1)
+        k_rot = k_rot.view(B, 1, S, rope)
+        q_nope, q_rot = q.split([nope, rope], dim=-1)
+        if cache is None:
+            q_rot, k_rot = apply_rotary(q_rot, cos, sin), apply_rotary(k_rot, cos, sin)
+        else:
+            q_rot, k_rot = cache.rotate(q_rot, cos, sin), cache.rotate(k_rot, cos, sin)
+        q = torch.cat([q_nope, q_rot], dim=-1)
+        k = torch.cat([k_nope, k_rot.expand(B, H, S, rope)], dim=-1)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            k, v = cache.append(layer, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, scale=self.scale)
+        return self.proj(y.transpose(1, 2).reshape(B, S, H * self.v_dim))
+
+
+class KVCache:
+    """Keys and values of every layer for batched greedy decoding of left-padded prompts.
+
+    Row b's prompt sits at the right of a (B, L) block after pad_b pad tokens; its tokens keep
+    positions 0.. (rotary angles by row), and no query attends to a pad key. A pad query
+    attends to itself only, so its (unused) output stays finite."""
+
+    def __init__(
+        self, c: ModelConfig, dtype: torch.dtype, pads_B: torch.Tensor, total: int
+    ) -> None:
+        device = pads_B.device
+        B = pads_B.numel()
+        mla = c.attention == "mla"
+        heads = c.n_head if mla else c.kv_heads
+        k_width = c.head_width + c.mla_rope_dim if mla else c.head_width
+        k_shape, v_shape = (B, heads, total, k_width), (B, heads, total, c.v_width)
+        self.k = [torch.zeros(k_shape, device=device, dtype=dtype) for _ in range(c.n_layer)]
+        self.v = [torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(c.n_layer)]
+        self.pads_B = pads_B
+        self.valid_BK = torch.arange(total, device=device)[None, :] >= pads_B[:, None]
+        self.length = 0  # keys cached so far
+        self.pos_BS = torch.zeros(B, 1, dtype=torch.long, device=device)
+        self.mask = torch.ones(B, 1, 1, 1, dtype=torch.bool, device=device)
+
+    def start(self, S: int) -> None:
+        """Positions and attention mask for the next S tokens of every row."""
+        device = self.pads_B.device
+        t0 = self.length
+        cols = torch.arange(t0, t0 + S, device=device)
+        self.pos_BS = (cols[None, :] - self.pads_B[:, None]).clamp_min(0)
+        keys = torch.arange(t0 + S, device=device)
+        causal_SK = keys[None, :] <= cols[:, None]
+        mask = causal_SK[None] & self.valid_BK[:, None, : t0 + S]
+        self.mask = (mask | (keys[None, None, :] == cols[None, :, None])).unsqueeze(1)
+
+    def rotate(
+        self, x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor
+    ) -> torch.Tensor:
+        cos, sin = cos_SF[self.pos_BS].unsqueeze(1), sin_SF[self.pos_BS].unsqueeze(1)
+        return rotate(x_BHSDh, cos, sin)
+
+    def append(
+        self, layer: int, k_BHSDh: torch.Tensor, v_BHSDh: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k_BHSDh.shape[2]
+        self.k[layer][:, :, self.length : end] = k_BHSDh
+        self.v[layer][:, :, self.length : end] = v_BHSDh
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
