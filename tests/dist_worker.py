@@ -12,7 +12,8 @@ MODE train STORE STEPS STOP EP [DEVICE [FLAGS]]: train to STEPS (returning after
            aux-loss balancing, coefficient 0.1, instead of aux-free), clip (grad_clip
            0.05: binds), cold (the store's cold threshold at the mean load, cold codec
            lzma: every layer has cold experts); rng (afterwards, the jitter resume check
-           `rng_resume` at the same world and expert degree).
+           `rng_resume` at the same world and expert degree); deepseek (DeepSeek-V3's
+           shape: latent attention, sigmoid group-limited routing, a shared expert).
 MODE die:  rank 1 exits hard in the middle of the first step; rank 0 must fail, not hang.
 """
 
@@ -40,14 +41,33 @@ GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 64
 CLIP = 0.05  # flag clip: under every step's gradient norm (the test checks that it binds)
 
 
-def build(meta: bool = False, aux: bool = False, jitter: float = 0.0) -> MoETransformer:
+# flag deepseek: DeepSeek-V3's shape (latent attention, sigmoid routing in 2 groups of 2 of
+# which a token may use 1, a routed scale, a shared expert), both blocks MoE
+DEEPSEEK_MODEL = dict(
+    attention="mla", head_dim=16, mla_q_rank=16, mla_kv_rank=16, mla_rope_dim=8, mla_v_dim=12
+)
+DEEPSEEK_MOE = dict(
+    score_func="sigmoid", n_group=2, topk_group=1, routed_scale=2.5, shared_expert=True
+)
+
+
+def build(
+    meta: bool = False, aux: bool = False, jitter: float = 0.0, deepseek: bool = False
+) -> MoETransformer:
     """The model, seeded; on the meta device (shapes only) for the sharded engine to fill.
     aux: the Switch aux loss balances (weighty enough to move the routers), not aux-free;
     jitter: the routers' input noise (drawn from each rank's torch RNG)."""
     torch.manual_seed(0)
     with torch.device("meta" if meta else "cpu"):
         return MoETransformer(
-            ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=SEQ, dense_hidden=64),
+            ModelConfig(
+                n_layer=2,
+                n_head=2,
+                d_model=32,
+                seq_len=SEQ,
+                dense_hidden=64,
+                **(DEEPSEEK_MODEL if deepseek else {}),
+            ),
             MoEConfig(
                 num_experts=4,
                 top_k=2,
@@ -55,6 +75,7 @@ def build(meta: bool = False, aux: bool = False, jitter: float = 0.0) -> MoETran
                 balancing=["aux_loss", "z_loss"] if aux else ["aux_free", "z_loss", "rebalance"],
                 aux_loss_coef=0.1,
                 jitter=jitter,
+                **(DEEPSEEK_MOE if deepseek else {}),
             ),
             VOCAB,
         )
@@ -136,7 +157,9 @@ def train(
     )
     cold = {"cold_threshold": 1.0, "cold_codec": "bg-lzma"} if "cold" in flags else {}
     store = CheckpointStore(out / store_name, max_retain=3, background=True, **cold)
-    model = build(meta=torch.distributed.is_initialized(), aux="aux" in flags)
+    model = build(
+        meta=torch.distributed.is_initialized(), aux="aux" in flags, deepseek="deepseek" in flags
+    )
     rows: list[dict] = []
     if "lora" in flags:  # adapters on every target over a frozen base, before sharding
         apply_method(model, cfg, "worker")

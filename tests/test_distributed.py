@@ -165,6 +165,21 @@ def test_lora_under_fsdp_and_expert_parallelism_trains_like_one_process(tmp_path
     assert any(".experts.lora." in k for k in ck.model) and any(".lora_A" in k for k in ck.model)
 
 
+def test_deepseek_v3s_shape_trains_at_world_2_like_world_1(tmp_path: Path) -> None:
+    """Latent attention (FSDP-sharded), sigmoid routing limited to 1 of 2 expert groups with
+    a routed scale and the aux-free bias (experts over both ranks), a shared expert: world 2
+    ends where world 1 ends, and the bias the two trained is the same and has moved."""
+    steps = 5  # odd: a bias of +-u steps cannot be back at 0
+    W.train(tmp_path, "d1", steps, 0, 0, "cpu", ("deepseek",))
+    proc = _torchrun("train", tmp_path, "d2", steps, 0, 0, "cpu", "deepseek")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    one, two = _weights(tmp_path, "d1"), _weights(tmp_path, "d2")
+    assert "blocks.0.attn.kv_b.weight" in one
+    _close(two, one)
+    biases = [two[f"blocks.{i}.ffn.router.expert_bias_E"] for i in (0, 1)]
+    assert any(float(b.abs().max()) > 0 for b in biases), biases
+
+
 def test_a_killed_world_2_run_resumes_bit_exactly(runs: Path, tmp_path: Path) -> None:
     shutil.copy(runs / "w2.safetensors", tmp_path)
     first = _train2(tmp_path, "r2", stop=3)  # killed after step 3: step 2's checkpoint

@@ -391,6 +391,45 @@ def test_unsupported_configs_are_refused_by_name(tmp_path: Path) -> None:
         load_hf_model(Path("Qwen/Qwen3-30B-A3B"), MOE, seq_len=64)
 
 
+def test_the_deepseek_v3_line_refuses_what_it_does_not_implement_and_skips_mtp_layers(
+    tmp_path: Path,
+) -> None:
+    """DeepSeek-V2's routers, softmax scoring, attention biases on latent attention and YaRN
+    are refused by name; a released checkpoint's multi-token-prediction layer (past
+    num_hidden_layers, which transformers skips) is skipped, and nothing else past the last
+    layer is; Kimi K2 (DeepSeek-V3's architecture under its own model_type) imports the same."""
+    hf = hf_model("deepseek_v3", tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    original = json.loads(path.read_text())
+    for change, message in (
+        ({"topk_method": "group_limited_greedy"}, "topk_method"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"rope_interleave": False}, "rope_interleave"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0}}, "yarn"),
+    ):
+        path.write_text(json.dumps({**original, **change}))
+        with pytest.raises(InputError, match=message):
+            load_hf_model(tmp_path / "hf", MOE, seq_len=64)
+    path.write_text(json.dumps({**original, "model_type": "kimi_k2"}))
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    mtp = {k.replace("layers.2.", "layers.3."): v.clone() for k, v in weights.items() if ".2." in k}
+    save_file({**weights, **mtp}, str(tmp_path / "hf" / "model.safetensors"))
+    ours, arch = load_hf_model(tmp_path / "hf", MOE, seq_len=64, dtype=torch.float32)
+    assert (arch.model_type, ours.cfg.n_layer) == ("kimi_k2", 3)
+    idx = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert float((ours.eval()(idx)[0] - hf_logits(hf, idx)).abs().max()) < 1e-5
+    assert export_plan(ours, prefer="kimi_k2").model_type == "deepseek_v3"
+    save_file(
+        {**weights, "model.embed_tokens.extra": weights["model.norm.weight"].clone()},
+        str(tmp_path / "hf" / "model.safetensors"),
+    )
+    with pytest.raises(InputError, match="model.embed_tokens.extra"):
+        load_hf_model(tmp_path / "hf", MOE, seq_len=64)
+
+
 def test_sharded_checkpoints_are_read_through_their_index(tmp_path: Path) -> None:
     hf = hf_model("mixtral", tmp_path / "hf")
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
