@@ -7,6 +7,8 @@ against a dense SwiGLU with the same active FLOPs, forward + backward.
   than the machine has it is reported as not runnable rather than tried.
 - `dense`: a SwiGLU whose hidden width is top_k x expert width: the active-FLOP limit an MoE
   layer can approach but not beat.
+- `deepseek_v3`: DeepSeek-V3's layer shape (many small experts, sigmoid routing within groups,
+  a shared expert) against transformers' `DeepseekV3MoE` on the same weights, whole layers.
 
 Ratios come from one run, interleaved (ours, hf, dense, ours, ...) after a warm-up, medians.
 `ratio_vs_hf` = HF time / ours (> 1: we are faster); `ratio_vs_dense` = ours / dense (the
@@ -155,6 +157,92 @@ def run_dtype(a: argparse.Namespace, dtype: torch.dtype, tokens: int, repeats: i
     }
 
 
+def _hf_deepseek_block(ours: MoELayer, D: int, m: MoEConfig) -> nn.Module:
+    """transformers' DeepseekV3MoE (router with its correction bias, experts on its
+    grouped_mm backend, shared expert) holding our layer's weights."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    cfg = DeepseekV3Config(
+        hidden_size=D,
+        moe_intermediate_size=m.expert_hidden,
+        n_routed_experts=m.num_experts,
+        num_experts_per_tok=m.top_k,
+        n_group=m.n_group,
+        topk_group=m.topk_group,
+        n_shared_experts=1,
+        routed_scaling_factor=m.routed_scale,
+        norm_topk_prob=True,
+    )
+    cfg._experts_implementation = "grouped_mm"
+    block = DeepseekV3MoE(cfg)
+    with torch.no_grad():
+        block.gate.weight.copy_(ours.router.gate.weight)
+        block.gate.e_score_correction_bias.copy_(ours.router.expert_bias_E)
+        w1, w3, w2 = ours.experts.weights_EDF()
+        block.experts.gate_up_proj.copy_(torch.cat([w1, w3], dim=2).transpose(1, 2))
+        block.experts.down_proj.copy_(w2.transpose(1, 2))
+        for ours_name, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+            getattr(block.shared_experts, theirs).weight.copy_(
+                getattr(ours.shared, ours_name).weight
+            )
+    return block
+
+
+def run_deepseek(a: argparse.Namespace, dtype: torch.dtype, tokens: int, repeats: int) -> dict:
+    """DeepSeek-V3's layer shape scaled to d_model (many small experts: 64 of width 64,
+    top-8 within 4 of 8 groups, a routed scale, a shared expert, an aux-free bias), whole
+    layers forward + backward (router, routed and shared experts) against transformers'."""
+    device = torch.device(a.device)
+    D = a.d_model
+    torch.manual_seed(0)
+    mcfg = MoEConfig(
+        num_experts=64,
+        top_k=8,
+        expert_hidden=64,
+        score_func="sigmoid",
+        n_group=8,
+        topk_group=4,
+        routed_scale=2.5,
+        shared_expert=True,
+        balancing=["aux_free"],
+    )
+    ours = MoELayer(D, mcfg)
+    for p in ours.parameters():
+        nn.init.normal_(p, std=0.02)
+    ours.router.expert_bias_E.normal_(0, 0.01)
+    hf = _hf_deepseek_block(ours, D, mcfg)
+    for m in (ours, hf):
+        m.to(device=device, dtype=dtype)
+    x = torch.randn(1, tokens, D, device=device, dtype=dtype) * 0.5
+    g = torch.randn(1, tokens, D, device=device, dtype=dtype)
+
+    def zero() -> MoEAux:
+        z = torch.zeros((), device=device)
+        return MoEAux(balance_loss=z, aux_loss=z, z_loss=z)
+
+    with torch.no_grad():
+        y_ours, y_hf = ours(x, zero()).float(), hf(x).float()
+    parity = float((y_ours - y_hf).abs().max() / y_hf.abs().max().clamp_min(1e-12))
+    xs = {k: x.detach().clone().requires_grad_(True) for k in ("ours", "hf")}
+    med = _time(
+        {
+            "ours": lambda: ours(xs["ours"], zero()).backward(g),
+            "hf": lambda: hf(xs["hf"]).backward(g),
+        },
+        repeats,
+        device,
+    )
+    return {
+        "tokens": tokens,
+        "sizes": {"d_model": D, "experts": 64, "top_k": 8, "hidden": 64, "groups": "4 of 8"},
+        "ours_ms": round(med["ours"] * 1e3, 2),
+        "hf_grouped_mm_ms": round(med["hf"] * 1e3, 2),
+        "ratio_vs_hf": round(med["hf"] / med["ours"], 3),
+        "parity_rel_err": parity,  # whole layer, routing included
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="under 2 minutes on 2 CPU cores")
@@ -189,6 +277,9 @@ def main() -> None:
             res["note"] = note
         out[key] = res
         print(f"{key}: {res}", flush=True)
+        ds = run_deepseek(a, dtype, tokens, reps)
+        out[f"{key}_deepseek_v3"] = ds
+        print(f"{key} DeepSeek-V3 shape: {ds}", flush=True)
     print(json.dumps(out))
 
 
