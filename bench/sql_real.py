@@ -209,6 +209,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1337])
     ap.add_argument("--work", type=Path, default=Path("/tmp/sql_real"))
     ap.add_argument("--few-shot", type=int, default=3, help="k for the base model (0 = skip)")
+    ap.add_argument("--few-shot-n", type=int, default=100, help="held-out questions it scores")
     ap.add_argument("--set", dest="sets", action="append", default=[])
     args = ap.parse_args()
     corpus = args.work / "spider"
@@ -249,7 +250,7 @@ def main() -> None:
             meta = json.loads((project / "data/prepared/meta.json").read_text())["sql"]
             row["schema_pruned"] = meta.get("schema_pruned")
             if args.few_shot and seed == args.seeds[0]:
-                row["base.spider.few_shot"] = few_shot(project, args.few_shot, 100)
+                row["base.spider.few_shot"] = few_shot(project, args.few_shot, args.few_shot_n)
             results.append(row)
             print(json.dumps(row), flush=True)
     for key in (
