@@ -613,18 +613,34 @@ def test_the_method_checks_refuse_by_name_what_would_fail_on_the_machine() -> No
     assert "moe.num_experts = 0" in text
 
 
+# DeepSeek-V3's shape: latent attention, sigmoid routing in groups, a shared expert
+LATENT_SHAPE = (
+    dict(attention="mla", head_dim=32, mla_q_rank=64, mla_kv_rank=64, mla_rope_dim=16),
+    dict(score_func="sigmoid", n_group=4, topk_group=2, shared_expert=True),
+)
+
+
 @pytest.mark.parametrize(
-    "width,layers,experts",
-    [(64, 2, 4), (128, 2, 8), (192, 3, 8)],
+    "width,layers,experts,shape",
+    [(64, 2, 4, ""), (128, 2, 8, ""), (192, 3, 8, ""), (128, 2, 8, "deepseek_v3")],
 )
 def test_the_predicted_peak_is_within_15_percent_of_a_measured_step(
-    width: int, layers: int, experts: int
+    width: int, layers: int, experts: int, shape: str
 ) -> None:
     """moe/train/memory.py's prediction (weights, trainable state, one micro-batch's
     activations) against the peak live tensor bytes of a real training step on the CPU
-    (after a first step, so AdamW's moments exist), for each method, models of three sizes."""
-    cfg = ModelConfig(n_layer=layers, d_model=width, n_head=4, seq_len=64, dense_hidden=2 * width)
-    mcfg = MoEConfig(num_experts=experts, top_k=2, expert_hidden=width)
+    (after a first step, so AdamW's moments exist), for each method, models of three sizes
+    and DeepSeek-V3's shape."""
+    extra_model, extra_moe = LATENT_SHAPE if shape else ({}, {})
+    cfg = ModelConfig(
+        n_layer=layers,
+        d_model=width,
+        n_head=4,
+        seq_len=64,
+        dense_hidden=2 * width,
+        **extra_model,
+    )
+    mcfg = MoEConfig(num_experts=experts, top_k=2, expert_hidden=width, **extra_moe)
     vocab, rows, seq = 512, 8, 64
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, vocab, (rows, seq), generator=g)
@@ -652,7 +668,10 @@ def test_the_predicted_peak_is_within_15_percent_of_a_measured_step(
             state_bytes(cfg, mcfg, vocab, method, lcfg),
             activation_bytes(cfg, mcfg, vocab, rows, seq),
         )
-        assert abs(predicted - measured) / measured < 0.15, (method, width, predicted, measured)
+        # DeepSeek-V3's shape, full finetuning within 5%: latent attention counted as generic
+        # attention is 8% under at this size (its latents and expanded heads)
+        bound = 0.05 if shape and method == "full" else 0.15
+        assert abs(predicted - measured) / measured < bound, (method, width, predicted, measured)
 
 
 def test_plan_prints_what_fits_where_even_for_a_config_the_check_refuses(
