@@ -6,6 +6,7 @@ the meta device with the safetensors file each rank of the sharded engine reads 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import asdict
@@ -121,6 +122,8 @@ def _stream_once(model: ModelConfig, moe: MoEConfig, folder: Path, weights: Path
             stream_hf_weights(folder, weights, moe, model.seq_len, torch.float32)
         except Exception as e:  # every rank learns of it, instead of waiting for it
             failed = e
+            with contextlib.suppress(OSError):  # the scratch folder it made, left empty
+                weights.parent.rmdir()
     if dist.is_initialized():
         on_gpu = dist.get_backend() == "nccl"
         flag = torch.tensor(
