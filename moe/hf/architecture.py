@@ -139,21 +139,53 @@ def _check_fields(path: Path, hf: dict[str, Any], family: Family) -> None:
         raise refuse(path, why)
 
 
+# YaRN's fields in rope_parameters (or rope_scaling), beside rope_type and rope_theta.
+YARN_FIELDS = {
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "truncate",
+    "attention_factor",
+    "mscale",
+    "mscale_all_dim",
+}
+
+
 def _rope_theta(path: Path, hf: dict[str, Any]) -> float:
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     for what in (params, scaling):
         kind = what.get("rope_type", what.get("type", "default"))
-        if kind not in ("default", None):
+        if kind not in ("default", "yarn", None):
             raise refuse(
                 path,
-                f"RoPE scaling {kind!r} is not implemented (only plain RoPE); the model cannot"
-                " be imported exactly",
+                f"RoPE scaling {kind!r} is not implemented (only plain RoPE and YaRN); the model"
+                " cannot be imported exactly",
             )
     if "partial_rotary_factor" in params and params["partial_rotary_factor"] != 1.0:
         raise refuse(path, "partial_rotary_factor != 1 is not implemented")
     theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
     return float(theta)
+
+
+def _rope_scaling(path: Path, hf: dict[str, Any]) -> tuple[str, dict[str, float]]:
+    """(ModelConfig.rope_type, rope_scaling): YaRN's numbers as transformers reads them
+    (standardize_rope_params: original_max_position_embeddings defaults to
+    max_position_embeddings, factor to their ratio); an unknown YaRN field refused by name."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if params.get("rope_type", params.get("type")) != "yarn":
+        return "default", {}
+    known = YARN_FIELDS | {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    for key in params:
+        if key not in known:
+            raise refuse(path, f"YaRN field {key!r} is not implemented")
+    out = {k: float(v) for k, v in params.items() if k in YARN_FIELDS and v is not None}
+    max_pos = float(hf.get("max_position_embeddings") or 0)
+    out.setdefault("original_max_position_embeddings", max_pos)
+    if "factor" not in out and out["original_max_position_embeddings"]:
+        out["factor"] = max_pos / out["original_max_position_embeddings"]
+    return "yarn", out
 
 
 def _dimensions(path: Path, hf: dict[str, Any], family: Family) -> dict[str, Any]:
@@ -164,6 +196,7 @@ def _dimensions(path: Path, hf: dict[str, Any], family: Family) -> dict[str, Any
     if head_dim == D // H:
         head_dim = 0
     theta = _rope_theta(path, hf)
+    rope_type, rope_scaling = _rope_scaling(path, hf)
     attn_bias = bool(hf.get("attention_bias") or hf.get("qkv_bias", family.qkv_bias))
     return {
         "n_layer": n_layer,
@@ -173,6 +206,8 @@ def _dimensions(path: Path, hf: dict[str, Any], family: Family) -> dict[str, Any
         "qk_norm": family.qk_norm,
         "attn_bias": attn_bias,
         "rope_theta": theta,
+        "rope_type": rope_type,
+        "rope_scaling": rope_scaling,
     }
 
 
@@ -195,6 +230,8 @@ def _model_config(
         qk_norm=dims["qk_norm"],
         attn_bias=dims["attn_bias"],
         rope_theta=dims["rope_theta"],
+        rope_type=dims["rope_type"],
+        rope_scaling=dims["rope_scaling"],
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
     )
     if model.n_kv_head == H:
@@ -214,6 +251,8 @@ def _moe_config(moe_defaults: MoEConfig, shape: MoEShape) -> MoEConfig:
     moe.shared_expert_gate = shape.shared_expert_gate
     if shape.shared_expert_hidden == shape.expert_hidden:
         moe.shared_expert_hidden = 0
+    for key, value in shape.moe_fields.items():
+        setattr(moe, key, value)
     return moe
 
 
@@ -260,6 +299,8 @@ def read_architecture(folder: Path, moe_defaults: MoEConfig, seq_len: int) -> Ar
     dims = _dimensions(path, hf, family)
     shape = family.moe_shape(hf, dims["n_layer"], moe_defaults)
     model = _model_config(folder, hf, dims, shape, seq_len)
+    for key, value in family.model_fields(hf).items():
+        setattr(model, key, value)
     moe = _moe_config(moe_defaults, shape)
     _check_consistent(path, hf, model, moe, family)
     ids = {k: hf.get(f"{k}_token_id") for k in ("bos", "eos", "pad")}

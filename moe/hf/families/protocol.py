@@ -20,12 +20,17 @@ moe/hf/architecture.py, importer.py and exporter.py ask it; they branch on no mo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moe.config import ModelConfig, MoEConfig
+
+if TYPE_CHECKING:
+    from moe.hf.safetensors_io import Shards
+    from moe.model.experts import GroupedExperts
 
 
 @dataclass
@@ -42,6 +47,7 @@ class MoEShape:
     shared_expert: bool = False
     shared_expert_hidden: int = 0
     shared_expert_gate: bool = False
+    moe_fields: dict[str, Any] = field(default_factory=dict)  # further MoEConfig fields
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ class Family(ABC):
     shared_module: str = "shared_expert."
     selection_bias: str = ""  # under the MoE block: the tensor of an aux-free selection bias
     architecture: str = ""  # the transformers class exported to ("" = never exported to)
+    router_bias: bool = False  # its router has a bias (exported as zeros when ours has none)
     export_priority: int = 0  # lower is tried first (after the architecture imported from)
 
     # ------------------------------------------------------------------ config.json in
@@ -106,6 +113,10 @@ class Family(ABC):
             shared=mlp + self.shared_module,
         )
 
+    def model_fields(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """ModelConfig fields config.json sets beyond the common ones (sinks, windows...)."""
+        return {}
+
     def qk_from_hf(
         self, q: torch.Tensor, k: torch.Tensor, c: ModelConfig
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,6 +137,37 @@ class Family(ABC):
         """Our router's expert_bias_E as the `selection_bias` tensor."""
         return bias_E
 
+    def experts_from_hf(
+        self, src: Shards, n: LayerNames, experts: GroupedExperts
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(our parameter under the experts module, tensor) for one layer's routed experts,
+        read from the checkpoint: one tensor per expert and projection (the common layout)."""
+        w13 = torch.empty_like(experts.w13_EDG, device="cpu")
+        w2 = torch.empty_like(experts.w2_EFD, device="cpu")
+        F_ = experts.hidden
+        for e in range(experts.num_experts):
+            ep = n.expert.format(e=e)
+            w13[e, :, :F_] = src.get(ep + n.w1 + ".weight").t()
+            w13[e, :, F_:] = src.get(ep + n.w3 + ".weight").t()
+            w2[e] = src.get(ep + n.w2 + ".weight").t()
+        yield "w13_EDG", w13
+        yield "w2_EFD", w2
+
+    def experts_to_hf(
+        self, experts: GroupedExperts, n: LayerNames
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint name, tensor) for one layer's routed experts: per expert (common)."""
+        gate_EDF, up_EDF, down_EFD = experts.weights_EDF()
+        for e in range(experts.num_experts):
+            ep = n.expert.format(e=e)
+            for name, w in ((n.w1, gate_EDF[e]), (n.w3, up_EDF[e]), (n.w2, down_EFD[e])):
+                yield ep + name + ".weight", w.t().contiguous()
+
+    def gate_up_to_hf(self, t: torch.Tensor) -> torch.Tensor:
+        """A fused gate/up tensor's last dimension (2F: our [gate | up]) in the checkpoint's
+        order (a LoRA B of the experts, moe/hf/peft_adapter.py)."""
+        return t
+
     def zero_biases(self, c: ModelConfig) -> bool:
         """Whether the exported config declares biases on every projection but the experts'
         (written as zeros: we have none)."""
@@ -136,6 +178,13 @@ class Family(ABC):
     def export_refusals(self, c: ModelConfig, m: MoEConfig) -> list[str]:
         """Why a model of this configuration is not this architecture ([] = it is)."""
         raise NotImplementedError(f"{self.model_type} is never exported to")
+
+    # What of our model's features beyond the common ones (FEATURES) it represents.
+    features: frozenset[str] = frozenset()
+
+    def feature_refusals(self, c: ModelConfig, m: MoEConfig) -> list[str]:
+        """The features of the model this architecture does not have."""
+        return [f"it has no {f}" for f in model_features(c, m) if f not in self.features]
 
     def hf_config_fields(self, c: ModelConfig, m: MoEConfig) -> dict[str, Any]:
         """config.json's fields of this architecture, after the common ones."""
@@ -152,6 +201,29 @@ def sparse_moe_shape(hf: dict[str, Any], renormalize: bool) -> MoEShape:
         moe_every=int(hf.get("decoder_sparse_step", 1)),
         dense_layers=[int(i) for i in hf.get("mlp_only_layers") or []],
     )
+
+
+FEATURES = (
+    "attention sinks",
+    "sliding-window attention",
+    "attention output bias",
+    "expert projection biases",
+    "router logit bias",
+    "clamped SwiGLU",
+)
+
+
+def model_features(c: ModelConfig, m: MoEConfig) -> list[str]:
+    """Our model's FEATURES that only some architectures have (gpt-oss's)."""
+    used = (
+        c.attn_sinks,
+        bool(c.sliding_layers),
+        c.attn_out_bias,
+        m.expert_proj_bias,
+        m.router_logit_bias,
+        m.activation == "clamped_swiglu",
+    )
+    return [name for name, on in zip(FEATURES, used, strict=True) if on]
 
 
 def all_moe(c: ModelConfig) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from moe.hf.families.dense import LLAMA, QWEN2, QWEN3
 from moe.hf.families.ernie4_5_moe import ERNIE4_5_MOE
+from moe.hf.families.gpt_oss import GPT_OSS
 from moe.hf.families.mixtral import MIXTRAL
 from moe.hf.families.olmoe import OLMOE
 from moe.hf.families.protocol import Family
@@ -18,6 +19,7 @@ FAMILIES: dict[str, Family] = {
     "mixtral": MIXTRAL,
     "olmoe": OLMOE,
     "ernie4_5_moe": ERNIE4_5_MOE,
+    "gpt_oss": GPT_OSS,
     "llama": LLAMA,
     "qwen2": QWEN2,
     "qwen3": QWEN3,
