@@ -72,6 +72,10 @@ ARCHS = {
             tie_word_embeddings=True,
         ),
     ),
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4),
+    ),
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", dict(head_dim=8)),
@@ -86,8 +90,18 @@ def hf_model(model_type: str, folder: Path, seed: int = 0) -> torch.nn.Module:
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1 or "e_score_correction_bias" in name:
+            if p.dim() == 1 or "e_score_correction_bias" in name or name.endswith("_bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            if model_type != "gpt_oss":
+                continue
+            # gpt-oss: sinks that weigh, gates and ups past the SwiGLU's clamp (7), logits
+            # large enough that greedy tokens vary (and so show a wrong window)
+            if name.endswith("sinks"):
+                p.add_(torch.randn_like(p))
+            elif name.endswith("gate_up_proj"):
+                p.normal_()
+            elif name in ("lm_head.weight", "model.embed_tokens.weight"):
+                p.mul_(20)
     model.save_pretrained(folder)
     return model
 
@@ -104,14 +118,23 @@ def test_import_computes_what_transformers_computes(model_type: str, tmp_path: P
     ours.eval()
     assert arch.model_type == model_type
     assert arch.upcycled == (model_type in ("llama", "qwen2", "qwen3"))
+    if model_type == "gpt_oss":  # what the comparison below rests on
+        assert ours.cfg.sliding_layers == [0, 2] and ours.cfg.sliding_window == 4
+        assert ours.cfg.rope_type == "yarn" and ours.mcfg.activation == "clamped_swiglu"
     idx = torch.randint(0, V, (3, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         diff = (ours(idx)[0] - hf_logits(hf, idx)).abs().max()
     assert float(diff) < 1e-5, f"{model_type}: logits differ by {float(diff)}"
     # Greedy tokens on left-padded prompts of different lengths: our batched KV-cache decode
     # against transformers' generate with an attention mask.
+    # Each step's logits too (the KV-cache path's, recorded at the output head), not only
+    # the argmax, which large logits keep through small errors (a sliding window dropped
+    # from the cache path changes no greedy token here).
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    steps: list[torch.Tensor] = []
+    hook = ours.lm_head.register_forward_hook(lambda m, i, out: steps.append(out))
     ours_out = ours.generate_batch(prompts, 8)
+    hook.remove()
     batch = torch.tensor([[0] * 0 + prompts[0], [0, 0, 0] + prompts[1]])
     mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
     gen = hf.generate(
@@ -121,8 +144,13 @@ def test_import_computes_what_transformers_computes(model_type: str, tmp_path: P
         do_sample=False,
         pad_token_id=0,
         eos_token_id=None,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
-    assert ours_out == [gen[0, 6:].tolist(), gen[1, 6:].tolist()]
+    assert ours_out == [gen.sequences[0, 6:].tolist(), gen.sequences[1, 6:].tolist()]
+    assert len(steps) == len(gen.logits) == 8
+    for k, (a, b) in enumerate(zip(steps, gen.logits, strict=True)):
+        assert float((a - b).abs().max()) < 1e-5, f"{model_type}: step {k}"
 
 
 def test_an_upcycled_dense_model_computes_the_dense_function_at_step_0(tmp_path: Path) -> None:
@@ -307,7 +335,11 @@ def test_unsupported_configs_are_refused_by_name(tmp_path: Path) -> None:
     path = tmp_path / "hf" / "config.json"
     original = json.loads(path.read_text())
     for change, message in (
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}}, "dynamic"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_quick": 2.0}},
+            "YaRN field 'beta_quick'",
+        ),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"use_sliding_window": True}, "sliding-window"),
         ({"some_new_feature": 3}, "some_new_feature"),
