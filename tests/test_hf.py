@@ -22,6 +22,7 @@ from moe.errors import InputError
 from moe.hf.exporter import export_hf, export_plan
 from moe.hf.importer import import_model, load_hf_model
 from moe.hf.model_dir import load_model_dir
+from moe.model.experts import EXPERT_BIASES
 from moe.model.transformer import MoETransformer
 
 transformers = pytest.importorskip("transformers")
@@ -180,8 +181,8 @@ def test_an_upcycled_dense_model_computes_the_dense_function_at_step_0(tmp_path:
 
 def perturbed(model: MoETransformer) -> MoETransformer:
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or name.endswith(EXPERT_BIASES):
                 p.add_(torch.randn_like(p) * 0.1)
         for layer in model.moe_layers:
             layer.router.expert_bias_E.normal_(0, 0.05)  # as aux-free training leaves it
@@ -224,6 +225,35 @@ NATIVE = {
         "olmoe",
     ),
     "plain": (ModelConfig(seq_len=64, tie_embeddings=False), MoEConfig(balancing=[]), "qwen3_moe"),
+    # gpt-oss's features: sinks, alternating windows, every bias, the clamped SwiGLU, YaRN.
+    "gpt-oss": (
+        ModelConfig(
+            seq_len=64,
+            n_layer=3,
+            n_kv_head=2,
+            tie_embeddings=False,
+            attn_bias=True,
+            attn_out_bias=True,
+            attn_sinks=True,
+            sliding_window=4,
+            sliding_layers=[0, 2],
+            rope_type="yarn",
+            rope_scaling=dict(
+                factor=32.0,
+                original_max_position_embeddings=4096.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=0.0,
+            ),
+        ),
+        MoEConfig(
+            activation="clamped_swiglu",
+            expert_proj_bias=True,
+            router_logit_bias=True,
+            balancing=["z_loss"],
+        ),
+        "gpt_oss",
+    ),
 }
 
 
@@ -271,10 +301,13 @@ def test_export_loads_in_transformers_with_equal_logits_and_generations(
         eos_token_id=None,
     )
     assert model.generate_batch(prompts, 6) == [gen[0, 5:].tolist(), gen[1, 5:].tolist()]
-    # Per-expert tensors, as transformers saves them and vLLM reads them.
+    # Per-expert tensors, as transformers saves them and vLLM reads them (gpt-oss: 3-D).
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
-    assert any(".experts.3." in k for k in keys)
+    if expected == "gpt_oss":
+        assert "model.layers.2.mlp.experts.gate_up_proj" in keys
+    else:
+        assert any(".experts.3." in k for k in keys)
     assert not any("w13_EDG" in k for k in keys)
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     assert tok("SELECT 1").input_ids
@@ -286,6 +319,27 @@ def test_export_then_import_is_bit_identical(tmp_path: Path) -> None:
     export_hf(model, tmp_path / "out", tokenizer_dir(tmp_path), {"eos": 0, "pad": 1}, "card")
     back, arch = load_hf_model(tmp_path / "out", MoEConfig(), seq_len=64, dtype=torch.float32)
     assert arch.model_type == "ernie4_5_moe"
+    a, b = model.state_dict(), back.state_dict()
+    assert set(a) == set(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_a_gpt_oss_export_imports_back_bit_identical(tmp_path: Path) -> None:
+    """Sinks, every bias and the interleaved 3-D experts go out and come back unchanged;
+    the windows, YaRN and the activation's numbers are read back from config.json."""
+    torch.manual_seed(0)
+    model = perturbed(MoETransformer(*NATIVE["gpt-oss"][:2], V + 200))
+    for layer in model.moe_layers:  # unused without aux_free balancing, so not exported
+        layer.router.expert_bias_E.zero_()
+    export_hf(model, tmp_path / "out", tokenizer_dir(tmp_path), {"eos": 0, "pad": 1}, "card")
+    moe = MoEConfig(balancing=["z_loss"])
+    back, arch = load_hf_model(tmp_path / "out", moe, seq_len=64, dtype=torch.float32)
+    assert arch.model_type == "gpt_oss"
+    for key in ("sliding_window", "sliding_layers", "rope_type", "rope_scaling", "attn_sinks"):
+        assert getattr(back.cfg, key) == getattr(model.cfg, key), key
+    for key in ("activation", "act_alpha", "act_limit", "expert_proj_bias", "router_logit_bias"):
+        assert getattr(back.mcfg, key) == getattr(model.mcfg, key), key
     a, b = model.state_dict(), back.state_dict()
     assert set(a) == set(b)
     for name in a:
@@ -328,6 +382,16 @@ def test_what_no_architecture_represents_is_refused_with_the_reason() -> None:
     for layer in biased.moe_layers:
         layer.router.expert_bias_E.zero_()
     assert export_plan(biased).model_type == "qwen3_moe"
+    # gpt-oss's features: only gpt-oss has them, and it has no q/k norm.
+    sinks = MoETransformer(
+        ModelConfig(seq_len=64, qk_norm="head", attn_sinks=True), MoEConfig(balancing=[]), V
+    )
+    with pytest.raises(InputError, match="qwen3_moe: it has no attention sinks") as e:
+        export_plan(sinks)
+    assert "gpt_oss: q/k norm; its experts' activation is the clamped SwiGLU" in str(e.value)
+    clamped = MoETransformer(base, MoEConfig(balancing=[], activation="clamped_swiglu"), V)
+    with pytest.raises(InputError, match="mixtral: it has no clamped SwiGLU"):
+        export_plan(clamped)
 
 
 def test_unsupported_configs_are_refused_by_name(tmp_path: Path) -> None:
@@ -335,7 +399,10 @@ def test_unsupported_configs_are_refused_by_name(tmp_path: Path) -> None:
     path = tmp_path / "hf" / "config.json"
     original = json.loads(path.read_text())
     for change, message in (
-        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}}, "dynamic"),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}},
+            "dynamic",
+        ),
         (
             {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_quick": 2.0}},
             "YaRN field 'beta_quick'",
@@ -350,6 +417,92 @@ def test_unsupported_configs_are_refused_by_name(tmp_path: Path) -> None:
             load_hf_model(tmp_path / "hf", MOE, seq_len=64)
     with pytest.raises(InputError, match="cannot download from the Hub"):
         load_hf_model(Path("Qwen/Qwen3-30B-A3B"), MOE, seq_len=64)
+
+
+def test_gpt_oss_fields_we_cannot_honour_are_refused_by_name(tmp_path: Path) -> None:
+    hf_model("gpt_oss", tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    original = json.loads(path.read_text())
+    for change, message in (
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "'gptq' \\(only mxfp4"),
+        (
+            {"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
+            "layer_types chunked_attention are not implemented",
+        ),
+        ({"layer_types": ["full_attention"] * 2}, "2 entries for 3 layers"),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "'llama3'"),
+        ({"use_kernels_for_everything": True}, "use_kernels_for_everything"),
+    ):
+        path.write_text(json.dumps({**original, **change}))
+        with pytest.raises(InputError, match=message):
+            load_hf_model(tmp_path / "hf", MOE, seq_len=64)
+
+
+YARN = {  # gpt-oss's; DeepSeek-V3's form (mscale ratio, truncated); an explicit attention factor
+    "gpt-oss": dict(
+        factor=32.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_max_position_embeddings=4096,
+    ),
+    "deepseek": dict(
+        factor=40.0,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=0.8,
+        original_max_position_embeddings=4096,
+    ),
+    "attention_factor": dict(
+        factor=4.0,
+        attention_factor=1.5,
+        original_max_position_embeddings=32,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(YARN))
+def test_yarn_rotary_tables_are_transformers_own(case: str) -> None:
+    """Our YaRN (moe/model/rope.py) against transformers' ROPE_INIT_FUNCTIONS["yarn"]: the
+    same inverse frequencies and attention factor, bit for bit; and what architecture.py
+    reads from rope_parameters gives them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from moe.hf.architecture import _rope_scaling
+    from moe.model.rope import yarn_parameters
+    from moe.model.transformer import rotary_tables
+
+    params = {"rope_type": "yarn", "rope_theta": 150000.0, **YARN[case]}
+    cfg = transformers.GptOssConfig(
+        **COMMON, head_dim=16, rope_parameters=dict(params), num_local_experts=4
+    )
+    want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg)
+    rope_type, scaling = _rope_scaling(Path("x"), {**COMMON, "rope_parameters": params})
+    assert rope_type == "yarn"
+    freq, factor = yarn_parameters(16, 150000.0, scaling)
+    assert torch.equal(freq, want_freq) and factor == want_factor
+    assert factor != 1.0 and not torch.equal(freq, 1.0 / 150000.0 ** (torch.arange(0, 16, 2) / 16))
+    # the tables transformers' rotary embedding computes, at every position
+    cos, sin = rotary_tables(64, 16, 150000.0, "yarn", scaling)
+    hf_cos, hf_sin = transformers.models.gpt_oss.modeling_gpt_oss.GptOssRotaryEmbedding(cfg)(
+        torch.zeros(1, dtype=torch.float32), torch.arange(64)[None]
+    )
+    assert torch.equal(cos, hf_cos[0]) and torch.equal(sin, hf_sin[0])
+
+
+def test_a_qwen3_moe_with_yarn_imports_with_equal_logits(tmp_path: Path) -> None:
+    """YaRN is not gpt-oss's alone: the common config reading accepts it for every family."""
+    hf_model("qwen3_moe", tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    params = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+    path.write_text(json.dumps({**json.loads(path.read_text()), "rope_parameters": params}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ours, _ = load_hf_model(tmp_path / "hf", MOE, seq_len=64, dtype=torch.float32)
+    assert ours.cfg.rope_scaling == {"factor": 4.0, "original_max_position_embeddings": 64.0}
+    idx = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert float((ours.eval()(idx)[0] - hf.eval()(idx).logits).abs().max()) < 1e-5
 
 
 def test_sharded_checkpoints_are_read_through_their_index(tmp_path: Path) -> None:
