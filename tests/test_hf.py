@@ -505,6 +505,71 @@ def test_a_qwen3_moe_with_yarn_imports_with_equal_logits(tmp_path: Path) -> None
         assert float((ours.eval()(idx)[0] - hf.eval()(idx).logits).abs().max()) < 1e-5
 
 
+FP4 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def mxfp4(w_EIO: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reference MXFP4 quantiser in the released gpt-oss layout: an (E, in, out) expert
+    tensor as blocks (E, out, in / 32, 16) uint8, two FP4 codes a byte (the even element in
+    the low nibble), and scales (E, out, in / 32) uint8, a power-of-two exponent + 127 per
+    32 values (the largest of them to [4, 8), then the nearest FP4 value)."""
+    x = w_EIO.transpose(1, 2).float()
+    g = x.reshape(*x.shape[:2], x.shape[2] // 32, 32)
+    exp = torch.floor(torch.log2(g.abs().amax(-1).clamp_min(2.0**-100))) - 2
+    idx = (g / torch.exp2(exp)[..., None]).unsqueeze(-1).sub(FP4).abs().argmin(-1)
+    idx = idx.to(torch.uint8)
+    return (idx[..., 0::2] | (idx[..., 1::2] << 4)).contiguous(), (exp + 127).to(torch.uint8)
+
+
+def test_mxfp4_experts_import_as_transformers_dequantises_them(tmp_path: Path) -> None:
+    """A gpt-oss whose experts are MXFP4 blocks and scales (quantization_config mxfp4, as the
+    released checkpoints): our import computes what transformers computes on the same folder
+    (it dequantises on CPU), not what the float weights before quantisation computed; the
+    streamed import writes the same tensors."""
+    from moe.checkpoint.tensors import model_tensors
+    from moe.hf.importer import stream_hf_weights
+
+    torch.manual_seed(0)
+    extra = dict(ARCHS["gpt_oss"][1])
+    cfg = transformers.GptOssConfig(**{**COMMON, "intermediate_size": 64}, **extra)
+    dense = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    dense.save_pretrained(tmp_path / "dense")
+    tensors = load_file(str(tmp_path / "dense" / "model.safetensors"))
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[key + "_blocks"], tensors[key + "_scales"] = mxfp4(tensors.pop(key))
+    (tmp_path / "mx").mkdir()
+    save_file(tensors, str(tmp_path / "mx" / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "dense" / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"],
+    }
+    (tmp_path / "mx" / "config.json").write_text(json.dumps(config))
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "mx",
+        quantization_config=transformers.Mxfp4Config(dequantize=True),
+        dtype=torch.float32,
+        output_loading_info=True,
+    )
+    assert not any(info.values()), info
+    ours, _ = load_hf_model(tmp_path / "mx", MOE, seq_len=64, dtype=torch.float32)
+    idx = torch.randint(0, V, (3, 20), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        logits = ours.eval()(idx)[0]
+        assert float((logits - hf.eval()(idx).logits).abs().max()) < 1e-5
+        assert float((logits - dense(idx).logits).abs().max()) > 1e-4  # MXFP4 was read
+    skeleton, _ = stream_hf_weights(tmp_path / "mx", tmp_path / "w.safetensors", MOE, seq_len=64)
+    bf16, _ = load_hf_model(tmp_path / "mx", MOE, seq_len=64)
+    got, want = load_file(str(tmp_path / "w.safetensors")), model_tensors(bf16)
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    # without quantization_config's method we know, refused by name
+    config["quantization_config"] = {"quant_method": "fp8"}
+    (tmp_path / "mx" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="quant_method 'fp8'"):
+        load_hf_model(tmp_path / "mx", MOE, seq_len=64)
+
+
 def test_sharded_checkpoints_are_read_through_their_index(tmp_path: Path) -> None:
     hf = hf_model("mixtral", tmp_path / "hf")
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
