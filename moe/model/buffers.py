@@ -5,7 +5,7 @@ sharded engine's ranks) fills them here."""
 
 from __future__ import annotations
 
-from moe.model.transformer import MoETransformer, model_rotary_tables
+from moe.model.transformer import MoETransformer, rotary_tables
 
 
 def init_buffers(model: MoETransformer) -> None:
@@ -15,7 +15,7 @@ def init_buffers(model: MoETransformer) -> None:
     if c.tie_embeddings and model.lm_head.weight is not model.embed.weight:
         model.lm_head.weight = model.embed.weight
     device = model.embed.weight.device
-    cos, sin = model_rotary_tables(c)
+    cos, sin = rotary_tables(c.seq_len, c.head_width, c.rope_theta, c.rope_type, c.rope_scaling)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     for layer in model.moe_layers:
         r = layer.router

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moe.config import MoEConfig
 from moe.model.quant import dequantize, is_nf4
 
 
@@ -208,6 +209,12 @@ class GroupedExperts(nn.Module):
         if bias:
             self.b13_EG = nn.Parameter(torch.zeros(num_experts, 2 * hidden))
             self.b2_ED = nn.Parameter(torch.zeros(num_experts, d_model))
+
+    @classmethod
+    def for_config(cls, d_model: int, mcfg: MoEConfig) -> GroupedExperts:
+        """The experts MoEConfig describes (width, biases, activation)."""
+        act = Activation(mcfg.activation, mcfg.act_alpha, mcfg.act_limit)
+        return cls(mcfg.num_experts, d_model, mcfg.expert_hidden, mcfg.expert_proj_bias, act)
 
     def weights_EDF(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate (E, D, F), up (E, D, F), down (E, F, D)) as views."""

@@ -60,3 +60,12 @@ def yarn_parameters(
     keep = 1 - ramp  # the share of each band kept as it is
     inv_freq = interpolation * (1 - keep) + extrapolation * keep
     return inv_freq, float(attention_factor)
+
+
+def rope_frequencies(
+    head_dim: int, theta: float, rope_type: str = "default", scaling: dict[str, float] | None = None
+) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, factor on cos and sin) of plain RoPE (factor 1) or YaRN."""
+    if rope_type == "yarn":
+        return yarn_parameters(head_dim, theta, scaling or {})
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from moe.config import ModelConfig, MoEConfig
-from moe.model.experts import EXPERT_BIASES, Activation, GroupedExperts
-from moe.model.rope import yarn_parameters
+from moe.model.experts import EXPERT_BIASES, GroupedExperts
+from moe.model.masking import attention, window_masks
+from moe.model.rope import rope_frequencies
 from moe.model.routing import Router, recompute_context, recomputing
 
 
@@ -55,38 +56,10 @@ def rotary_tables(
     rope_type: str = "default",
     scaling: dict[str, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every position's angles (seq_len, head_dim / 2); with YaRN
-    (moe/model/rope.py) its frequencies, and both tables times its attention factor."""
-    if rope_type == "yarn":
-        inv_freq, attention_factor = yarn_parameters(head_dim, theta, scaling or {})
-    else:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        attention_factor = 1.0
+    """cos and sin (seq_len, head_dim / 2); YaRN's scaled by its factor (moe/model/rope.py)."""
+    inv_freq, factor = rope_frequencies(head_dim, theta, rope_type, scaling)
     angles_SF = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-    if attention_factor != 1.0:
-        return angles_SF.cos() * attention_factor, angles_SF.sin() * attention_factor
-    return angles_SF.cos(), angles_SF.sin()
-
-
-def model_rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary tables `cfg` asks for."""
-    return rotary_tables(
-        cfg.seq_len, cfg.head_width, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling
-    )
-
-
-def causal_mask(
-    S: int, window: int, device: torch.device | None = None, offset: int = 0
-) -> torch.Tensor:
-    """(S, offset + S) bool: query i (at position offset + i) sees key j when j <= offset + i
-    and, with a window, offset + i - j < window (itself and window - 1 tokens before it, as
-    transformers' sliding_window_overlay)."""
-    q = torch.arange(offset, offset + S, device=device)[:, None]
-    k = torch.arange(offset + S, device=device)[None, :]
-    allowed = k <= q
-    if window:
-        allowed = allowed & (q - k < window)
-    return allowed
+    return angles_SF.cos() * factor, angles_SF.sin() * factor
 
 
 def apply_rotary(x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
@@ -100,13 +73,7 @@ class CausalSelfAttention(nn.Module):
     """Multi-head attention with grouped-query heads (n_kv_head key/value heads shared by
     n_head / n_kv_head query heads each), optional q/k RMSNorm and q/k/v biases. The q, k and
     v projections are one fused weight: rows [0, H*Dh) queries, then keys, then values.
-
-    Optionally (gpt-oss): a bias on the output projection, a sliding window of `window`
-    tokens, and attention sinks: a learned logit per head in the softmax's denominator.
-    The sink is computed by the fused scaled_dot_product_attention, as one more key and
-    value of zeros in front whose additive mask is the head's sink (its score q.0 = 0, plus
-    the sink; its value adds nothing): ~1.2x faster than the softmax written out, forward
-    and backward, on CPU (B 8, H 4, S 192), gradients to the sinks through the mask."""
+    gpt-oss's options: an output bias, a `window`, sinks (moe/model/masking.py)."""
 
     def __init__(self, cfg: ModelConfig, window: int = 0) -> None:
         super().__init__()
@@ -146,35 +113,15 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, S, Dh), (B, Hkv, S, Dh)
         v = v.view(B, S, self.n_kv_head, Dh).transpose(1, 2)
-        gqa = self.n_kv_head != self.n_head
         if cache is None:  # training and scoring: positions 0..S-1, causal
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            if self.sinks is None and not self.window:
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-            else:
-                y = self.attend(q, k, v, causal_mask(S, self.window, q.device)[None, None])
+            y = attention(q, k, v, None, self.sinks, self.window)
         else:  # decoding: each row's own positions, keys and values appended to the cache
             q, k = cache.rotate(q, cos, sin), cache.rotate(k, cos, sin)
             k, v = cache.append(layer, k, v)
-            y = self.attend(q, k, v, cache.window_mask(self.window))
+            mask = cache.window_masks[self.window] if self.window else cache.mask
+            y = attention(q, k, v, mask, self.sinks)
         return self.proj(y.transpose(1, 2).reshape(B, S, self.n_head * Dh))
-
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
-    ) -> torch.Tensor:
-        """Attention of q (B, H, S, Dh) over k, v (B, Hkv, K, Dh) where `allowed` (bool,
-        broadcast to (B, H, S, K)) is true, with the sinks when the model has them."""
-        gqa = self.n_kv_head != self.n_head
-        if self.sinks is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
-        zero = k.new_zeros(*k.shape[:2], 1, k.shape[3])
-        k, v = torch.cat([zero, k], dim=2), torch.cat([zero, v], dim=2)
-        Bm, _, S, K = allowed.shape
-        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
-        bias = bias.masked_fill(~allowed, float("-inf")).expand(Bm, self.n_head, S, K)
-        sink = self.sinks.to(q.dtype).view(1, -1, 1, 1).expand(Bm, self.n_head, S, 1)
-        mask = torch.cat([sink, bias], dim=-1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class KVCache:
@@ -197,7 +144,6 @@ class KVCache:
         self.pos_BS = torch.zeros(B, 1, dtype=torch.long, device=device)
         self.mask = torch.ones(B, 1, 1, 1, dtype=torch.bool, device=device)
         self.windows = {w for w in map(c.window, range(c.n_layer)) if w}
-        self.window_masks: dict[int, torch.Tensor] = {}  # per window width, as `mask`
 
     def start(self, S: int) -> None:
         """Positions and attention mask for the next S tokens of every row."""
@@ -210,14 +156,7 @@ class KVCache:
         mask = causal_SK[None] & self.valid_BK[:, None, : t0 + S]
         diagonal = keys[None, None, :] == cols[None, :, None]
         self.mask = (mask | diagonal).unsqueeze(1)
-        # A sliding window counts cache slots, as positions: a row's pads precede its tokens.
-        for w in self.windows:
-            near = causal_mask(S, w, device, offset=t0)
-            self.window_masks[w] = ((mask & near[None]) | diagonal).unsqueeze(1)
-
-    def window_mask(self, window: int) -> torch.Tensor:
-        """The mask of a layer with this window (0 = none)."""
-        return self.window_masks[window] if window else self.mask
+        self.window_masks = window_masks(mask, diagonal, self.windows, t0)
 
     def rotate(
         self, x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor
@@ -279,10 +218,7 @@ class MoELayer(nn.Module):
     def __init__(self, d_model: int, mcfg: MoEConfig) -> None:
         super().__init__()
         self.router = Router(d_model, mcfg)
-        act = Activation(mcfg.activation, mcfg.act_alpha, mcfg.act_limit)
-        self.experts = GroupedExperts(
-            mcfg.num_experts, d_model, mcfg.expert_hidden, mcfg.expert_proj_bias, act
-        )
+        self.experts = GroupedExperts.for_config(d_model, mcfg)
         shared_hidden = mcfg.shared_expert_hidden or mcfg.expert_hidden
         self.shared = SwiGLU(d_model, shared_hidden) if mcfg.shared_expert else None
         # Qwen2-MoE: the shared expert's output times sigmoid(x . g), one scalar per token.
@@ -394,7 +330,9 @@ class MoETransformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        cos, sin = model_rotary_tables(cfg)
+        cos, sin = rotary_tables(
+            cfg.seq_len, cfg.head_width, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling
+        )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()

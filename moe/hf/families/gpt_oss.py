@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from moe.config import ModelConfig, MoEConfig
 from moe.hf.errors import refuse
 from moe.hf.families.protocol import FEATURES, Family, LayerNames, MoEShape, all_moe
-
-if TYPE_CHECKING:
-    from moe.hf.safetensors_io import Shards
-    from moe.model.experts import GroupedExperts
+from moe.hf.safetensors_io import Shards
+from moe.model.experts import GroupedExperts
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 

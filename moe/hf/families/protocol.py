@@ -22,15 +22,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from moe.config import ModelConfig, MoEConfig
-
-if TYPE_CHECKING:
-    from moe.hf.safetensors_io import Shards
-    from moe.model.experts import GroupedExperts
+from moe.hf.safetensors_io import Shards
+from moe.model.experts import GroupedExperts
 
 
 @dataclass
