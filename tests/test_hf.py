@@ -399,14 +399,7 @@ def test_unsupported_configs_are_refused_by_name(tmp_path: Path) -> None:
     path = tmp_path / "hf" / "config.json"
     original = json.loads(path.read_text())
     for change, message in (
-        (
-            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}},
-            "dynamic",
-        ),
-        (
-            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_quick": 2.0}},
-            "YaRN field 'beta_quick'",
-        ),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"use_sliding_window": True}, "sliding-window"),
         ({"some_new_feature": 3}, "some_new_feature"),
@@ -431,6 +424,10 @@ def test_gpt_oss_fields_we_cannot_honour_are_refused_by_name(tmp_path: Path) -> 
         ),
         ({"layer_types": ["full_attention"] * 2}, "2 entries for 3 layers"),
         ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "'llama3'"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_quick": 2.0}},
+            "YaRN field 'beta_quick'",
+        ),
         ({"use_kernels_for_everything": True}, "use_kernels_for_everything"),
     ):
         path.write_text(json.dumps({**original, **change}))
@@ -492,7 +489,10 @@ def test_yarn_rotary_tables_are_transformers_own(case: str) -> None:
 
 
 def test_a_qwen3_moe_with_yarn_imports_with_equal_logits(tmp_path: Path) -> None:
-    """YaRN is not gpt-oss's alone: the common config reading accepts it for every family."""
+    """YaRN is not gpt-oss's alone: a family whose rotary embedding is transformers' common
+    one declares it (Family.yarn), and a model with it exports back there, not elsewhere."""
+    from moe.hf.families.registry import FAMILIES
+
     hf_model("qwen3_moe", tmp_path / "hf")
     path = tmp_path / "hf" / "config.json"
     params = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
@@ -503,6 +503,9 @@ def test_a_qwen3_moe_with_yarn_imports_with_equal_logits(tmp_path: Path) -> None
     idx = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         assert float((ours.eval()(idx)[0] - hf.eval()(idx).logits).abs().max()) < 1e-5
+    assert export_plan(ours, prefer="qwen3_moe").model_type == "qwen3_moe"
+    no_yarn = FAMILIES["qwen2_moe"].feature_refusals(ours.cfg, ours.mcfg)
+    assert no_yarn == ["it has no YaRN RoPE"]
 
 
 FP4 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])

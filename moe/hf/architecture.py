@@ -152,16 +152,16 @@ YARN_FIELDS = {
 }
 
 
-def _rope_theta(path: Path, hf: dict[str, Any]) -> float:
+def _rope_theta(path: Path, hf: dict[str, Any], family: Family) -> float:
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     for what in (params, scaling):
         kind = what.get("rope_type", what.get("type", "default"))
-        if kind not in ("default", "yarn", None):
+        if kind not in ("default", None) and not (kind == "yarn" and family.yarn):
             raise refuse(
                 path,
-                f"RoPE scaling {kind!r} is not implemented (only plain RoPE and YaRN); the model"
-                " cannot be imported exactly",
+                f"RoPE scaling {kind!r} is not implemented for {family.model_type} (only plain"
+                " RoPE, and YaRN where the family has it); the model cannot be imported exactly",
             )
     if "partial_rotary_factor" in params and params["partial_rotary_factor"] != 1.0:
         raise refuse(path, "partial_rotary_factor != 1 is not implemented")
@@ -195,7 +195,7 @@ def _dimensions(path: Path, hf: dict[str, Any], family: Family) -> dict[str, Any
     head_dim = int(hf.get("head_dim") or 0)
     if head_dim == D // H:
         head_dim = 0
-    theta = _rope_theta(path, hf)
+    theta = _rope_theta(path, hf, family)
     rope_type, rope_scaling = _rope_scaling(path, hf)
     attn_bias = bool(hf.get("attention_bias") or hf.get("qkv_bias", family.qkv_bias))
     return {

@@ -79,6 +79,7 @@ class GptOss(Family):
     )
     features = frozenset(FEATURES)
     router_bias = True
+    yarn = True
 
     def sliding_window(self, hf: dict[str, Any]) -> bool:
         return False  # honoured: layer_types and sliding_window (model_fields)

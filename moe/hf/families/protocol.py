@@ -78,6 +78,9 @@ class Family(ABC):
     selection_bias: str = ""  # under the MoE block: the tensor of an aux-free selection bias
     architecture: str = ""  # the transformers class exported to ("" = never exported to)
     router_bias: bool = False  # its router has a bias (exported as zeros when ours has none)
+    # YaRN RoPE as transformers' ROPE_INIT_FUNCTIONS["yarn"] alone computes it (cos and sin
+    # scaled; no other change to attention): accepted on import, and exported to.
+    yarn: bool = False
     export_priority: int = 0  # lower is tried first (after the architecture imported from)
 
     # ------------------------------------------------------------------ config.json in
@@ -182,7 +185,8 @@ class Family(ABC):
 
     def feature_refusals(self, c: ModelConfig, m: MoEConfig) -> list[str]:
         """The features of the model this architecture does not have."""
-        return [f"it has no {f}" for f in model_features(c, m) if f not in self.features]
+        has = self.features | ({"YaRN RoPE"} if self.yarn else set())
+        return [f"it has no {f}" for f in model_features(c, m) if f not in has]
 
     def hf_config_fields(self, c: ModelConfig, m: MoEConfig) -> dict[str, Any]:
         """config.json's fields of this architecture, after the common ones."""
@@ -208,6 +212,7 @@ FEATURES = (
     "expert projection biases",
     "router logit bias",
     "clamped SwiGLU",
+    "YaRN RoPE",
 )
 
 
@@ -220,6 +225,7 @@ def model_features(c: ModelConfig, m: MoEConfig) -> list[str]:
         m.expert_proj_bias,
         m.router_logit_bias,
         m.activation == "clamped_swiglu",
+        c.rope_type == "yarn",
     )
     return [name for name, on in zip(FEATURES, used, strict=True) if on]
 
