@@ -269,6 +269,9 @@ def reference_moe(
 ) -> torch.Tensor:
     """Slow, obviously-right MoE: for each token, for each kept choice, run that expert."""
     w1, w3, w2 = experts.weights_EDF()
+    # biases and activation as GroupedExperts has them (a duck-typed twin may have neither)
+    b13, b2 = getattr(experts, "b13_EG", None), getattr(experts, "b2_ED", None)
+    act = getattr(experts, "act", SWIGLU)
     out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
     for e in range(experts.num_experts):
         for k in range(experts_TK.shape[1]):
@@ -279,17 +282,17 @@ def reference_moe(
                 continue
             x = x_TD[mask_T]
             gate, up = x @ w1[e].to(x.dtype), x @ w3[e].to(x.dtype)
-            if experts.b13_EG is not None:
-                b_gate, b_up = experts.b13_EG[e].to(x.dtype).chunk(2)
+            if b13 is not None:
+                b_gate, b_up = b13[e].to(x.dtype).chunk(2)
                 gate, up = gate + b_gate, up + b_up
-            if experts.act.kind == "clamped_swiglu":
-                limit = experts.act.limit
+            if act.kind == "clamped_swiglu":
+                limit = act.limit
                 gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-                h = gate * torch.sigmoid(experts.act.alpha * gate) * (up + 1)
+                h = gate * torch.sigmoid(act.alpha * gate) * (up + 1)
             else:
                 h = F.silu(gate) * up
             y = h @ w2[e].to(x.dtype)
-            if experts.b2_ED is not None:
-                y = y + experts.b2_ED[e].to(x.dtype)
+            if b2 is not None:
+                y = y + b2[e].to(x.dtype)
             out_TD[mask_T] += y.float() * weights_TK[mask_T, k].unsqueeze(1)
     return out_TD.to(x_TD.dtype)
