@@ -378,6 +378,35 @@ class TokenizerConfig:
             )
 
 
+# ModelConfig.rope_scaling's keys for rope_type yarn (moe/model/rope.py; truncate as 1 or 0).
+YARN_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "truncate",
+    "attention_factor",
+    "mscale",
+    "mscale_all_dim",
+)
+
+
+def rope_scaling_problem(rope_type: str, scaling: dict[str, float]) -> str | None:
+    """Why ModelConfig.rope_scaling does not fit its rope_type, or None."""
+    if rope_type == "default":
+        return "must be empty with model.rope_type default" if scaling else None
+    unknown = sorted(set(scaling) - set(YARN_KEYS))
+    if unknown:
+        return f"unknown key(s) {', '.join(unknown)}; YaRN's are {', '.join(YARN_KEYS)}"
+    needed = ("factor", "original_max_position_embeddings")
+    missing = [k for k in needed if k not in scaling]
+    if missing:
+        return f"YaRN needs {' and '.join(missing)}"
+    if not all(scaling[k] > 0 for k in needed):
+        return "YaRN's factor and original_max_position_embeddings must be > 0"
+    return None
+
+
 @dataclass
 class ModelConfig:
     # The model to start from: "" = our architecture from random weights (the embedded
@@ -420,7 +449,24 @@ class ModelConfig:
     # (qk_rope_head_dim).
     mla_rope_dim: int = knob(16, ge=2)
     mla_v_dim: int = knob(0, ge=0, note=" (0 = head_dim)")  # mla: width of a value head
+    attn_out_bias: bool = False  # a bias on the attention output projection (gpt-oss)
+    # A learned logit per head in the denominator of its attention softmax, attended to with
+    # no value, so that a head can attend to nothing (gpt-oss's attention sinks).
+    attn_sinks: bool = False
+    # Sliding-window attention: a query of a block in sliding_layers sees itself and the
+    # sliding_window - 1 tokens before it (0 = no window).
+    sliding_window: int = knob(0, ge=0, note=" (0 = no window)")
+    # Blocks (0-based) with the sliding window; the others see every earlier token (gpt-oss
+    # alternates them).
+    sliding_layers: list[int] = field(default_factory=list)
     rope_theta: float = knob(10_000.0, gt=0)  # base of the rotary position frequencies
+    # RoPE scaling: default = plain RoPE; yarn = YaRN (Peng et al. 2023: frequencies
+    # interpolated by band, cos and sin scaled by an attention factor) with rope_scaling.
+    rope_type: Literal["default", "yarn"] = "default"
+    # YaRN's numbers as a checkpoint gives them (moe/model/rope.py): factor and
+    # original_max_position_embeddings, optionally beta_fast, beta_slow, truncate (1 or 0),
+    # attention_factor, mscale, mscale_all_dim.
+    rope_scaling: dict[str, float] = field(default_factory=dict)
     norm_eps: float = knob(1e-5, gt=0)  # epsilon of every RMSNorm
     init_std: float = knob(0.02, gt=0)  # std of the normal init of linear and embedding weights
 
@@ -443,6 +489,10 @@ class ModelConfig:
     def v_width(self) -> int:
         """The width of a value head."""
         return (self.mla_v_dim or self.head_width) if self.attention == "mla" else self.head_width
+
+    def window(self, i: int) -> int:
+        """Block i's attention window in tokens (0 = every earlier token)."""
+        return self.sliding_window if i in self.sliding_layers else 0
 
     def is_moe_block(self, i: int) -> bool:
         """Blocks moe_every-1, 2*moe_every-1, ... are MoE, except the listed dense ones."""
@@ -471,6 +521,12 @@ class ModelConfig:
             )
         if self.attention == "mla":
             p.require(
+                not (self.attn_sinks or self.sliding_layers or self.attn_out_bias),
+                "attention",
+                self.attention,
+                "latent attention has no sinks, sliding window or output bias (gpt-oss's)",
+            )
+            p.require(
                 self.mla_rope_dim % 2 == 0,
                 "mla_rope_dim",
                 self.mla_rope_dim,
@@ -496,6 +552,22 @@ class ModelConfig:
                 layer,
                 f"must be a block index in [0, {self.n_layer - 1}]",
             )
+        for i, layer in enumerate(self.sliding_layers):
+            p.require(
+                0 <= layer < self.n_layer,
+                f"sliding_layers[{i}]",
+                layer,
+                f"must be a block index in [0, {self.n_layer - 1}]",
+            )
+        if self.sliding_layers:
+            p.require(
+                self.sliding_window > 0,
+                "sliding_window",
+                self.sliding_window,
+                "must be > 0 when model.sliding_layers names blocks",
+            )
+        why = rope_scaling_problem(self.rope_type, self.rope_scaling)
+        p.require(why is None, "rope_scaling", self.rope_scaling, why or "")
 
 
 @dataclass
@@ -590,12 +662,29 @@ class MoEConfig:
     topk_group: int = knob(1, ge=1)  # with n_group > 1: the groups a token may route into
     # The routed experts' combined output times this (DeepSeek-V3's routed_scaling_factor).
     routed_scale: float = knob(1.0, gt=0)
+    # The experts' activation: swiglu = silu(gate) * up; clamped_swiglu (gpt-oss) = gate *
+    # sigmoid(act_alpha * gate) * (up + 1), gate clamped above at act_limit, up to
+    # [-act_limit, act_limit].
+    activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    act_alpha: float = knob(1.702, gt=0)  # clamped_swiglu: the gain inside the sigmoid
+    act_limit: float = knob(7.0, gt=0)  # clamped_swiglu: where the gate and up are clamped
+    # Biases on each expert's gate/up and down projections (gpt-oss).
+    expert_proj_bias: bool = False
+    # A learned bias on the router's logits, which both chooses and weights experts (gpt-oss).
+    router_logit_bias: bool = False
     force_balanced: bool = False  # debug: round-robin routing, for throughput/memory tests
     # Expert growth and pruning while training (moe/model/growth.py); off by default.
     growth: GrowthConfig = field(default_factory=GrowthConfig)
 
     def check(self, p: Problems) -> None:
         if self.growth.enabled:
+            for key in ("expert_proj_bias", "router_logit_bias"):
+                p.require(
+                    not getattr(self, key),
+                    key,
+                    getattr(self, key),
+                    "expert growth does not grow these biases: turn moe.growth.enabled off",
+                )
             p.require(
                 self.growth.max_experts >= self.num_experts,
                 "growth.max_experts",

@@ -22,6 +22,7 @@ from moe.errors import InputError
 from moe.hf.exporter import export_hf, export_plan
 from moe.hf.importer import import_model, load_hf_model
 from moe.hf.model_dir import load_model_dir
+from moe.model.experts import EXPERT_BIASES
 from moe.model.transformer import MoETransformer
 
 transformers = pytest.importorskip("transformers")
@@ -111,6 +112,10 @@ ARCHS = {
             routed_scaling_factor=1.5,
         ),
     ),
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4),
+    ),
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", dict(head_dim=8)),
@@ -125,8 +130,19 @@ def hf_model(model_type: str, folder: Path, seed: int = 0) -> torch.nn.Module:
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if p.dim() == 1 and "rotary" not in name or "e_score_correction_bias" in name:
+            bias = "e_score_correction_bias" in name or name.endswith("_bias")
+            if p.dim() == 1 and "rotary" not in name or bias:
                 p.add_(torch.randn_like(p) * 0.1)
+            if model_type != "gpt_oss":
+                continue
+            # gpt-oss: sinks that weigh, gates and ups past the SwiGLU's clamp (7), logits
+            # large enough that greedy tokens vary (and so show a wrong window)
+            if name.endswith("sinks"):
+                p.add_(torch.randn_like(p))
+            elif name.endswith("gate_up_proj"):
+                p.normal_()
+            elif name in ("lm_head.weight", "model.embed_tokens.weight"):
+                p.mul_(20)
     model.save_pretrained(folder)
     return model
 
@@ -143,14 +159,23 @@ def test_import_computes_what_transformers_computes(model_type: str, tmp_path: P
     ours.eval()
     assert arch.model_type == model_type
     assert arch.upcycled == (model_type in ("llama", "qwen2", "qwen3"))
+    if model_type == "gpt_oss":  # what the comparison below rests on
+        assert ours.cfg.sliding_layers == [0, 2] and ours.cfg.sliding_window == 4
+        assert ours.cfg.rope_type == "yarn" and ours.mcfg.activation == "clamped_swiglu"
     idx = torch.randint(0, V, (3, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         diff = (ours(idx)[0] - hf_logits(hf, idx)).abs().max()
     assert float(diff) < 1e-5, f"{model_type}: logits differ by {float(diff)}"
     # Greedy tokens on left-padded prompts of different lengths: our batched KV-cache decode
     # against transformers' generate with an attention mask.
+    # Each step's logits too (the KV-cache path's, recorded at the output head), not only
+    # the argmax, which large logits keep through small errors (a sliding window dropped
+    # from the cache path changes no greedy token here).
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    steps: list[torch.Tensor] = []
+    hook = ours.lm_head.register_forward_hook(lambda m, i, out: steps.append(out))
     ours_out = ours.generate_batch(prompts, 8)
+    hook.remove()
     batch = torch.tensor([[0] * 0 + prompts[0], [0, 0, 0] + prompts[1]])
     mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
     gen = hf.generate(
@@ -160,8 +185,13 @@ def test_import_computes_what_transformers_computes(model_type: str, tmp_path: P
         do_sample=False,
         pad_token_id=0,
         eos_token_id=None,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
-    assert ours_out == [gen[0, 6:].tolist(), gen[1, 6:].tolist()]
+    assert ours_out == [gen.sequences[0, 6:].tolist(), gen.sequences[1, 6:].tolist()]
+    assert len(steps) == len(gen.logits) == 8
+    for k, (a, b) in enumerate(zip(steps, gen.logits, strict=True)):
+        assert float((a - b).abs().max()) < 1e-5, f"{model_type}: step {k}"
 
 
 def test_an_upcycled_dense_model_computes_the_dense_function_at_step_0(tmp_path: Path) -> None:
@@ -191,8 +221,8 @@ def test_an_upcycled_dense_model_computes_the_dense_function_at_step_0(tmp_path:
 
 def perturbed(model: MoETransformer) -> MoETransformer:
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or name.endswith(EXPERT_BIASES):
                 p.add_(torch.randn_like(p) * 0.1)
         for layer in model.moe_layers:
             layer.router.expert_bias_E.normal_(0, 0.05)  # as aux-free training leaves it
@@ -267,6 +297,35 @@ NATIVE = {
         MoEConfig(score_func="sigmoid", n_group=2, topk_group=1, shared_expert=True),
         "deepseek_v3",
     ),
+    # gpt-oss's features: sinks, alternating windows, every bias, the clamped SwiGLU, YaRN.
+    "gpt-oss": (
+        ModelConfig(
+            seq_len=64,
+            n_layer=3,
+            n_kv_head=2,
+            tie_embeddings=False,
+            attn_bias=True,
+            attn_out_bias=True,
+            attn_sinks=True,
+            sliding_window=4,
+            sliding_layers=[0, 2],
+            rope_type="yarn",
+            rope_scaling=dict(
+                factor=32.0,
+                original_max_position_embeddings=4096.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=0.0,
+            ),
+        ),
+        MoEConfig(
+            activation="clamped_swiglu",
+            expert_proj_bias=True,
+            router_logit_bias=True,
+            balancing=["z_loss"],
+        ),
+        "gpt_oss",
+    ),
 }
 
 
@@ -314,10 +373,13 @@ def test_export_loads_in_transformers_with_equal_logits_and_generations(
         eos_token_id=None,
     )
     assert model.generate_batch(prompts, 6) == [gen[0, 5:].tolist(), gen[1, 5:].tolist()]
-    # Per-expert tensors, as transformers saves them and vLLM reads them.
+    # Per-expert tensors, as transformers saves them and vLLM reads them (gpt-oss: 3-D).
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
-    assert any(".experts.3." in k for k in keys)
+    if expected == "gpt_oss":
+        assert "model.layers.2.mlp.experts.gate_up_proj" in keys
+    else:
+        assert any(".experts.3." in k for k in keys)
     assert not any("w13_EDG" in k for k in keys)
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     assert tok("SELECT 1").input_ids
@@ -329,6 +391,27 @@ def test_export_then_import_is_bit_identical(tmp_path: Path) -> None:
     export_hf(model, tmp_path / "out", tokenizer_dir(tmp_path), {"eos": 0, "pad": 1}, "card")
     back, arch = load_hf_model(tmp_path / "out", MoEConfig(), seq_len=64, dtype=torch.float32)
     assert arch.model_type == "ernie4_5_moe"
+    a, b = model.state_dict(), back.state_dict()
+    assert set(a) == set(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_a_gpt_oss_export_imports_back_bit_identical(tmp_path: Path) -> None:
+    """Sinks, every bias and the interleaved 3-D experts go out and come back unchanged;
+    the windows, YaRN and the activation's numbers are read back from config.json."""
+    torch.manual_seed(0)
+    model = perturbed(MoETransformer(*NATIVE["gpt-oss"][:2], V + 200))
+    for layer in model.moe_layers:  # unused without aux_free balancing, so not exported
+        layer.router.expert_bias_E.zero_()
+    export_hf(model, tmp_path / "out", tokenizer_dir(tmp_path), {"eos": 0, "pad": 1}, "card")
+    moe = MoEConfig(balancing=["z_loss"])
+    back, arch = load_hf_model(tmp_path / "out", moe, seq_len=64, dtype=torch.float32)
+    assert arch.model_type == "gpt_oss"
+    for key in ("sliding_window", "sliding_layers", "rope_type", "rope_scaling", "attn_sinks"):
+        assert getattr(back.cfg, key) == getattr(model.cfg, key), key
+    for key in ("activation", "act_alpha", "act_limit", "expert_proj_bias", "router_logit_bias"):
+        assert getattr(back.mcfg, key) == getattr(model.mcfg, key), key
     a, b = model.state_dict(), back.state_dict()
     assert set(a) == set(b)
     for name in a:
@@ -371,6 +454,16 @@ def test_what_no_architecture_represents_is_refused_with_the_reason() -> None:
     for layer in biased.moe_layers:
         layer.router.expert_bias_E.zero_()
     assert export_plan(biased).model_type == "qwen3_moe"
+    # gpt-oss's features: only gpt-oss has them, and it has no q/k norm.
+    sinks = MoETransformer(
+        ModelConfig(seq_len=64, qk_norm="head", attn_sinks=True), MoEConfig(balancing=[]), V
+    )
+    with pytest.raises(InputError, match="qwen3_moe: it has no attention sinks") as e:
+        export_plan(sinks)
+    assert "gpt_oss: q/k norm; its experts' activation is the clamped SwiGLU" in str(e.value)
+    clamped = MoETransformer(base, MoEConfig(balancing=[], activation="clamped_swiglu"), V)
+    with pytest.raises(InputError, match="mixtral: it has no clamped SwiGLU"):
+        export_plan(clamped)
 
 
 def test_unsupported_configs_are_refused_by_name(tmp_path: Path) -> None:
@@ -428,6 +521,167 @@ def test_the_deepseek_v3_line_refuses_what_it_does_not_implement_and_skips_mtp_l
     )
     with pytest.raises(InputError, match="model.embed_tokens.extra"):
         load_hf_model(tmp_path / "hf", MOE, seq_len=64)
+
+
+def test_gpt_oss_fields_we_cannot_honour_are_refused_by_name(tmp_path: Path) -> None:
+    hf_model("gpt_oss", tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    original = json.loads(path.read_text())
+    for change, message in (
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "'gptq' \\(only mxfp4"),
+        (
+            {"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
+            "layer_types chunked_attention are not implemented",
+        ),
+        ({"layer_types": ["full_attention"] * 2}, "2 entries for 3 layers"),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "'llama3'"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_quick": 2.0}},
+            "YaRN field 'beta_quick'",
+        ),
+        ({"use_kernels_for_everything": True}, "use_kernels_for_everything"),
+    ):
+        path.write_text(json.dumps({**original, **change}))
+        with pytest.raises(InputError, match=message):
+            load_hf_model(tmp_path / "hf", MOE, seq_len=64)
+
+
+YARN = {  # gpt-oss's; DeepSeek-V3's form (mscale ratio, truncated); an explicit attention factor
+    "gpt-oss": dict(
+        factor=32.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_max_position_embeddings=4096,
+    ),
+    "deepseek": dict(
+        factor=40.0,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=0.8,
+        original_max_position_embeddings=4096,
+    ),
+    "attention_factor": dict(
+        factor=4.0,
+        attention_factor=1.5,
+        original_max_position_embeddings=32,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(YARN))
+def test_yarn_rotary_tables_are_transformers_own(case: str) -> None:
+    """Our YaRN (moe/model/rope.py) against transformers' ROPE_INIT_FUNCTIONS["yarn"]: the
+    same inverse frequencies and attention factor, bit for bit; and what architecture.py
+    reads from rope_parameters gives them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from moe.hf.architecture import _rope_scaling
+    from moe.model.rope import yarn_parameters
+    from moe.model.transformer import rotary_tables
+
+    params = {"rope_type": "yarn", "rope_theta": 150000.0, **YARN[case]}
+    cfg = transformers.GptOssConfig(
+        **COMMON, head_dim=16, rope_parameters=dict(params), num_local_experts=4
+    )
+    want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg)
+    rope_type, scaling = _rope_scaling(Path("x"), {**COMMON, "rope_parameters": params})
+    assert rope_type == "yarn"
+    freq, factor = yarn_parameters(16, 150000.0, scaling)
+    assert torch.equal(freq, want_freq) and factor == want_factor
+    assert factor != 1.0 and not torch.equal(freq, 1.0 / 150000.0 ** (torch.arange(0, 16, 2) / 16))
+    # the tables transformers' rotary embedding computes, at every position
+    cos, sin = rotary_tables(64, 16, 150000.0, "yarn", scaling)
+    hf_cos, hf_sin = transformers.models.gpt_oss.modeling_gpt_oss.GptOssRotaryEmbedding(cfg)(
+        torch.zeros(1, dtype=torch.float32), torch.arange(64)[None]
+    )
+    assert torch.equal(cos, hf_cos[0]) and torch.equal(sin, hf_sin[0])
+
+
+def test_a_qwen3_moe_with_yarn_imports_with_equal_logits(tmp_path: Path) -> None:
+    """YaRN is not gpt-oss's alone: a family whose rotary embedding is transformers' common
+    one declares it (Family.yarn), and a model with it exports back there, not elsewhere."""
+    from moe.hf.families.registry import FAMILIES
+
+    hf_model("qwen3_moe", tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    params = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+    path.write_text(json.dumps({**json.loads(path.read_text()), "rope_parameters": params}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ours, _ = load_hf_model(tmp_path / "hf", MOE, seq_len=64, dtype=torch.float32)
+    assert ours.cfg.rope_scaling == {"factor": 4.0, "original_max_position_embeddings": 64.0}
+    idx = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert float((ours.eval()(idx)[0] - hf.eval()(idx).logits).abs().max()) < 1e-5
+    assert export_plan(ours, prefer="qwen3_moe").model_type == "qwen3_moe"
+    no_yarn = FAMILIES["qwen2_moe"].feature_refusals(ours.cfg, ours.mcfg)
+    assert no_yarn == ["it has no YaRN RoPE"]
+
+
+FP4 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def mxfp4(w_EIO: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reference MXFP4 quantiser in the released gpt-oss layout: an (E, in, out) expert
+    tensor as blocks (E, out, in / 32, 16) uint8, two FP4 codes a byte (the even element in
+    the low nibble), and scales (E, out, in / 32) uint8, a power-of-two exponent + 127 per
+    32 values (the largest of them to [4, 8), then the nearest FP4 value)."""
+    x = w_EIO.transpose(1, 2).float()
+    g = x.reshape(*x.shape[:2], x.shape[2] // 32, 32)
+    exp = torch.floor(torch.log2(g.abs().amax(-1).clamp_min(2.0**-100))) - 2
+    idx = (g / torch.exp2(exp)[..., None]).unsqueeze(-1).sub(FP4).abs().argmin(-1)
+    idx = idx.to(torch.uint8)
+    return (idx[..., 0::2] | (idx[..., 1::2] << 4)).contiguous(), (exp + 127).to(torch.uint8)
+
+
+def test_mxfp4_experts_import_as_transformers_dequantises_them(tmp_path: Path) -> None:
+    """A gpt-oss whose experts are MXFP4 blocks and scales (quantization_config mxfp4, as the
+    released checkpoints): our import computes what transformers computes on the same folder
+    (it dequantises on CPU), not what the float weights before quantisation computed; the
+    streamed import writes the same tensors."""
+    from moe.checkpoint.tensors import model_tensors
+    from moe.hf.importer import stream_hf_weights
+
+    torch.manual_seed(0)
+    extra = dict(ARCHS["gpt_oss"][1])
+    cfg = transformers.GptOssConfig(**{**COMMON, "intermediate_size": 64}, **extra)
+    dense = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    dense.save_pretrained(tmp_path / "dense")
+    tensors = load_file(str(tmp_path / "dense" / "model.safetensors"))
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[key + "_blocks"], tensors[key + "_scales"] = mxfp4(tensors.pop(key))
+    (tmp_path / "mx").mkdir()
+    save_file(tensors, str(tmp_path / "mx" / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "dense" / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"],
+    }
+    (tmp_path / "mx" / "config.json").write_text(json.dumps(config))
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "mx",
+        quantization_config=transformers.Mxfp4Config(dequantize=True),
+        dtype=torch.float32,
+        output_loading_info=True,
+    )
+    assert not any(info.values()), info
+    ours, _ = load_hf_model(tmp_path / "mx", MOE, seq_len=64, dtype=torch.float32)
+    idx = torch.randint(0, V, (3, 20), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        logits = ours.eval()(idx)[0]
+        assert float((logits - hf.eval()(idx).logits).abs().max()) < 1e-5
+        assert float((logits - dense(idx).logits).abs().max()) > 1e-4  # MXFP4 was read
+    skeleton, _ = stream_hf_weights(tmp_path / "mx", tmp_path / "w.safetensors", MOE, seq_len=64)
+    bf16, _ = load_hf_model(tmp_path / "mx", MOE, seq_len=64)
+    got, want = load_file(str(tmp_path / "w.safetensors")), model_tensors(bf16)
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    # without quantization_config's method we know, refused by name
+    config["quantization_config"] = {"quant_method": "fp8"}
+    (tmp_path / "mx" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="quant_method 'fp8'"):
+        load_hf_model(tmp_path / "mx", MOE, seq_len=64)
 
 
 def test_sharded_checkpoints_are_read_through_their_index(tmp_path: Path) -> None:

@@ -45,6 +45,71 @@ def test_grouped_equals_reference_outputs_and_grads(cf: float, D: int) -> None:
         torch.testing.assert_close(a, b)
 
 
+def test_gpt_oss_experts_equal_the_reference_outputs_and_grads() -> None:
+    """Expert biases and the clamped SwiGLU (moe.activation: clamped_swiglu) on the grouped
+    path against reference_moe, the clamps reached (weights large enough)."""
+    torch.manual_seed(0)
+    mcfg = MoEConfig(
+        num_experts=4,
+        top_k=2,
+        expert_hidden=32,
+        balancing=[],
+        activation="clamped_swiglu",
+        expert_proj_bias=True,
+        router_logit_bias=True,
+    )
+    router, experts = Router(16, mcfg), GroupedExperts.for_config(16, mcfg)
+    for p in [*experts.parameters(), router.gate.bias]:
+        torch.nn.init.normal_(p, std=1.0)
+    x = torch.randn(40, 16, requires_grad=True)
+    r = router(x)
+    with torch.no_grad():
+        h = torch.einsum("td,edg->teg", x, experts.w13_EDG) + experts.b13_EG
+    assert bool((h[..., :32] > 7).any()) and bool((h[..., 32:] < -7).any())  # clamps bite
+    y_fast = experts(x, r.experts_TK, r.weights_TK)
+    y_ref = reference_moe(experts, x, r.experts_TK, r.weights_TK)
+    g = torch.randn_like(y_fast)
+    params = [x, *experts.parameters()]
+    grads_fast = torch.autograd.grad(y_fast, params, g, retain_graph=True)
+    grads_ref = torch.autograd.grad(y_ref, params, g)
+    for a, b in zip([y_fast, *grads_fast], [y_ref, *grads_ref], strict=True):
+        # values in the hundreds here: fp32 rounding relative to the largest
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.detach().abs().max()))
+    # gpt-oss's routing: the top-k logits (bias included), softmaxed; ours renormalises the
+    # top-k of the softmax, the same weights
+    logits = x.detach() @ router.gate.weight.T + router.gate.bias
+    top = logits.topk(2)
+    assert torch.equal(r.experts_TK, top.indices)
+    torch.testing.assert_close(r.weights_TK, top.values.softmax(-1))
+
+
+def test_sinks_and_windows_in_the_fused_attention_equal_the_softmax_written_out() -> None:
+    """moe/model/masking.py `attention` (a zero key/value whose mask is the sink, through
+    scaled_dot_product_attention) against transformers' eager formula: the sink's logit
+    in each softmax's denominator, a window of 3; outputs and gradients, sinks' included."""
+    from moe.model.masking import attention, causal_mask
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 10, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, 10, 8, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, requires_grad=True)
+    fused = attention(q, k, v, None, sinks, window=3)
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = (q @ kk.transpose(2, 3)) / 8**0.5
+    scores = scores.masked_fill(~causal_mask(10, 3), float("-inf"))
+    logits = torch.cat([scores, sinks.view(1, 4, 1, 1).expand(2, 4, 10, 1)], dim=-1)
+    written = logits.softmax(-1)[..., :-1] @ vv
+    torch.testing.assert_close(fused, written)
+    g = torch.randn_like(fused)
+    for a, b in zip(
+        torch.autograd.grad(fused, (q, k, v, sinks), g),
+        torch.autograd.grad(written, (q, k, v, sinks), g),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b)
+    assert causal_mask(5, 2).sum(1).tolist() == [1, 2, 2, 2, 2]  # itself and one before
+
+
 def test_grouped_handles_empty_experts() -> None:
     _, experts = _layer(E=4)
     x = torch.randn(10, 16)

@@ -4,7 +4,7 @@ model folder format. One job per module:
 - architecture.py: reading config.json; `Architecture`, `read_architecture`; the refusal of
   fields we cannot honour;
 - families/: one module per architecture family (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE,
-  ERNIE-4.5-MoE, dense Llama/Qwen2/Qwen3 upcycled) behind one protocol
+  ERNIE-4.5-MoE, gpt-oss, dense Llama/Qwen2/Qwen3 upcycled) behind one protocol
   (families/protocol.py `Family`), and the registry from model_type to family
   (families/registry.py);
 - safetensors_io.py: a checkpoint's shard files, the lazy `Shards` reader,

@@ -139,22 +139,54 @@ def _check_fields(path: Path, hf: dict[str, Any], family: Family) -> None:
         raise refuse(path, why)
 
 
+# YaRN's fields in rope_parameters (or rope_scaling), beside rope_type and rope_theta.
+YARN_FIELDS = {
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "truncate",
+    "attention_factor",
+    "mscale",
+    "mscale_all_dim",
+}
+
+
 def _rope_theta(path: Path, hf: dict[str, Any], family: Family) -> float:
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     for what in (params, scaling):
         kind = what.get("rope_type", what.get("type", "default"))
-        if kind not in ("default", None):
+        if kind not in ("default", None) and not (kind == "yarn" and family.yarn):
             raise refuse(
                 path,
-                f"RoPE scaling {kind!r} is not implemented (only plain RoPE); the model cannot"
-                " be imported exactly",
+                f"RoPE scaling {kind!r} is not implemented for {family.model_type} (only plain"
+                " RoPE, and YaRN where the family has it); the model cannot be imported exactly",
             )
     factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if factor != 1.0 and not family.partial_rotary:
         raise refuse(path, f"partial_rotary_factor = {factor} is not implemented for this family")
     theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
     return float(theta)
+
+
+def _rope_scaling(path: Path, hf: dict[str, Any]) -> tuple[str, dict[str, float]]:
+    """(ModelConfig.rope_type, rope_scaling): YaRN's numbers as transformers reads them
+    (standardize_rope_params: original_max_position_embeddings defaults to
+    max_position_embeddings, factor to their ratio); an unknown YaRN field refused by name."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if params.get("rope_type", params.get("type")) != "yarn":
+        return "default", {}
+    known = YARN_FIELDS | {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    for key in params:
+        if key not in known:
+            raise refuse(path, f"YaRN field {key!r} is not implemented")
+    out = {k: float(v) for k, v in params.items() if k in YARN_FIELDS and v is not None}
+    max_pos = float(hf.get("max_position_embeddings") or 0)
+    out.setdefault("original_max_position_embeddings", max_pos)
+    if "factor" not in out and out["original_max_position_embeddings"]:
+        out["factor"] = max_pos / out["original_max_position_embeddings"]
+    return "yarn", out
 
 
 def _dimensions(path: Path, hf: dict[str, Any], family: Family) -> dict[str, Any]:
@@ -165,6 +197,7 @@ def _dimensions(path: Path, hf: dict[str, Any], family: Family) -> dict[str, Any
     if head_dim == D // H:
         head_dim = 0
     theta = _rope_theta(path, hf, family)
+    rope_type, rope_scaling = _rope_scaling(path, hf)
     attn_bias = bool(hf.get("attention_bias") or hf.get("qkv_bias", family.qkv_bias))
     return {
         "n_layer": n_layer,
@@ -174,6 +207,8 @@ def _dimensions(path: Path, hf: dict[str, Any], family: Family) -> dict[str, Any
         "qk_norm": family.qk_norm,
         "attn_bias": attn_bias,
         "rope_theta": theta,
+        "rope_type": rope_type,
+        "rope_scaling": rope_scaling,
     }
 
 
@@ -196,6 +231,8 @@ def _model_config(
         qk_norm=dims["qk_norm"],
         attn_bias=dims["attn_bias"],
         rope_theta=dims["rope_theta"],
+        rope_type=dims["rope_type"],
+        rope_scaling=dims["rope_scaling"],
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
     )
     if model.n_kv_head == H:
@@ -221,6 +258,8 @@ def _moe_config(moe_defaults: MoEConfig, shape: MoEShape) -> MoEConfig:
     )
     if shape.shared_expert_hidden == shape.expert_hidden:
         moe.shared_expert_hidden = 0
+    for key, value in shape.moe_fields.items():
+        setattr(moe, key, value)
     return moe
 
 
@@ -269,6 +308,8 @@ def read_architecture(folder: Path, moe_defaults: MoEConfig, seq_len: int) -> Ar
     model = _model_config(folder, hf, dims, shape, seq_len)
     for name, value in family.dimensions(hf).items():  # its attention's own shape
         setattr(model, name, value)
+    for key, value in family.model_fields(hf).items():
+        setattr(model, key, value)
     moe = _moe_config(moe_defaults, shape)
     _check_consistent(path, hf, model, moe, family)
     ids = {k: hf.get(f"{k}_token_id") for k in ("bos", "eos", "pad")}

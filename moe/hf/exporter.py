@@ -97,6 +97,7 @@ def export_plan(model: MoETransformer, prefer: str = "") -> ExportPlan:
         reasons = _routing_and_attention(model, family)
         if bias and not family.selection_bias:
             reasons.append("it has no selection bias (aux-free balancing is on)")
+        reasons += family.feature_refusals(model.cfg, model.mcfg)
         reasons += family.export_refusals(model.cfg, model.mcfg)
         if reasons:
             why[family.model_type] = "; ".join(reasons)
@@ -116,6 +117,19 @@ def export_plan(model: MoETransformer, prefer: str = "") -> ExportPlan:
         "cannot export exactly to any supported architecture: "
         + "; ".join(f"{t}: {r}" for t, r in why.items())
     )
+
+
+def rope_parameters(c: ModelConfig) -> dict[str, Any]:
+    """config.json's rope_parameters for our RoPE (plain, or YaRN with its numbers)."""
+    out: dict[str, Any] = {"rope_type": c.rope_type, "rope_theta": c.rope_theta}
+    for key, value in c.rope_scaling.items():
+        if key == "truncate":
+            out[key] = bool(value)
+        elif key == "original_max_position_embeddings":
+            out[key] = int(value)
+        else:
+            out[key] = value
+    return out
 
 
 def hf_config(
@@ -139,7 +153,7 @@ def hf_config(
         "rms_norm_eps": c.norm_eps,
         "max_position_embeddings": max(max_positions, c.seq_len),
         "rope_theta": c.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "rope_parameters": rope_parameters(c),
         "tie_word_embeddings": c.tie_embeddings,
         "use_cache": True,
         "attention_dropout": 0.0,
@@ -174,8 +188,12 @@ def _attention_out(
         for name, b in zip("qkv", (qb, kb, vb), strict=True):
             yield p + f"self_attn.{name}_proj.bias", b
     yield p + "self_attn.o_proj.weight", a.proj.weight
-    if family.zero_biases(c):
+    if a.proj.bias is not None:
+        yield p + "self_attn.o_proj.bias", a.proj.bias
+    elif family.zero_biases(c):
         yield p + "self_attn.o_proj.bias", torch.zeros(c.d_model, dtype=a.proj.weight.dtype)
+    if a.sinks is not None:
+        yield p + "self_attn.sinks", a.sinks
     if a.q_norm is not None:
         yield p + "self_attn.q_norm.weight", a.q_norm.weight
         yield p + "self_attn.k_norm.weight", a.k_norm.weight  # type: ignore[union-attr]
@@ -215,11 +233,11 @@ def _moe_ffn_out(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """An MoE block: router, one tensor per expert projection, shared expert, selection bias."""
     yield n.gate, ffn.router.gate.weight
-    gate_EDF, up_EDF, down_EFD = ffn.experts.weights_EDF()
-    for e in range(ffn.experts.num_experts):
-        ep = n.expert.format(e=e)
-        for name, w in ((n.w1, gate_EDF[e]), (n.w3, up_EDF[e]), (n.w2, down_EFD[e])):
-            yield ep + name + ".weight", w.t().contiguous()
+    gate = ffn.router.gate
+    if gate.bias is not None or family.router_bias:
+        bias = gate.bias if gate.bias is not None else gate.weight.new_zeros(gate.out_features)
+        yield n.gate.removesuffix("weight") + "bias", bias
+    yield from family.experts_to_hf(ffn.experts, n)
     if ffn.shared is not None:
         yield from _swiglu_out(ffn.shared, n.shared, zeros)
     if ffn.shared_gate is not None:

@@ -53,6 +53,10 @@ def _attention_in(
             torch.cat([src.get(p + f"self_attn.{x}_proj.bias") for x in "qkv"]),
         )
     yield ours + "attn.proj.weight", src.get(p + "self_attn.o_proj.weight")
+    if c.attn_out_bias:
+        yield ours + "attn.proj.bias", src.get(p + "self_attn.o_proj.bias")
+    if c.attn_sinks:
+        yield ours + "attn.sinks", src.get(p + "self_attn.sinks")
     if c.qk_norm != "none":
         yield ours + "attn.q_norm.weight", src.get(p + "self_attn.q_norm.weight")
         yield ours + "attn.k_norm.weight", src.get(p + "self_attn.k_norm.weight")
@@ -103,17 +107,10 @@ def _moe_ffn_in(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """An MoE block: router, experts stacked, shared expert and its gate, selection bias."""
     yield ours + "ffn.router.gate.weight", src.get(n.gate)
-    experts = ffn.experts
-    w13 = torch.empty_like(experts.w13_EDG, device="cpu")
-    w2 = torch.empty_like(experts.w2_EFD, device="cpu")
-    F_ = experts.hidden
-    for e in range(experts.num_experts):
-        ep = n.expert.format(e=e)
-        w13[e, :, :F_] = src.get(ep + n.w1 + ".weight").t()
-        w13[e, :, F_:] = src.get(ep + n.w3 + ".weight").t()
-        w2[e] = src.get(ep + n.w2 + ".weight").t()
-    yield ours + "ffn.experts.w13_EDG", w13
-    yield ours + "ffn.experts.w2_EFD", w2
+    if ffn.router.gate.bias is not None:
+        yield ours + "ffn.router.gate.bias", src.get(n.gate.removesuffix("weight") + "bias")
+    for name, tensor in family.experts_from_hf(src, n, ffn.experts):
+        yield ours + "ffn.experts." + name, tensor
     if ffn.shared is not None:
         s = n.shared
         yield ours + "ffn.shared.w1.weight", src.get(s + "gate_proj.weight")

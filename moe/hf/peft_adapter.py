@@ -120,7 +120,7 @@ def peft_tensors(
                 out,
                 f"{experts}.base_layer",
                 a13.transpose(1, 2).reshape(E * a13.shape[2], -1),
-                b13.permute(2, 1, 0).reshape(b13.shape[2], -1),
+                family.gate_up_to_hf(b13).permute(2, 1, 0).reshape(b13.shape[2], -1),
             )
             _linear(
                 out,

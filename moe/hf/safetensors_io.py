@@ -116,6 +116,19 @@ class Shards:
             )
         return t
 
+    def get_packed(self, key: str) -> torch.Tensor:
+        """A quantised tensor's bytes as stored (uint8: MXFP4 blocks and scales), for the
+        family that dequantises them (moe/hf/families/gpt_oss.py)."""
+        if key not in self.where:
+            raise refuse(self.folder, f"tensor {key!r} is missing from the checkpoint")
+        self.used.add(key)
+        self.last = key
+        self.read.append(key)
+        t = self.handles[self.where[key]].get_tensor(key)
+        if t.dtype != torch.uint8:
+            raise refuse(self.folder / self.where[key], f"tensor {key!r} is {t.dtype}, not uint8")
+        return t
+
     def shape(self, key: str) -> tuple[int, ...]:
         """A tensor's shape from the file's header, without reading the tensor."""
         return tuple(self.handles[self.where[key]].get_slice(key).get_shape())

@@ -1,5 +1,6 @@
-"""Attention and its positions: RMSNorm, rotary tables (whole heads, or GLM-4.5's partial
-rotation), grouped-query attention (`CausalSelfAttention`), DeepSeek-V3's multi-head latent
+"""Attention and its positions: RMSNorm, rotary tables (whole heads, GLM-4.5's partial
+rotation, YaRN: moe/model/rope.py), grouped-query attention (`CausalSelfAttention`, with
+gpt-oss's sinks and sliding windows: moe/model/masking.py), DeepSeek-V3's multi-head latent
 attention (`LatentAttention`), and the KV cache of batched greedy decoding (`KVCache`).
 
 Shape suffixes: B batch, S sequence, D model width, H heads, Dh head width, F rotary
@@ -12,6 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moe.config import ModelConfig
+from moe.model.masking import attention, window_masks
+from moe.model.rope import rope_frequencies
 
 
 class RMSNorm(nn.Module):
@@ -27,10 +30,17 @@ class RMSNorm(nn.Module):
         ) * self.weight
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+def rotary_tables(
+    seq_len: int,
+    head_dim: int,
+    theta: float,
+    rope_type: str = "default",
+    scaling: dict[str, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (seq_len, head_dim / 2); YaRN's scaled by its factor (moe/model/rope.py)."""
+    inv_freq, factor = rope_frequencies(head_dim, theta, rope_type, scaling)
     angles_SF = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-    return angles_SF.cos(), angles_SF.sin()
+    return angles_SF.cos() * factor, angles_SF.sin() * factor
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -50,15 +60,18 @@ def apply_rotary(x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tens
 class CausalSelfAttention(nn.Module):
     """Multi-head attention with grouped-query heads (n_kv_head key/value heads shared by
     n_head / n_kv_head query heads each), optional q/k RMSNorm and q/k/v biases. The q, k and
-    v projections are one fused weight: rows [0, H*Dh) queries, then keys, then values."""
+    v projections are one fused weight: rows [0, H*Dh) queries, then keys, then values.
+    gpt-oss's options: an output bias, a `window`, sinks (moe/model/masking.py)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, window: int = 0) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_width
         q_width, kv_width = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
         self.widths = (q_width, kv_width, kv_width)
         self.qkv = nn.Linear(cfg.d_model, q_width + 2 * kv_width, bias=cfg.attn_bias)
-        self.proj = nn.Linear(q_width, cfg.d_model, bias=False)
+        self.proj = nn.Linear(q_width, cfg.d_model, bias=cfg.attn_out_bias)
+        self.window = window
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_head)) if cfg.attn_sinks else None
         self.qk_norm = cfg.qk_norm
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -88,14 +101,14 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, S, Dh), (B, Hkv, S, Dh)
         v = v.view(B, S, self.n_kv_head, Dh).transpose(1, 2)
-        gqa = self.n_kv_head != self.n_head
         if cache is None:  # training and scoring: positions 0..S-1, causal
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            y = attention(q, k, v, None, self.sinks, self.window)
         else:  # decoding: each row's own positions, keys and values appended to the cache
             q, k = cache.rotate(q, cos, sin), cache.rotate(k, cos, sin)
             k, v = cache.append(layer, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=gqa)
+            mask = cache.window_masks[self.window] if self.window else cache.mask
+            y = attention(q, k, v, mask, self.sinks)
         return self.proj(y.transpose(1, 2).reshape(B, S, self.n_head * Dh))
 
 
@@ -186,6 +199,7 @@ class KVCache:
         self.length = 0  # keys cached so far
         self.pos_BS = torch.zeros(B, 1, dtype=torch.long, device=device)
         self.mask = torch.ones(B, 1, 1, 1, dtype=torch.bool, device=device)
+        self.windows = {w for w in map(c.window, range(c.n_layer)) if w}
 
     def start(self, S: int) -> None:
         """Positions and attention mask for the next S tokens of every row."""
@@ -196,7 +210,9 @@ class KVCache:
         keys = torch.arange(t0 + S, device=device)
         causal_SK = keys[None, :] <= cols[:, None]
         mask = causal_SK[None] & self.valid_BK[:, None, : t0 + S]
-        self.mask = (mask | (keys[None, None, :] == cols[None, :, None])).unsqueeze(1)
+        diagonal = keys[None, None, :] == cols[None, :, None]
+        self.mask = (mask | diagonal).unsqueeze(1)
+        self.window_masks = window_masks(mask, diagonal, self.windows, t0)
 
     def rotate(
         self, x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor

@@ -16,7 +16,7 @@ def init_buffers(model: MoETransformer) -> None:
     if c.tie_embeddings and model.lm_head.weight is not model.embed.weight:
         model.lm_head.weight = model.embed.weight
     device = model.embed.weight.device
-    cos, sin = rotary_tables(c.seq_len, c.rope_width, c.rope_theta)
+    cos, sin = rotary_tables(c.seq_len, c.rope_width, c.rope_theta, c.rope_type, c.rope_scaling)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     for layer in model.moe_layers:
         r = layer.router

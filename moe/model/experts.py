@@ -11,12 +11,14 @@ the fast path equal to (outputs and gradients).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moe.config import MoEConfig
 from moe.model.quant import dequantize, is_nf4
 
 
@@ -62,6 +64,35 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(h_AG: torch.Tensor) -> torch.Tensor:
     """silu(first half) * second half of the last dimension."""
     return _SwiGLU.apply(h_AG)
+
+
+def clamped_swiglu(h_AG: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation (transformers' GptOssExperts._apply_gate) on [gate | up] halves:
+    the gate clamped above at `limit`, the up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1)."""
+    gate_AF, up_AF = h_AG.chunk(2, dim=-1)
+    gate_AF = gate_AF.clamp(max=limit)
+    up_AF = up_AF.clamp(min=-limit, max=limit)
+    return (up_AF + 1) * (gate_AF * torch.sigmoid(gate_AF * alpha))
+
+
+@dataclass(frozen=True)
+class Activation:
+    """The experts' activation (MoEConfig.activation, act_alpha, act_limit)."""
+
+    kind: str = "swiglu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, h_AG: torch.Tensor) -> torch.Tensor:
+        if self.kind == "clamped_swiglu":
+            return clamped_swiglu(h_AG, self.alpha, self.limit)
+        return swiglu(h_AG)
+
+
+SWIGLU = Activation()
+# The names of the experts' optional biases (MoEConfig.expert_proj_bias): zero at init.
+EXPERT_BIASES = ("b13_EG", "b2_ED")
 
 
 def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -114,24 +145,38 @@ def _frozen_mm(
     return _NF4GroupedMM.apply(x_AD, w, offs_E, counts_E, shape)
 
 
+def _rows_of(b_EX: torch.Tensor, counts_E: torch.Tensor, x_AD: torch.Tensor) -> torch.Tensor:
+    """Each expert's bias row repeated for its rows (sorted by expert): (A, X), no host sync."""
+    b_EX = b_EX.to(x_AD.dtype)
+    return b_EX.repeat_interleave(counts_E, dim=0, output_size=x_AD.shape[0])
+
+
 def expert_swiglu(
     x_AD: torch.Tensor,
     w13_EDG: torch.Tensor,
     w2_EFD: torch.Tensor,
     counts_E: torch.Tensor,
     lora: Any = None,
+    b13_EG: torch.Tensor | None = None,
+    b2_ED: torch.Tensor | None = None,
+    act: Activation = SWIGLU,
 ) -> torch.Tensor:
     """The experts' SwiGLU on rows sorted by expert, with their adapters when present:
     h = x w13 + s x A13 B13, y = swiglu(h) w2 + s swiglu(h) A2 B2, each product grouped over
-    the experts. `lora` is a moe/model/lora.py ExpertLoRA (or None)."""
+    the experts. `lora` is a moe/model/lora.py ExpertLoRA (or None). With biases (gpt-oss)
+    each row's expert's b13 is added to h and b2 to y; `act` may be the clamped SwiGLU."""
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     h_AG = _frozen_mm(x_AD, w13_EDG, offs_E, counts_E)
+    if b13_EG is not None:
+        h_AG = h_AG + _rows_of(b13_EG, counts_E, x_AD)
     if lora is not None:
         a13, b13, a2, b2 = lora.local()
         low_Ar = grouped_mm(lora.dropout(x_AD), a13, offs_E, counts_E)
         h_AG = h_AG + grouped_mm(low_Ar, b13, offs_E, counts_E) * lora.scale
-    g_AF = swiglu(h_AG)
+    g_AF = act(h_AG)
     y_AD = _frozen_mm(g_AF, w2_EFD, offs_E, counts_E)
+    if b2_ED is not None:
+        y_AD = y_AD + _rows_of(b2_ED, counts_E, x_AD)
     if lora is not None:
         low = grouped_mm(lora.dropout(g_AF), a2, offs_E, counts_E)
         y_AD = y_AD + grouped_mm(low, b2, offs_E, counts_E) * lora.scale
@@ -141,14 +186,35 @@ def expert_swiglu(
 class GroupedExperts(nn.Module):
     """SwiGLU experts. The gate and up projections are one (E, D, 2F) weight, so one grouped
     GEMM computes both (HF and torchtitan store them the same way). `lora`: the experts'
-    adapters when a stage trains with LoRA (moe/model/lora.py ExpertLoRA)."""
+    adapters when a stage trains with LoRA (moe/model/lora.py ExpertLoRA). With `bias`
+    (gpt-oss) a bias per expert on the gate/up (E, 2F) and down (E, D) projections; `act`
+    is the activation (the clamped SwiGLU for gpt-oss)."""
 
-    def __init__(self, num_experts: int, d_model: int, hidden: int) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        d_model: int,
+        hidden: int,
+        bias: bool = False,
+        act: Activation = SWIGLU,
+    ) -> None:
         super().__init__()
         self.num_experts, self.hidden = num_experts, hidden
         self.lora: nn.Module | None = None
+        self.act = act
         self.w13_EDG = nn.Parameter(torch.empty(num_experts, d_model, 2 * hidden))  # G = 2F
         self.w2_EFD = nn.Parameter(torch.empty(num_experts, hidden, d_model))  # down proj
+        self.b13_EG: nn.Parameter | None = None
+        self.b2_ED: nn.Parameter | None = None
+        if bias:
+            self.b13_EG = nn.Parameter(torch.zeros(num_experts, 2 * hidden))
+            self.b2_ED = nn.Parameter(torch.zeros(num_experts, d_model))
+
+    @classmethod
+    def for_config(cls, d_model: int, mcfg: MoEConfig) -> GroupedExperts:
+        """The experts MoEConfig describes (width, biases, activation)."""
+        act = Activation(mcfg.activation, mcfg.act_alpha, mcfg.act_limit)
+        return cls(mcfg.num_experts, d_model, mcfg.expert_hidden, mcfg.expert_proj_bias, act)
 
     def weights_EDF(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate (E, D, F), up (E, D, F), down (E, F, D)) as views."""
@@ -189,7 +255,9 @@ class GroupedExperts(nn.Module):
     def compute(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """The experts on rows sorted by expert (counts_E rows each): the seam that expert
         parallelism (moe/train/distributed.py) replaces with an exchange around the same math."""
-        return expert_swiglu(x_AD, self.w13_EDG, self.w2_EFD, counts_E, self.lora)
+        return expert_swiglu(
+            x_AD, self.w13_EDG, self.w2_EFD, counts_E, self.lora, self.b13_EG, self.b2_ED, self.act
+        )
 
 
 def reference_moe(
@@ -201,6 +269,9 @@ def reference_moe(
 ) -> torch.Tensor:
     """Slow, obviously-right MoE: for each token, for each kept choice, run that expert."""
     w1, w3, w2 = experts.weights_EDF()
+    # biases and activation as GroupedExperts has them (a duck-typed twin may have neither)
+    b13, b2 = getattr(experts, "b13_EG", None), getattr(experts, "b2_ED", None)
+    act = getattr(experts, "act", SWIGLU)
     out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
     for e in range(experts.num_experts):
         for k in range(experts_TK.shape[1]):
@@ -210,7 +281,18 @@ def reference_moe(
             if not mask_T.any():
                 continue
             x = x_TD[mask_T]
-            h = F.silu(x @ w1[e].to(x.dtype)) * (x @ w3[e].to(x.dtype))
+            gate, up = x @ w1[e].to(x.dtype), x @ w3[e].to(x.dtype)
+            if b13 is not None:
+                b_gate, b_up = b13[e].to(x.dtype).chunk(2)
+                gate, up = gate + b_gate, up + b_up
+            if act.kind == "clamped_swiglu":
+                limit = act.limit
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+                h = gate * torch.sigmoid(act.alpha * gate) * (up + 1)
+            else:
+                h = F.silu(gate) * up
             y = h @ w2[e].to(x.dtype)
+            if b2 is not None:
+                y = y + b2[e].to(x.dtype)
             out_TD[mask_T] += y.float() * weights_TK[mask_T, k].unsqueeze(1)
     return out_TD.to(x_TD.dtype)

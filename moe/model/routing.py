@@ -104,7 +104,7 @@ class Router(nn.Module):
         self.cfg = cfg
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.methods = frozenset(cfg.balancing)
-        self.gate = nn.Linear(d_model, cfg.num_experts, bias=False)
+        self.gate = nn.Linear(d_model, cfg.num_experts, bias=cfg.router_logit_bias)
         E = cfg.num_experts
         # Routing state that checkpoints carry (persistent buffers):
         self.register_buffer("expert_bias_E", torch.zeros(E))  # aux_free
@@ -128,7 +128,8 @@ class Router(nn.Module):
             x32_TD = x_TD.float()
             if self.training and cfg.jitter > 0:
                 x32_TD = x32_TD * torch.empty_like(x32_TD).uniform_(1 - cfg.jitter, 1 + cfg.jitter)
-            logits_TE = F.linear(x32_TD, self.gate.weight.float())
+            bias = None if self.gate.bias is None else self.gate.bias.float()
+            logits_TE = F.linear(x32_TD, self.gate.weight.float(), bias)
         scores_TE = logits_TE
         if "util_aware" in self.methods:
             shifted_TE = logits_TE - logits_TE.detach().min(dim=-1, keepdim=True).values

@@ -27,7 +27,7 @@ from moe.model.attention import (
     RMSNorm,
     rotary_tables,
 )
-from moe.model.experts import GroupedExperts
+from moe.model.experts import EXPERT_BIASES, GroupedExperts
 from moe.model.routing import Router, recompute_context, recomputing
 
 
@@ -86,7 +86,7 @@ class MoELayer(nn.Module):
     def __init__(self, d_model: int, mcfg: MoEConfig) -> None:
         super().__init__()
         self.router = Router(d_model, mcfg)
-        self.experts = GroupedExperts(mcfg.num_experts, d_model, mcfg.expert_hidden)
+        self.experts = GroupedExperts.for_config(d_model, mcfg)
         shared_hidden = mcfg.shared_expert_hidden or mcfg.expert_hidden
         self.shared = SwiGLU(d_model, shared_hidden) if mcfg.shared_expert else None
         # Qwen2-MoE: the shared expert's output times sigmoid(x . g), one scalar per token.
@@ -126,10 +126,12 @@ class Block(nn.Module):
     # rest in the backward (the trainer sets it from `activation_checkpoint`).
     recompute: bool = False
 
-    def __init__(self, cfg: ModelConfig, mcfg: MoEConfig, use_moe: bool) -> None:
+    def __init__(self, cfg: ModelConfig, mcfg: MoEConfig, use_moe: bool, window: int = 0) -> None:
         super().__init__()
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = LatentAttention(cfg) if cfg.attention == "mla" else CausalSelfAttention(cfg)
+        self.attn = (
+            LatentAttention(cfg) if cfg.attention == "mla" else CausalSelfAttention(cfg, window)
+        )
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn: MoELayer | SwiGLU = (
             MoELayer(cfg.d_model, mcfg) if use_moe else SwiGLU(cfg.d_model, cfg.dense_hidden)
@@ -176,8 +178,8 @@ def init_parameter_(name: str, t: torch.Tensor, cfg: ModelConfig) -> None:
     biases zero, norms as built (ones), matrices normal(0, init_std), the residual-output
     projections scaled by 1/sqrt(2 * n_layer) as in GPT-2. The sharded engine draws the same
     on a whole copy of each parameter (moe/train/distributed.py `init_like_one_process`)."""
-    if t.dim() == 1:
-        if name.endswith(".bias"):
+    if t.dim() == 1 or name.endswith(EXPERT_BIASES):
+        if name.endswith((".bias", "sinks", *EXPERT_BIASES)):
             t.zero_()
         return
     t.normal_(mean=0.0, std=cfg.init_std)
@@ -191,13 +193,16 @@ class MoETransformer(nn.Module):
         self.cfg, self.mcfg, self.vocab_size = cfg, mcfg, vocab_size
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(
-            Block(cfg, mcfg, use_moe=cfg.is_moe_block(i)) for i in range(cfg.n_layer)
+            Block(cfg, mcfg, use_moe=cfg.is_moe_block(i), window=cfg.window(i))
+            for i in range(cfg.n_layer)
         )
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        cos, sin = rotary_tables(cfg.seq_len, cfg.rope_width, cfg.rope_theta)
+        cos, sin = rotary_tables(
+            cfg.seq_len, cfg.rope_width, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling
+        )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()

@@ -125,6 +125,11 @@ class ExpertParallelExperts(GroupedExperts):
     def __init__(self, full: GroupedExperts, meshes: Meshes) -> None:
         torch.nn.Module.__init__(self)
         E, ep = full.num_experts, meshes.ep
+        if full.b13_EG is not None or full.act.kind != "swiglu":
+            raise ValueError(
+                "expert parallelism does not carry expert biases or the clamped SwiGLU (gpt-oss):"
+                " set expert_parallel to 1"
+            )
         if E % ep:
             raise ValueError(
                 f"moe.num_experts={E} does not divide over {ep} processes: pick a process "

@@ -20,12 +20,15 @@ moe/hf/architecture.py, importer.py and exporter.py ask it; they branch on no mo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from moe.config import ModelConfig, MoEConfig
+from moe.hf.safetensors_io import Shards
+from moe.model.experts import GroupedExperts
 
 
 @dataclass
@@ -46,6 +49,7 @@ class MoEShape:
     n_group: int = 1
     topk_group: int = 1
     routed_scale: float = 1.0
+    moe_fields: dict[str, Any] = field(default_factory=dict)  # further MoEConfig fields
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,10 @@ class Family(ABC):
     shared_module: str = "shared_expert."
     selection_bias: str = ""  # under the MoE block: the tensor of an aux-free selection bias
     architecture: str = ""  # the transformers class exported to ("" = never exported to)
+    router_bias: bool = False  # its router has a bias (exported as zeros when ours has none)
+    # YaRN RoPE as transformers' ROPE_INIT_FUNCTIONS["yarn"] alone computes it (cos and sin
+    # scaled; no other change to attention): accepted on import, and exported to.
+    yarn: bool = False
     export_priority: int = 0  # lower is tried first (after the architecture imported from)
     # What its routing and attention can represent (the exporter refuses the rest by name):
     score_func: str = "softmax"  # how its router scores experts
@@ -123,6 +131,10 @@ class Family(ABC):
             shared=mlp + self.shared_module,
         )
 
+    def model_fields(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """ModelConfig fields config.json sets beyond the common ones (sinks, windows...)."""
+        return {}
+
     def qk_from_hf(
         self, q: torch.Tensor, k: torch.Tensor, c: ModelConfig
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,6 +155,37 @@ class Family(ABC):
         """Our router's expert_bias_E as the `selection_bias` tensor."""
         return bias_E
 
+    def experts_from_hf(
+        self, src: Shards, n: LayerNames, experts: GroupedExperts
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(our parameter under the experts module, tensor) for one layer's routed experts,
+        read from the checkpoint: one tensor per expert and projection (the common layout)."""
+        w13 = torch.empty_like(experts.w13_EDG, device="cpu")
+        w2 = torch.empty_like(experts.w2_EFD, device="cpu")
+        F_ = experts.hidden
+        for e in range(experts.num_experts):
+            ep = n.expert.format(e=e)
+            w13[e, :, :F_] = src.get(ep + n.w1 + ".weight").t()
+            w13[e, :, F_:] = src.get(ep + n.w3 + ".weight").t()
+            w2[e] = src.get(ep + n.w2 + ".weight").t()
+        yield "w13_EDG", w13
+        yield "w2_EFD", w2
+
+    def experts_to_hf(
+        self, experts: GroupedExperts, n: LayerNames
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint name, tensor) for one layer's routed experts: per expert (common)."""
+        gate_EDF, up_EDF, down_EFD = experts.weights_EDF()
+        for e in range(experts.num_experts):
+            ep = n.expert.format(e=e)
+            for name, w in ((n.w1, gate_EDF[e]), (n.w3, up_EDF[e]), (n.w2, down_EFD[e])):
+                yield ep + name + ".weight", w.t().contiguous()
+
+    def gate_up_to_hf(self, t: torch.Tensor) -> torch.Tensor:
+        """A fused gate/up tensor's last dimension (2F: our [gate | up]) in the checkpoint's
+        order (a LoRA B of the experts, moe/hf/peft_adapter.py)."""
+        return t
+
     def zero_biases(self, c: ModelConfig) -> bool:
         """Whether the exported config declares biases on every projection but the experts'
         (written as zeros: we have none)."""
@@ -153,6 +196,14 @@ class Family(ABC):
     def export_refusals(self, c: ModelConfig, m: MoEConfig) -> list[str]:
         """Why a model of this configuration is not this architecture ([] = it is)."""
         raise NotImplementedError(f"{self.model_type} is never exported to")
+
+    # What of our model's features beyond the common ones (FEATURES) it represents.
+    features: frozenset[str] = frozenset()
+
+    def feature_refusals(self, c: ModelConfig, m: MoEConfig) -> list[str]:
+        """The features of the model this architecture does not have."""
+        has = self.features | ({"YaRN RoPE"} if self.yarn else set())
+        return [f"it has no {f}" for f in model_features(c, m) if f not in has]
 
     def hf_config_fields(self, c: ModelConfig, m: MoEConfig) -> dict[str, Any]:
         """config.json's fields of this architecture, after the common ones."""
@@ -188,6 +239,31 @@ def first_dense(c: ModelConfig) -> int | None:
     (first_k_dense_replace), else None."""
     k = sum(1 for i in range(c.n_layer) if not c.is_moe_block(i))
     return k if all(c.is_moe_block(i) == (i >= k) for i in range(c.n_layer)) else None
+
+
+FEATURES = (
+    "attention sinks",
+    "sliding-window attention",
+    "attention output bias",
+    "expert projection biases",
+    "router logit bias",
+    "clamped SwiGLU",
+    "YaRN RoPE",
+)
+
+
+def model_features(c: ModelConfig, m: MoEConfig) -> list[str]:
+    """Our model's FEATURES that only some architectures have (gpt-oss's)."""
+    used = (
+        c.attn_sinks,
+        bool(c.sliding_layers),
+        c.attn_out_bias,
+        m.expert_proj_bias,
+        m.router_logit_bias,
+        m.activation == "clamped_swiglu",
+        c.rope_type == "yarn",
+    )
+    return [name for name, on in zip(FEATURES, used, strict=True) if on]
 
 
 def all_moe(c: ModelConfig) -> bool:

@@ -15,6 +15,7 @@ class Qwen3Moe(Family):
     architecture = "Qwen3MoeForCausalLM"
     export_priority = 0
     qk_norm = "head"
+    yarn = True  # its rotary embedding is transformers' common one (tests/test_hf.py)
     config_fields = frozenset(
         {
             "attention_bias",

@@ -8,6 +8,7 @@ from moe.hf.families.deepseek_v3 import DEEPSEEK_V3, KIMI_K2
 from moe.hf.families.dense import LLAMA, QWEN2, QWEN3
 from moe.hf.families.ernie4_5_moe import ERNIE4_5_MOE
 from moe.hf.families.glm4_moe import GLM4_MOE
+from moe.hf.families.gpt_oss import GPT_OSS
 from moe.hf.families.mixtral import MIXTRAL
 from moe.hf.families.olmoe import OLMOE
 from moe.hf.families.protocol import Family
@@ -23,6 +24,7 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": DEEPSEEK_V3,
     "kimi_k2": KIMI_K2,
     "glm4_moe": GLM4_MOE,
+    "gpt_oss": GPT_OSS,
     "llama": LLAMA,
     "qwen2": QWEN2,
     "qwen3": QWEN3,
