@@ -12,10 +12,8 @@ there (6 or 4 FLOPs per active parameter and token at bench/lora.py's MFU of the
 dense bf16 peak). Arithmetic, not measurement; nothing is downloaded (the config fields are
 written here from the releases' config.json).
 
-Two fields are changed, and said so: DeepSeek-V3's and Kimi K2's YaRN RoPE (the import
-refuses it until YaRN is implemented for this line; RoPE does not change a parameter or an
-activation's size), and the multi-token-prediction layers, which transformers' model (and
-ours) do not hold.
+The multi-token-prediction layers are not counted: transformers' model (and ours) does not
+hold them.
 """
 
 from __future__ import annotations
@@ -58,13 +56,63 @@ DEEPSEEK_V3 = {
     "qk_rope_head_dim": 64,
     "v_head_dim": 128,
     "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
     "max_position_embeddings": 163840,
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
     "scoring_func": "sigmoid",
     "topk_method": "noaux_tc",
 }
+GPT_OSS_20B = {
+    "model_type": "gpt_oss",
+    "vocab_size": 201088,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "experts_per_token": 4,
+    "attention_bias": True,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "initial_context_length": 4096,
+    "max_position_embeddings": 131072,
+    "rope_theta": 150000,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096,
+        "truncate": False,
+    },
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "quantization_config": {"quant_method": "mxfp4"},
+}
 MODELS = {
+    "gpt-oss-20b (21B)": (GPT_OSS_20B, 21),
+    "gpt-oss-120b (117B)": (
+        {
+            **GPT_OSS_20B,
+            "num_hidden_layers": 36,
+            "num_local_experts": 128,
+            "layer_types": ["sliding_attention", "full_attention"] * 18,
+        },
+        117,
+    ),
     # published total (B), as the release states it (without the MTP layers where noted)
     "DeepSeek-V3 (671B)": (DEEPSEEK_V3, 671),
     "Kimi K2 (1T)": (

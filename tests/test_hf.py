@@ -487,8 +487,8 @@ def test_unsupported_configs_are_refused_by_name(tmp_path: Path) -> None:
 def test_the_deepseek_v3_line_refuses_what_it_does_not_implement_and_skips_mtp_layers(
     tmp_path: Path,
 ) -> None:
-    """DeepSeek-V2's routers, softmax scoring, attention biases on latent attention and YaRN
-    are refused by name; a released checkpoint's multi-token-prediction layer (past
+    """DeepSeek-V2's routers, softmax scoring, attention biases on latent attention and a
+    linear RoPE scaling are refused by name; a released checkpoint's multi-token-prediction layer (past
     num_hidden_layers, which transformers skips) is skipped, and nothing else past the last
     layer is; Kimi K2 (DeepSeek-V3's architecture under its own model_type) imports the same."""
     hf = hf_model("deepseek_v3", tmp_path / "hf")
@@ -500,7 +500,7 @@ def test_the_deepseek_v3_line_refuses_what_it_does_not_implement_and_skips_mtp_l
         ({"attention_bias": True}, "attention_bias"),
         ({"rope_interleave": False}, "rope_interleave"),
         ({"num_key_value_heads": 2}, "num_key_value_heads"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0}}, "yarn"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}}, "linear"),
     ):
         path.write_text(json.dumps({**original, **change}))
         with pytest.raises(InputError, match=message):
@@ -617,6 +617,37 @@ def test_a_qwen3_moe_with_yarn_imports_with_equal_logits(tmp_path: Path) -> None
     assert export_plan(ours, prefer="qwen3_moe").model_type == "qwen3_moe"
     no_yarn = FAMILIES["qwen2_moe"].feature_refusals(ours.cfg, ours.mcfg)
     assert no_yarn == ["it has no YaRN RoPE"]
+
+
+def test_deepseek_v3_with_yarn_computes_what_transformers_computes_both_ways(
+    tmp_path: Path,
+) -> None:
+    """DeepSeek-V3's released RoPE is YaRN with mscale and mscale_all_dim: the rotary tables
+    (attention factor mscale / mscale_all_dim) and the softmax scale (times mscale_all_dim's
+    mscale squared) as transformers computes them, on import and after export."""
+    hf_model("deepseek_v3", tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    params = {
+        "rope_type": "yarn",
+        "rope_theta": 1e4,
+        "factor": 8.0,
+        "original_max_position_embeddings": 8,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.8,
+    }
+    path.write_text(json.dumps({**json.loads(path.read_text()), "rope_parameters": params}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ours, _ = load_hf_model(tmp_path / "hf", MOE, seq_len=64, dtype=torch.float32)
+    idx = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = hf.eval()(idx).logits
+        assert float((ours.eval()(idx)[0] - want).abs().max()) < 1e-5
+    export_hf(ours, tmp_path / "out", tokenizer_dir(tmp_path), {"eos": 0, "pad": 1}, "card")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    with torch.no_grad():
+        assert float((back.eval()(idx).logits - want).abs().max()) < 1e-5
 
 
 FP4 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from moe.config import ModelConfig
 from moe.model.masking import attention, window_masks
-from moe.model.rope import rope_frequencies
+from moe.model.rope import rope_frequencies, softmax_scale
 
 
 class RMSNorm(nn.Module):
@@ -143,7 +143,8 @@ class LatentAttention(nn.Module):
         self.kv_norm = RMSNorm(self.kv_rank, 1e-6)
         self.kv_b = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
         self.proj = nn.Linear(H * self.v_dim, D, bias=False)
-        self.scale = qk**-0.5
+        # with YaRN, DeepSeek's softmax scale grows with its mscale (moe/model/rope.py)
+        self.scale = qk**-0.5 * softmax_scale(cfg.rope_type, cfg.rope_scaling)
 
     def forward(
         self,

@@ -69,3 +69,13 @@ def rope_frequencies(
     if rope_type == "yarn":
         return yarn_parameters(head_dim, theta, scaling or {})
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
+
+
+def softmax_scale(rope_type: str, scaling: dict[str, float]) -> float:
+    """What DeepSeek's YaRN multiplies the attention's softmax scale by: mscale(factor,
+    mscale_all_dim) squared (DeepSeek-V2/V3's modeling, transformers' yarn_apply_mscale); 1
+    without YaRN or without mscale_all_dim."""
+    if rope_type != "yarn" or not scaling.get("mscale_all_dim"):
+        return 1.0
+    m = _mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
+    return m * m

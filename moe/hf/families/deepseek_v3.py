@@ -15,8 +15,10 @@ under another model_type (import only; it exports as deepseek_v3).
 - The multi-token-prediction layers of a released checkpoint (model.layers.N, N =
   num_hidden_layers) are not part of transformers' model and are skipped, as it skips them.
 
-Refused by name: YaRN or another RoPE scaling (the common refusal), attention biases, the
-V2 routers (topk_method other than noaux_tc, softmax scoring), a quantised (FP8) release."""
+YaRN as its released configs carry it (factor, mscale, mscale_all_dim: the rotary tables of
+moe/model/rope.py and the softmax scale's mscale squared). Refused by name: another RoPE
+scaling, attention biases, the V2 routers (topk_method other than noaux_tc, softmax
+scoring), a quantised (FP8) release."""
 
 from __future__ import annotations
 
@@ -141,6 +143,7 @@ class DeepseekV3(Family):
     group_routing = True
     attention = "mla"
     extra_layers = True
+    yarn = True  # the rotary tables' YaRN, and its mscale on the softmax (LatentAttention)
     config_fields = DEEPSEEK_FIELDS | {
         "q_lora_rank",
         "kv_lora_rank",
