@@ -13,7 +13,8 @@ MODE train STORE STEPS STOP EP [DEVICE [FLAGS]]: train to STEPS (returning after
            0.05: binds), cold (the store's cold threshold at the mean load, cold codec
            lzma: every layer has cold experts); rng (afterwards, the jitter resume check
            `rng_resume` at the same world and expert degree); deepseek (DeepSeek-V3's
-           shape: latent attention, sigmoid group-limited routing, a shared expert).
+           shape: latent attention, sigmoid group-limited routing, a shared expert); gptoss
+           (gpt-oss's: sinks, windows, biases everywhere, the clamped SwiGLU, YaRN).
 MODE die:  rank 1 exits hard in the middle of the first step; rank 0 must fail, not hang.
 """
 
@@ -50,9 +51,26 @@ DEEPSEEK_MOE = dict(
     score_func="sigmoid", n_group=2, topk_group=1, routed_scale=2.5, shared_expert=True
 )
 
+# flag gptoss: gpt-oss's shape (sinks, a window on every other block, q/k/v/o biases, expert
+# biases and the clamped SwiGLU, a router bias, YaRN)
+GPT_OSS_MODEL = dict(
+    attn_bias=True,
+    attn_out_bias=True,
+    attn_sinks=True,
+    sliding_window=4,
+    sliding_layers=[0],
+    rope_type="yarn",
+    rope_scaling=dict(factor=4.0, original_max_position_embeddings=8.0),
+)
+GPT_OSS_MOE = dict(activation="clamped_swiglu", expert_proj_bias=True, router_logit_bias=True)
+
 
 def build(
-    meta: bool = False, aux: bool = False, jitter: float = 0.0, deepseek: bool = False
+    meta: bool = False,
+    aux: bool = False,
+    jitter: float = 0.0,
+    deepseek: bool = False,
+    gptoss: bool = False,
 ) -> MoETransformer:
     """The model, seeded; on the meta device (shapes only) for the sharded engine to fill.
     aux: the Switch aux loss balances (weighty enough to move the routers), not aux-free;
@@ -67,6 +85,7 @@ def build(
                 seq_len=SEQ,
                 dense_hidden=64,
                 **(DEEPSEEK_MODEL if deepseek else {}),
+                **(GPT_OSS_MODEL if gptoss else {}),
             ),
             MoEConfig(
                 num_experts=4,
@@ -76,6 +95,7 @@ def build(
                 aux_loss_coef=0.1,
                 jitter=jitter,
                 **(DEEPSEEK_MOE if deepseek else {}),
+                **(GPT_OSS_MOE if gptoss else {}),
             ),
             VOCAB,
         )
@@ -158,7 +178,10 @@ def train(
     cold = {"cold_threshold": 1.0, "cold_codec": "bg-lzma"} if "cold" in flags else {}
     store = CheckpointStore(out / store_name, max_retain=3, background=True, **cold)
     model = build(
-        meta=torch.distributed.is_initialized(), aux="aux" in flags, deepseek="deepseek" in flags
+        meta=torch.distributed.is_initialized(),
+        aux="aux" in flags,
+        deepseek="deepseek" in flags,
+        gptoss="gptoss" in flags,
     )
     rows: list[dict] = []
     if "lora" in flags:  # adapters on every target over a frozen base, before sharding

@@ -180,6 +180,19 @@ def test_deepseek_v3s_shape_trains_at_world_2_like_world_1(tmp_path: Path) -> No
     assert any(float(b.abs().max()) > 0 for b in biases), biases
 
 
+def test_gpt_osss_shape_trains_at_world_2_like_world_1(tmp_path: Path) -> None:
+    """Sinks, a sliding window, every bias and YaRN (FSDP-sharded), the experts' biases and
+    clamped SwiGLU over both ranks (expert parallelism carries them): world 2 ends where
+    world 1 ends, the experts' biases trained."""
+    W.train(tmp_path, "g1", STEPS, 0, 0, "cpu", ("gptoss",))
+    proc = _torchrun("train", tmp_path, "g2", STEPS, 0, 0, "cpu", "gptoss")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    one, two = _weights(tmp_path, "g1"), _weights(tmp_path, "g2")
+    assert "blocks.0.attn.sinks" in one and "blocks.1.ffn.experts.b13_EG" in one
+    _close(two, one)
+    assert float(two["blocks.1.ffn.experts.b2_ED"].abs().max()) > 0
+
+
 def test_a_killed_world_2_run_resumes_bit_exactly(runs: Path, tmp_path: Path) -> None:
     shutil.copy(runs / "w2.safetensors", tmp_path)
     first = _train2(tmp_path, "r2", stop=3)  # killed after step 3: step 2's checkpoint

@@ -125,11 +125,6 @@ class ExpertParallelExperts(GroupedExperts):
     def __init__(self, full: GroupedExperts, meshes: Meshes) -> None:
         torch.nn.Module.__init__(self)
         E, ep = full.num_experts, meshes.ep
-        if full.b13_EG is not None or full.act.kind != "swiglu":
-            raise ValueError(
-                "expert parallelism does not carry expert biases or the clamped SwiGLU (gpt-oss):"
-                " set expert_parallel to 1"
-            )
         if E % ep:
             raise ValueError(
                 f"moe.num_experts={E} does not divide over {ep} processes: pick a process "
@@ -141,6 +136,11 @@ class ExpertParallelExperts(GroupedExperts):
         self.group = meshes.ep_group
         for name in ("w13_EDG", "w2_EFD"):
             setattr(self, name, _expert_shard(getattr(full, name), meshes))
+        self.act = full.act  # gpt-oss: the clamped SwiGLU, and a bias per expert (sharded)
+        self.b13_EG = self.b2_ED = None
+        if full.b13_EG is not None:
+            self.b13_EG = _expert_shard(full.b13_EG, meshes)
+            self.b2_ED = _expert_shard(full.b2_ED, meshes)
         if full.lora is not None:  # the adapters follow their experts (moe/model/lora.py)
             self.lora = full.lora
             for name, p in list(full.lora.named_parameters()):
@@ -160,7 +160,12 @@ class ExpertParallelExperts(GroupedExperts):
             torch.arange(El, device=x_AD.device).repeat(P), recv_PEl.flatten()
         )
         perm_R = torch.sort(local_R, stable=True).indices
-        y_sorted = expert_swiglu(x_RD[perm_R], w13, w2, recv_PEl.sum(0), self.lora)
+        b13, b2 = (
+            (None, None) if self.b13_EG is None else (self.b13_EG.to_local(), self.b2_ED.to_local())
+        )
+        y_sorted = expert_swiglu(
+            x_RD[perm_R], w13, w2, recv_PEl.sum(0), self.lora, b13, b2, self.act
+        )
         y_RD = torch.empty_like(y_sorted).index_copy(0, perm_R, y_sorted)
         return all_to_all_single_autograd(y_RD, in_splits, out_splits, self.group)
 
