@@ -527,6 +527,13 @@ class ModelConfig:
                 "latent attention has no sinks, sliding window or output bias (gpt-oss's)",
             )
             p.require(
+                self.qk_norm == "none" and not self.attn_bias and not self.rotary_dim,
+                "attention",
+                self.attention,
+                "latent attention has no q/k norm, q/k/v biases or model.rotary_dim (its"
+                " rotated part is mla_rope_dim)",
+            )
+            p.require(
                 self.mla_rope_dim % 2 == 0,
                 "mla_rope_dim",
                 self.mla_rope_dim,
@@ -711,6 +718,12 @@ class MoEConfig:
                 "must be > 0 when moe.dropless is false",
             )
         if self.n_group > 1:
+            p.require(
+                not self.growth.enabled,
+                "growth.enabled",
+                self.growth.enabled,
+                "expert growth changes the expert count that moe.n_group divides into groups",
+            )
             size = self.num_experts // self.n_group
             p.require(
                 self.num_experts % self.n_group == 0 and size >= 2,

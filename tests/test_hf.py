@@ -224,8 +224,9 @@ def perturbed(model: MoETransformer) -> MoETransformer:
         for name, p in model.named_parameters():
             if p.dim() == 1 or name.endswith(EXPERT_BIASES):
                 p.add_(torch.randn_like(p) * 0.1)
-        for layer in model.moe_layers:
-            layer.router.expert_bias_E.normal_(0, 0.05)  # as aux-free training leaves it
+        for layer in model.moe_layers:  # as aux-free training leaves it (zero without it)
+            if "aux_free" in model.mcfg.balancing:
+                layer.router.expert_bias_E.normal_(0, 0.05)
     return model.eval()
 
 
@@ -1030,3 +1031,103 @@ def test_a_stage_started_from_a_broken_folder_is_refused_as_import_refuses_it(
     cfg = load_config(None, [f"model.init={tmp_path / 'hf'}"])
     with pytest.raises(InputError, match=f"{K_E}.*non-finite"):
         build_init_model(cfg.model, cfg.moe)
+
+
+def test_a_field_left_out_means_transformers_default_and_params_never_set_the_experts(
+    tmp_path: Path,
+) -> None:
+    """A DeepSeek-V3 or GLM-4.5 config.json that leaves a field out means what transformers'
+    config class defaults it to (GLM rotates half of each head; DeepSeek-V3 routes in 8
+    groups...), and our defaults are held to those classes. The experts' architecture is the
+    checkpoint's: params.yaml's activation and biases do not reach an import."""
+    from moe.hf.architecture import read_architecture
+    from moe.hf.families.deepseek_v3 import DEEPSEEK_DEFAULTS
+    from moe.hf.families.glm4_moe import GLM_DEFAULTS
+
+    for cls, defaults in (
+        (transformers.DeepseekV3Config, DEEPSEEK_DEFAULTS),
+        (transformers.Glm4MoeConfig, GLM_DEFAULTS),
+    ):
+        made = cls()
+        for key, value in defaults.items():
+            theirs = getattr(made, key, None)
+            if theirs is None:  # GLM's partial rotation lives in rope_parameters
+                theirs = made.rope_parameters[key]
+            assert theirs == value, (cls.__name__, key)
+    hf_model("glm4_moe", tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["rope_parameters"].pop("partial_rotary_factor", None)
+    cfg.pop("partial_rotary_factor", None)
+    path.write_text(json.dumps(cfg))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ours, arch = load_hf_model(tmp_path / "hf", MOE, seq_len=64, dtype=torch.float32)
+    assert arch.model.rotary_dim == 8  # half of a 16-wide head
+    idx = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        assert float((ours.eval()(idx)[0] - hf.eval()(idx).logits).abs().max()) < 1e-5
+    mine = MoEConfig(activation="clamped_swiglu", expert_proj_bias=True, router_logit_bias=True)
+    moe = read_architecture(tmp_path / "hf", mine, 64).moe
+    assert (moe.activation, moe.expert_proj_bias, moe.router_logit_bias) == (
+        "swiglu",
+        False,
+        False,
+    )
+
+
+def test_an_imported_selection_bias_chooses_whichever_balancing_trains_on(
+    tmp_path: Path,
+) -> None:
+    """DeepSeek-V3's correction bias is part of its routing: imported under aux-loss
+    balancing (aux_free off) it still chooses, as transformers' router does."""
+    hf = hf_model("deepseek_v3", tmp_path / "hf")
+    ours, _ = load_hf_model(
+        tmp_path / "hf", MoEConfig(balancing=["aux_loss"]), seq_len=64, dtype=torch.float32
+    )
+    assert float(ours.moe_layers[0].router.expert_bias_E.abs().max()) > 0
+    idx = torch.randint(0, V, (3, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert float((ours.eval()(idx)[0] - hf_logits(hf, idx)).abs().max()) < 1e-5
+
+
+def test_a_gpt_oss_without_attention_biases_imports(tmp_path: Path) -> None:
+    """attention_bias: false is what config.json says, over the family's default (true)."""
+    torch.manual_seed(0)
+    cls, extra = ARCHS["gpt_oss"]
+    cfg = getattr(transformers, cls)(**{**COMMON, **extra, "attention_bias": False})
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    ours, arch = load_hf_model(tmp_path / "hf", MOE, seq_len=64, dtype=torch.float32)
+    assert not arch.model.attn_bias and not arch.model.attn_out_bias
+    idx = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert float((ours.eval()(idx)[0] - hf_logits(hf, idx)).abs().max()) < 1e-5
+
+
+def test_what_the_new_routing_and_attention_cannot_combine_with_is_refused() -> None:
+    """Latent attention has no q/k norm, biases or partial rotation of ours; growth changes
+    the expert count the groups divide; GLM's partial_rotary_factor must say our rotary_dim
+    as transformers reads it back (int(head_dim * factor))."""
+    from moe.config import GrowthConfig, Problems, validate
+
+    def problems(section: Any) -> str:
+        p = Problems()
+        validate(section, p)
+        return "; ".join(p.items)
+
+    assert "latent attention has no q/k norm" in problems(
+        ModelConfig(attention="mla", qk_norm="head")
+    )
+    assert "latent attention has no q/k norm" in problems(
+        ModelConfig(attention="mla", attn_bias=True)
+    )
+    assert problems(ModelConfig(attention="mla")) == ""
+    grown = MoEConfig(num_experts=8, n_group=4, topk_group=2, growth=GrowthConfig(enabled=True))
+    assert "growth changes the expert count" in problems(grown)
+    model = MoETransformer(
+        ModelConfig(seq_len=64, n_layer=2, dense_layers=[0], d_model=176, rotary_dim=30),
+        MoEConfig(score_func="sigmoid", shared_expert=True, balancing=[]),
+        V,
+    )
+    with pytest.raises(InputError, match="cannot say rotary_dim 30"):
+        export_plan(model)

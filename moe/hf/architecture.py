@@ -68,6 +68,17 @@ HARMLESS = {
 }
 
 
+# MoEConfig fields that are the experts' architecture (gpt-oss's; MoEShape.moe_fields sets
+# them): a checkpoint without them has them at their defaults, whatever params.yaml says.
+EXPERT_ARCHITECTURE = (
+    "activation",
+    "act_alpha",
+    "act_limit",
+    "expert_proj_bias",
+    "router_logit_bias",
+)
+
+
 @dataclass
 class Architecture:
     """What a Hugging Face config means for our model."""
@@ -198,7 +209,10 @@ def _dimensions(path: Path, hf: dict[str, Any], family: Family) -> dict[str, Any
         head_dim = 0
     theta = _rope_theta(path, hf, family)
     rope_type, rope_scaling = _rope_scaling(path, hf)
-    attn_bias = bool(hf.get("attention_bias") or hf.get("qkv_bias", family.qkv_bias))
+    # attention_bias where config.json says it (false too: gpt-oss's default is true), else
+    # qkv_bias (Qwen2-MoE), else the family's own (Qwen2 always has q/k/v biases)
+    said = [hf.get(k) for k in ("attention_bias", "qkv_bias") if hf.get(k) is not None]
+    attn_bias = bool(said[0]) if said else family.qkv_bias
     return {
         "n_layer": n_layer,
         "n_head": H,
@@ -258,6 +272,9 @@ def _moe_config(moe_defaults: MoEConfig, shape: MoEShape) -> MoEConfig:
     )
     if shape.shared_expert_hidden == shape.expert_hidden:
         moe.shared_expert_hidden = 0
+    plain = MoEConfig()  # the experts' own architecture is the checkpoint's, never params'
+    for key in EXPERT_ARCHITECTURE:
+        setattr(moe, key, getattr(plain, key))
     for key, value in shape.moe_fields.items():
         setattr(moe, key, value)
     return moe

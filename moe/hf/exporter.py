@@ -40,8 +40,7 @@ class ExportPlan:
 
 
 def _selection_bias(model: MoETransformer) -> bool:
-    if "aux_free" not in model.mcfg.balancing:
-        return False
+    """Whether a router chooses with a selection bias (aux-free trained one, or imported)."""
     return any(bool(layer.router.expert_bias_E.abs().max() > 0) for layer in model.moe_layers)
 
 

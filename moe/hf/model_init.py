@@ -19,7 +19,7 @@ from safetensors import safe_open
 from moe.checkpoint.tensors import load_model_tensors
 from moe.config import ModelConfig, MoEConfig
 from moe.errors import InputError
-from moe.hf.architecture import read_architecture, read_config
+from moe.hf.architecture import EXPERT_ARCHITECTURE, read_architecture, read_config
 from moe.hf.families.registry import FAMILIES
 from moe.hf.importer import load_hf_model, stream_hf_weights
 from moe.hf.model_dir import read_model_spec
@@ -42,6 +42,7 @@ MOE_SHAPE = (
     "n_group",
     "topk_group",
     "routed_scale",
+    *EXPERT_ARCHITECTURE,
 )
 
 

@@ -141,9 +141,10 @@ class Router(nn.Module):
         else:
             probs_TE = (scores_TE + self.logit_offset_E).softmax(dim=-1)
 
-        choose_TE = probs_TE.detach()
-        if "aux_free" in self.methods:
-            choose_TE = choose_TE + self.expert_bias_E
+        # The selection bias chooses whenever it is set: aux_free moves it (update_state), and
+        # an imported one (ERNIE-4.5, DeepSeek-V3, GLM-4.5) is part of the checkpoint's routing
+        # whichever balancing trains it further. Zero otherwise.
+        choose_TE = probs_TE.detach() + self.expert_bias_E
         blend = self._warmup_blend()
         if cfg.force_balanced:
             slots_TK = torch.arange(T * K, device=x_TD.device).view(T, K)

@@ -53,24 +53,47 @@ DEEPSEEK_FIELDS = frozenset(
 )
 
 
-def sigmoid_moe_shape(hf: dict[str, Any], n_layer: int) -> MoEShape:
-    """The MoE shape of DeepSeek-V3's and GLM-4.5's fields."""
+# What transformers' DeepseekV3Config takes when config.json leaves a field out (a field
+# absent means its default there, not ours; tests/test_hf.py holds these to its class).
+DEEPSEEK_DEFAULTS: dict[str, Any] = {
+    "n_group": 8,
+    "topk_group": 4,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "n_shared_experts": 1,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
+
+
+def sigmoid_moe_shape(hf: dict[str, Any], n_layer: int, defaults: dict[str, Any]) -> MoEShape:
+    """The MoE shape of DeepSeek-V3's and GLM-4.5's fields (`defaults`: their transformers
+    config class's, for a field config.json leaves out)."""
+
+    def get(key: str) -> Any:
+        value = hf.get(key, defaults.get(key))
+        return defaults.get(key) if value is None else value
+
     E = int(hf["n_routed_experts"])
     expert_hidden = int(hf["moe_intermediate_size"])
-    n_shared = int(hf.get("n_shared_experts") or 0)
-    k = int(hf.get("first_k_dense_replace") or 0)
+    n_shared = int(get("n_shared_experts") or 0)
+    k = int(get("first_k_dense_replace") or 0)
     return MoEShape(
         num_experts=E,
         top_k=int(hf["num_experts_per_tok"]),
         expert_hidden=expert_hidden,
-        renormalize=bool(hf.get("norm_topk_prob", True)),
+        renormalize=bool(get("norm_topk_prob")),
         dense_layers=list(range(min(k, n_layer))),
         shared_expert=n_shared > 0,
         shared_expert_hidden=n_shared * expert_hidden,
         score_func="sigmoid",
-        n_group=int(hf.get("n_group") or 1),
-        topk_group=int(hf.get("topk_group") or 1),
-        routed_scale=float(hf.get("routed_scaling_factor", 1.0)),
+        n_group=int(get("n_group")),
+        topk_group=int(get("topk_group")),
+        routed_scale=float(get("routed_scaling_factor")),
     )
 
 
@@ -85,7 +108,7 @@ def sigmoid_refusal(hf: dict[str, Any]) -> str | None:
         )
     if int(hf.get("moe_layer_freq", 1)) != 1:
         return f"moe_layer_freq = {hf['moe_layer_freq']} is not implemented (only 1)"
-    if not hf.get("n_shared_experts"):
+    if hf.get("n_shared_experts", 1) == 0:
         return "n_shared_experts = 0 is not implemented (transformers builds an empty expert)"
     return None
 
@@ -168,19 +191,20 @@ class DeepseekV3(Family):
         return sigmoid_refusal(hf)
 
     def dimensions(self, hf: dict[str, Any]) -> dict[str, Any]:
-        nope = int(hf["qk_nope_head_dim"])
+        d = {**DEEPSEEK_DEFAULTS, **hf}
+        nope, v = int(d["qk_nope_head_dim"]), int(d["v_head_dim"])
         return {
             "attention": "mla",
             "head_dim": nope,
             "n_kv_head": 0,
-            "mla_q_rank": int(hf.get("q_lora_rank") or 0),
-            "mla_kv_rank": int(hf["kv_lora_rank"]),
-            "mla_rope_dim": int(hf["qk_rope_head_dim"]),
-            "mla_v_dim": int(hf["v_head_dim"]) if int(hf["v_head_dim"]) != nope else 0,
+            "mla_q_rank": int(d["q_lora_rank"] or 0),  # null: one uncompressed q_proj
+            "mla_kv_rank": int(d["kv_lora_rank"]),
+            "mla_rope_dim": int(d["qk_rope_head_dim"]),
+            "mla_v_dim": v if v != nope else 0,
         }
 
     def moe_shape(self, hf: dict[str, Any], n_layer: int, moe_defaults: MoEConfig) -> MoEShape:
-        return sigmoid_moe_shape(hf, n_layer)
+        return sigmoid_moe_shape(hf, n_layer, DEEPSEEK_DEFAULTS)
 
     def qk_from_hf(
         self, q: torch.Tensor, k: torch.Tensor, c: ModelConfig

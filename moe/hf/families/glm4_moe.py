@@ -24,6 +24,18 @@ from moe.hf.families.deepseek_v3 import (
 )
 from moe.hf.families.protocol import Family, MoEShape
 
+# What transformers' Glm4MoeConfig takes when config.json leaves a field out
+# (tests/test_hf.py holds these to its class).
+GLM_DEFAULTS: dict[str, Any] = {
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "n_shared_experts": 1,
+    "partial_rotary_factor": 0.5,
+}
+
 
 class Glm4Moe(Family):
     model_type = "glm4_moe"
@@ -44,15 +56,17 @@ class Glm4Moe(Family):
         H, D = int(hf["num_attention_heads"]), int(hf["hidden_size"])
         head = int(hf.get("head_dim") or D // H)
         params = hf.get("rope_parameters") or {}
-        factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
-        rotary = int(head * factor)
+        factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+        if factor is None:  # transformers' Glm4MoeConfig rotates half of each head
+            factor = GLM_DEFAULTS["partial_rotary_factor"]
+        rotary = int(head * float(factor))
         return {
             "qk_norm": "head" if hf.get("use_qk_norm") else "none",
             "rotary_dim": 0 if rotary == head else rotary,
         }
 
     def moe_shape(self, hf: dict[str, Any], n_layer: int, moe_defaults: MoEConfig) -> MoEShape:
-        return sigmoid_moe_shape(hf, n_layer)
+        return sigmoid_moe_shape(hf, n_layer, GLM_DEFAULTS)
 
     def bias_to_hf(self, bias_E: torch.Tensor) -> torch.Tensor:
         return bias_E.float()
@@ -60,6 +74,9 @@ class Glm4Moe(Family):
     def export_refusals(self, c: ModelConfig, m: MoEConfig) -> list[str]:
         reasons = sigmoid_refusals(c, m)
         reasons += ["q/k norm is per head or none"] * (c.qk_norm == "full")
+        rotary = c.rotary_dim or c.head_width
+        if int(c.head_width * (rotary / c.head_width)) != rotary:  # transformers' int(h * f)
+            reasons.append(f"its partial_rotary_factor cannot say rotary_dim {rotary}")
         return reasons
 
     def hf_config_fields(self, c: ModelConfig, m: MoEConfig) -> dict[str, Any]:
