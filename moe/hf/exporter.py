@@ -95,7 +95,7 @@ def export_plan(model: MoETransformer, prefer: str = "") -> ExportPlan:
     for family in exporters(prefer):
         reasons = _routing_and_attention(model, family)
         if bias and not family.selection_bias:
-            reasons.append("it has no selection bias (aux-free balancing is on)")
+            reasons.append("it has no selection bias (the routers choose with one)")
         reasons += family.feature_refusals(model.cfg, model.mcfg)
         reasons += family.export_refusals(model.cfg, model.mcfg)
         if reasons:
