@@ -229,7 +229,16 @@ def plan(name: str, hf: dict, published_b: float, cfg: Config, tmp: Path) -> dic
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--grad-accum", type=int, default=0, help="finetune_domain.grad_accum (0 = default)"
+    )
+    args = ap.parse_args()
     cfg = Config()
+    if args.grad_accum:
+        cfg.finetune_domain.grad_accum = args.grad_accum
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (hf, published) in MODELS.items():
