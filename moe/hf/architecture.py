@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moe.config import GrowthConfig, ModelConfig, MoEConfig, Problems, validate
+from moe.config import YARN_KEYS, GrowthConfig, ModelConfig, MoEConfig, Problems, validate
 from moe.errors import InputError
 from moe.hf.errors import refuse
 from moe.hf.families.protocol import Family, MoEShape
@@ -150,17 +150,9 @@ def _check_fields(path: Path, hf: dict[str, Any], family: Family) -> None:
         raise refuse(path, why)
 
 
-# YaRN's fields in rope_parameters (or rope_scaling), beside rope_type and rope_theta.
-YARN_FIELDS = {
-    "factor",
-    "original_max_position_embeddings",
-    "beta_fast",
-    "beta_slow",
-    "truncate",
-    "attention_factor",
-    "mscale",
-    "mscale_all_dim",
-}
+# YaRN's fields in rope_parameters (or rope_scaling), beside rope_type and rope_theta: the
+# keys ModelConfig.rope_scaling holds.
+YARN_FIELDS = set(YARN_KEYS)
 
 
 def _rope_theta(path: Path, hf: dict[str, Any], family: Family) -> float:
