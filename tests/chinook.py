@@ -97,3 +97,28 @@ def build(path: Path) -> Path:
     con.commit()
     con.close()
     return path
+
+
+def build_wide(path: Path, themes: int = 4) -> Path:
+    """Chinook with `themes` of the embedded default's schemas beside it (singer/concert, ...;
+    19 tables with four), copied in by their own DDL: a real database whose whole schema a
+    small context does not hold, so that prepare prunes it per question."""
+    import random
+
+    from moe.sql.sources import build_database
+    from moe.sql.themes import GENERIC_THEMES
+
+    build(path)
+    con = sqlite3.connect(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, theme in enumerate(GENERIC_THEMES[:themes]):
+            part = Path(tmp) / f"theme{i}.sqlite"
+            build_database(part, theme, random.Random(i))
+            src = sqlite3.connect(part)
+            con.executescript(
+                "\n".join(s for s in src.iterdump() if s not in ("BEGIN TRANSACTION;", "COMMIT;"))
+            )
+            src.close()
+    con.commit()
+    con.close()
+    return path

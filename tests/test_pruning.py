@@ -9,8 +9,6 @@ default's schemas added, 19 tables in all.
 
 from __future__ import annotations
 
-import random
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -21,29 +19,14 @@ from moe.sql.pruning import Pruner, ValueIndex, gold_tables, rank
 from moe.sql.records import load_pairs
 from moe.sql.sandbox import ReadOnlyDb, SchemaStyle, serialize_schema
 from moe.sql.sets import build_sql_sets
-from moe.sql.sources import build_database
-from moe.sql.themes import GENERIC_THEMES
+from tests import chinook
 from tests.test_sql import HANDWRITTEN, _pairs_file, chinook_db, limits, small, tok  # noqa: F401
 
 
 @pytest.fixture(scope="module")
-def wide_db(tmp_path_factory, chinook_db: Path) -> Path:  # noqa: F811
+def wide_db(tmp_path_factory) -> Path:
     """Chinook plus four themed schemas (singer/concert, ...), copied in by their own DDL."""
-    root = tmp_path_factory.mktemp("wide")
-    out = root / "wide.sqlite"
-    out.write_bytes(chinook_db.read_bytes())
-    con = sqlite3.connect(out)
-    for i, theme in enumerate(GENERIC_THEMES[:4]):
-        part = root / f"theme{i}.sqlite"
-        build_database(part, theme, random.Random(i))
-        src = sqlite3.connect(part)
-        con.executescript(
-            "\n".join(s for s in src.iterdump() if s not in ("BEGIN TRANSACTION;", "COMMIT;"))
-        )
-        src.close()
-    con.commit()
-    con.close()
-    return out
+    return chinook.build_wide(tmp_path_factory.mktemp("wide") / "wide.sqlite")
 
 
 def _schema(db: Path):
