@@ -18,6 +18,17 @@ human-written SQL as the peers score it.
 
 Prints one JSON line per arm and seed, then a table. Each arm is a fresh project folder
 under --work; the import and the corpus are cached in .cache/.
+
+`--domain chinook-wide` trains and scores on Chinook with the embedded default's 12 schemas
+beside it (35 tables, tests/chinook.py `build_wide`; the whole schema is 846 of SmolLM2's
+tokens): at the 800-token context it does not fit, and prepare prunes it per question
+(moe/sql/pruning.py).
+
+`--rescore PROJECT...` trains nothing: it scores the finetuned models of earlier runs again,
+on their held-out Spider questions per difficulty level, and on Chinook-wide's hand-written
+questions twice: with the schema pruned per question at the runs' 800-token context, and
+whole at a 2,048-token context (`data.sql_schema_pruning: false`). Each Chinook-wide side is a
+project of its own under --work, prepared by the pipeline's prepare stage alone.
 """
 
 from __future__ import annotations
@@ -73,6 +84,7 @@ BASE = [  # every arm: lengths for Spider's and Chinook's schemas in SmolLM2's t
     "finetune_sql.warmup_steps=10",
     "finetune_domain.warmup_steps=5",
 ]
+WIDE_THEMES = 12  # Chinook-wide: every embedded schema beside Chinook's 11 tables
 ARMS = {
     "dense-full": ("dense", ["finetune_sql.lr=5e-5", "finetune_domain.lr=2e-5"]),
     "dense-lora": (
@@ -175,6 +187,109 @@ def run(project: Path, sets: list[str], stages: list[str] | None = None) -> floa
     return time.perf_counter() - t0
 
 
+def rescore(
+    work: Path,
+    projects: list[Path],
+    stages: list[str],
+    on: list[str],
+    spider_n: int = 60,
+    whole_ctx: int = 2048,
+) -> None:
+    """The models of earlier runs (`projects`, their `stages`) scored again on the sets `on`:
+    "spider" (the project's own held-out Spider questions, the first `spider_n`, per
+    difficulty level), "chinook-pruned" and "chinook-whole" (Chinook-wide's hand-written
+    questions with the schema pruned per question at the runs' context, and whole at
+    `whole_ctx` tokens). One JSON line per model and set, then the means."""
+    import torch
+
+    from moe.data.tokenizer import load_tokenizer, specials
+    from moe.hf.model_dir import load_model_dir
+    from moe.sql.evaluate import sql_accuracy
+    from moe.sql.records import load_pairs
+
+    sets: dict[str, tuple[int | None, str, Path | None]] = {}  # name: (context, file, data)
+    if "spider" in on:
+        sets["spider"] = (None, "generic_test_heldout.jsonl", None)
+    for side in ("pruned", "whole"):
+        if f"chinook-{side}" in on:
+            ctx = whole_ctx if side == "whole" else None
+            sets[f"chinook-{side}"] = (
+                ctx,
+                "domain_test.jsonl",
+                chinook_wide(work, side, whole_ctx),
+            )
+    rows = []
+    for project in projects:
+        for stage in stages:
+            for name, (ctx, file, data) in sets.items():
+                d = data or project / "data/prepared"
+                tok = load_tokenizer(d / "tokenizer.json")
+                sp = specials(tok, d / "tokenizer.json")
+                model = load_model_dir(project / "models" / stage, dtype=torch.float32)
+                if ctx is not None:
+                    model.cfg.seq_len = ctx  # RoPE reaches it: the checkpoint reads 8,192
+                pairs = load_pairs(d / "sql" / file)[: spider_n if name == "spider" else None]
+                t0 = time.perf_counter()
+                out = sql_accuracy(
+                    model, tok, pairs, d / "sql/dbs", 160, sp.eos, batch_size=8,
+                    prefix=sp.prefix, test_suite=3, chat=sp.chat,
+                )  # fmt: skip
+                row = {
+                    "project": project.name, "stage": stage, "set": name,
+                    "wall_s": round(time.perf_counter() - t0),
+                    **{k: out.get(k) for k in ("execution_accuracy", "test_suite_accuracy",
+                                               "valid_sql", "examples")},
+                    "by_difficulty": {k: [v["execution_accuracy"], v["examples"]]
+                                      for k, v in out["by_difficulty"].items()},
+                }  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    for stage in stages:
+        for name in sets:
+            got = [r for r in rows if r["stage"] == stage and r["set"] == name]
+            xs = [r["execution_accuracy"] for r in got]
+            sd = f" ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else ""
+            print(f"{stage} {name}: {statistics.mean(xs):.3f}{sd} over {len(xs)} run(s)")
+            for level in ("easy", "medium", "hard", "extra"):
+                per = [r["by_difficulty"][level][0] for r in got if level in r["by_difficulty"]]
+                if per:
+                    n = got[0]["by_difficulty"][level][1]
+                    sd = f" ± {statistics.stdev(per):.3f}" if len(per) > 1 else ""
+                    print(f"  {level} ({n} questions): {statistics.mean(per):.3f}{sd}")
+
+
+def chinook_wide(work: Path, side: str, whole_ctx: int) -> Path:
+    """The prepared data of Chinook-wide as the domain, `side` "pruned" (the bench's context)
+    or "whole" (`whole_ctx` tokens, pruning off), by the prepare stage alone (cached)."""
+    wide = work / "chinook_wide.sqlite"
+    if not wide.is_file():
+        chinook.build_wide(wide, WIDE_THEMES)
+    sets = [
+        f"model.init={imported('dense')}",
+        f"data.sql_generic_source={work / 'spider'}",
+        f"data.sql_domain_database={wide}",
+        f"data.sql_domain_test={ROOT / 'bench/data/chinook_test.jsonl'}",
+        *BASE,
+    ]
+    if side == "whole":
+        sets += [f"model.seq_len={whole_ctx}", "data.sql_schema_pruning=false"]
+        for s in ("finetune_sql", "finetune_domain"):
+            sets.append(f"{s}.max_len={whole_ctx - 160}")  # the whole schema's examples
+            # prepare alone runs, but the finetune stages' memory check at this length wants
+            # a GPU that holds it
+            sets.append(f"pools.stages.{s}=gpu-h100")
+    project = work / f"chinook-wide-{side}"
+    project.mkdir(parents=True, exist_ok=True)
+    (project / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    if not (project / "data/prepared/sql/domain_test.jsonl").is_file():
+        run(project, sets, ["prepare"])
+    meta = json.loads((project / "data/prepared/meta.json").read_text())["sql"]
+    print(json.dumps({"chinook-wide": side, "schema_pruned": meta.get("schema_pruned"),
+                      "schema_notes": meta.get("schema_notes"),
+                      "longest": meta.get("longest_example_tokens")}), flush=True)  # fmt: skip
+    return project / "data/prepared"
+
+
 def few_shot(project: Path, k: int, n: int) -> dict[str, float]:
     """The base model on the held-out Spider questions with `k` training pairs (with their
     schemas) before each question, scored by the evaluator itself."""
@@ -211,17 +326,33 @@ def main() -> None:
     ap.add_argument("--few-shot", type=int, default=3, help="k for the base model (0 = skip)")
     ap.add_argument("--few-shot-n", type=int, default=100, help="held-out questions it scores")
     ap.add_argument("--set", dest="sets", action="append", default=[])
+    ap.add_argument("--domain", choices=["chinook", "chinook-wide"], default="chinook")
+    ap.add_argument("--rescore", nargs="+", type=Path, default=None, metavar="PROJECT")
+    ap.add_argument("--rescore-stages", nargs="+", default=["finetune_sql"],
+                    choices=["finetune_sql", "finetune_domain"])  # fmt: skip
+    ap.add_argument("--rescore-on", nargs="+", default=["spider", "chinook-pruned", "chinook-whole"],
+                    choices=["spider", "chinook-pruned", "chinook-whole"])  # fmt: skip
+    ap.add_argument("--rescore-n", type=int, default=60, help="held-out Spider questions")
     args = ap.parse_args()
     corpus = args.work / "spider"
     if not (corpus / "dev.json").is_file():
         print(json.dumps(spider_corpus.build(corpus)), flush=True)
-    db = chinook.build(args.work / "chinook.sqlite")
+    if args.rescore:
+        rescore(args.work, args.rescore, args.rescore_stages, args.rescore_on, args.rescore_n)
+        return
+    if args.domain == "chinook":
+        db = chinook.build(args.work / "chinook.sqlite")
+    else:
+        db = args.work / "chinook_wide.sqlite"
+        if not db.is_file():
+            chinook.build_wide(db, WIDE_THEMES)
     results = []
     for arm in args.arms:
         kind, arm_sets = ARMS[arm]
         init = imported(kind)
         for seed in args.seeds:
-            project = args.work / f"{arm}-{seed}"
+            wide = "-wide" if args.domain == "chinook-wide" else ""
+            project = args.work / f"{arm}{wide}-{seed}"
             project.mkdir(parents=True, exist_ok=True)
             (project / "params.yaml").write_text((ROOT / "params.yaml").read_text())
             sets = [
@@ -246,6 +377,10 @@ def main() -> None:
             spider = m["finetune_sql"].get("generic_heldout", {})
             row["finetune_sql.spider.by_kind"] = {
                 k: v["execution_accuracy"] for k, v in spider.get("by_template", {}).items()
+            }
+            row["finetune_sql.spider.by_difficulty"] = {
+                k: [v["execution_accuracy"], v["examples"]]
+                for k, v in spider.get("by_difficulty", {}).items()
             }
             meta = json.loads((project / "data/prepared/meta.json").read_text())["sql"]
             row["schema_pruned"] = meta.get("schema_pruned")

@@ -326,6 +326,7 @@ def _model_lines(metrics: dict[str, Any], trained: list[str]) -> list[str]:
             + " |"
             for s in trained
         ),
+        *_level_lines(metrics, trained),
         "",
         _decoding_line(metrics, trained),
         "",
@@ -384,6 +385,41 @@ def run_report(
     lines += [f"![expert load]({h.name})" for h in heatmaps if h]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _level_lines(metrics: dict[str, Any], trained: list[str]) -> list[str]:
+    """Execution accuracy per Spider difficulty level of the gold query, on the domain set
+    and on the generic set's held-out databases (evaluation's `by_difficulty`)."""
+    sets = [n for n in ("sql", "generic_heldout") if any(n in metrics[s] for s in trained)]
+    levels = [
+        lv
+        for lv in ("easy", "medium", "hard", "extra")
+        if any(lv in metrics[s].get(n, {}).get("by_difficulty", {}) for s in trained for n in sets)
+    ]
+    if not levels:
+        return []
+
+    def cell(stage: str, level: str) -> str:
+        got = []
+        for n in sets:
+            b = metrics[stage].get(n, {}).get("by_difficulty", {})
+            got.append(
+                f"{b[level]['execution_accuracy']:.2f} ({b[level]['examples']})"
+                if level in b
+                else "-"
+            )
+        return " / ".join(got)
+
+    names = {"sql": "domain", "generic_heldout": "generic on held-out databases"}
+    return [
+        "",
+        "Execution accuracy per Spider difficulty level of the gold query (Spider's rule, "
+        f"moe/sql/hardness.py), {' / '.join(names[n] for n in sets)} (questions):",
+        "",
+        "| model after | " + " | ".join(levels) + " |",
+        "|---|" + "---|" * len(levels),
+        *(f"| {s} | " + " | ".join(cell(s, lv) for lv in levels) + " |" for s in trained),
+    ]
 
 
 def _acc(stage_metrics: dict[str, Any], name: str) -> str:

@@ -145,6 +145,12 @@ def test_dvc_repro_runs_the_pipeline(
     assert sum(t["execution_accuracy"] * t["examples"] for t in by_t.values()) == pytest.approx(
         sql["execution_accuracy"] * n
     )
+    by_level = sql["by_difficulty"]  # Spider's levels of the same examples (moe/sql/hardness.py)
+    assert set(by_level) <= {"easy", "medium", "hard", "extra"} and len(by_level) > 1
+    assert sum(t["examples"] for t in by_level.values()) == n
+    assert sum(
+        t["execution_accuracy"] * t["examples"] for t in by_level.values()
+    ) == pytest.approx(sql["execution_accuracy"] * n)
     hits = [x["execution_match"] for x in sql["samples"]]
     assert hits and len(hits) <= n
     if len(hits) == n:
@@ -169,6 +175,10 @@ def test_dvc_repro_runs_the_pipeline(
     assert cost["storage"]["stored_gb"] > 0
     assert (root / "reports/evaluate/cost.png").is_file()
     assert (root / "reports/evaluate/training_loss.png").is_file()
+    report = (root / "reports/evaluate/report.md").read_text()
+    level = next(lv for lv in ("easy", "medium", "hard", "extra") if lv in by_level)
+    assert "per Spider difficulty level" in report
+    assert f"{by_level[level]['execution_accuracy']:.2f} ({by_level[level]['examples']})" in report
 
     # Lineage: each stage's inputs are the previous stages' outputs, by content hash.
     publish, pretrain, ft_sql = (
