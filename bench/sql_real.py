@@ -227,7 +227,7 @@ def rescore(
                 sp = specials(tok, d / "tokenizer.json")
                 model = load_model_dir(project / "models" / stage, dtype=torch.float32)
                 if ctx is not None:
-                    model.cfg.seq_len = ctx  # RoPE reaches it: the checkpoint reads 8,192
+                    model.set_context(ctx)
                 pairs = load_pairs(d / "sql" / file)[: spider_n if name == "spider" else None]
                 t0 = time.perf_counter()
                 out = sql_accuracy(
@@ -309,7 +309,7 @@ def few_shot(project: Path, k: int, n: int) -> dict[str, float]:
     shots = sorted(train, key=lambda p: len(prompt_text(p)) + len(p.sql))[:k]
     block = "".join(prompt_text(p) + response_text(p) + "\n" for p in shots)
     model = load_model_dir(project / "models/pretrain", dtype=torch.float32)
-    model.cfg.seq_len = 2048  # RoPE: room for the examples (the checkpoint reads 8,192)
+    model.set_context(2048)  # room for the examples
     pairs = load_pairs(data / "sql/generic_test_heldout.jsonl")[:n]
     out = sql_accuracy(
         model, tok, pairs, data / "sql/dbs", 160, sp.eos, batch_size=16, prefix=sp.prefix,

@@ -194,6 +194,28 @@ def test_batched_kv_cache_decoding_equals_plain_decoding(dropless: bool) -> None
         model.generate_batch([[1] * 40], max_new_tokens=16)
 
 
+def test_set_context_reads_longer_prompts_as_a_model_built_that_long() -> None:
+    """A checkpoint trained at 16 positions reads 40 after set_context(40): the same logits
+    and KV-cache generations as the same weights built at 40."""
+    torch.manual_seed(0)
+    mcfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=32)
+
+    def build(n: int) -> MoETransformer:
+        cfg = ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=n, dense_hidden=64)
+        return MoETransformer(cfg, mcfg, vocab_size=50).eval()
+
+    short, long = build(16), build(40)
+    long.load_state_dict(short.state_dict())
+    prompt = torch.randint(0, 50, (1, 30))
+    with pytest.raises(ValueError, match="fit model.seq_len=16"):
+        short.generate_batch([prompt[0].tolist()], max_new_tokens=8)
+    short.set_context(40)
+    assert short.cfg.seq_len == 40 and short.rope_cos.shape == long.rope_cos.shape
+    torch.testing.assert_close(short(prompt)[0], long(prompt)[0])
+    got = short.generate_batch([prompt[0].tolist()], max_new_tokens=8)
+    assert got == long.generate_batch([prompt[0].tolist()], max_new_tokens=8) and len(got[0]) == 8
+
+
 def test_loss_weights_change_the_loss() -> None:
     torch.manual_seed(0)
     model = MoETransformer(

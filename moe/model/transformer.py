@@ -207,6 +207,15 @@ class MoETransformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
 
+    def set_context(self, seq_len: int) -> None:
+        """Read up to `seq_len` positions (prompt and answer together): the rotary tables are
+        computed again for that length. A checkpoint trained at a shorter length reads longer
+        prompts this way (as its pretrained model could: SmolLM2 was trained at 8,192)."""
+        c = self.cfg
+        c.seq_len = seq_len
+        cos, sin = rotary_tables(seq_len, c.rope_width, c.rope_theta, c.rope_type, c.rope_scaling)
+        self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
+
     def experts_per_layer(self) -> list[int]:
         """Expert count of each MoE layer (they differ after growth or pruning)."""
         return [layer.experts.num_experts for layer in self.moe_layers]
