@@ -197,9 +197,9 @@ def rescore(
 ) -> None:
     """The models of earlier runs (`projects`, their `stages`) scored again on the sets `on`:
     "spider" (the project's own held-out Spider questions, the first `spider_n`, per
-    difficulty level), "chinook-pruned" and "chinook-whole" (Chinook-wide's hand-written
-    questions with the schema pruned per question at the runs' context, and whole at
-    `whole_ctx` tokens). One JSON line per model and set, then the means."""
+    difficulty level), "chinook" (the project's own domain questions), "chinook-pruned" and
+    "chinook-whole" (Chinook-wide's hand-written questions with the schema pruned per
+    question at the runs' context, and whole at `whole_ctx` tokens). One JSON line per model and set, then the means."""
     import torch
 
     from moe.data.tokenizer import load_tokenizer, specials
@@ -210,6 +210,8 @@ def rescore(
     sets: dict[str, tuple[int | None, str, Path | None]] = {}  # name: (context, file, data)
     if "spider" in on:
         sets["spider"] = (None, "generic_test_heldout.jsonl", None)
+    if "chinook" in on:  # the run's own domain questions (Chinook unless --domain said else)
+        sets["chinook"] = (None, "domain_test.jsonl", None)
     for side in ("pruned", "whole"):
         if f"chinook-{side}" in on:
             ctx = whole_ctx if side == "whole" else None
@@ -331,7 +333,7 @@ def main() -> None:
     ap.add_argument("--rescore-stages", nargs="+", default=["finetune_sql"],
                     choices=["finetune_sql", "finetune_domain"])  # fmt: skip
     ap.add_argument("--rescore-on", nargs="+", default=["spider", "chinook-pruned", "chinook-whole"],
-                    choices=["spider", "chinook-pruned", "chinook-whole"])  # fmt: skip
+                    choices=["spider", "chinook", "chinook-pruned", "chinook-whole"])  # fmt: skip
     ap.add_argument("--rescore-n", type=int, default=60, help="held-out Spider questions")
     args = ap.parse_args()
     corpus = args.work / "spider"
