@@ -329,6 +329,8 @@ def main() -> None:
     ap.add_argument("--few-shot-n", type=int, default=100, help="held-out questions it scores")
     ap.add_argument("--set", dest="sets", action="append", default=[])
     ap.add_argument("--domain", choices=["chinook", "chinook-wide"], default="chinook")
+    ap.add_argument("--stages", nargs="+", default=None,
+                    help="only these stages (without evaluate: score with --rescore)")  # fmt: skip
     ap.add_argument("--rescore", nargs="+", type=Path, default=None, metavar="PROJECT")
     ap.add_argument("--rescore-stages", nargs="+", default=["finetune_sql"],
                     choices=["finetune_sql", "finetune_domain"])  # fmt: skip
@@ -367,7 +369,11 @@ def main() -> None:
                 *(f"{s}.seed={seed}" for s in ("finetune_sql", "finetune_domain")),
                 *args.sets,
             ]
-            wall = run(project, sets)
+            wall = run(project, sets, args.stages)
+            if args.stages and "evaluate" not in args.stages:  # scored by --rescore instead
+                print(json.dumps({"arm": arm, "seed": seed, "wall_s": round(wall),
+                                  "stages": args.stages}), flush=True)  # fmt: skip
+                continue
             m = json.loads((project / "reports/metrics.json").read_text())
             cost = json.loads((project / "reports/cost.json").read_text())
             row = {"arm": arm, "seed": seed, "wall_s": round(wall), "cost": cost.get("total")}
