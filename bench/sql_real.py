@@ -199,7 +199,8 @@ def rescore(
     "spider" (the project's own held-out Spider questions, the first `spider_n`, per
     difficulty level), "chinook" (the project's own domain questions), "chinook-pruned" and
     "chinook-whole" (Chinook-wide's hand-written questions with the schema pruned per
-    question at the runs' context, and whole at `whole_ctx` tokens). One JSON line per model and set, then the means."""
+    question at the runs' context, and whole at `whole_ctx` tokens). One JSON line per model
+    and set, then the means."""
     import torch
 
     from moe.data.tokenizer import load_tokenizer, specials
@@ -253,9 +254,10 @@ def rescore(
             sd = f" ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else ""
             print(f"{stage} {name}: {statistics.mean(xs):.3f}{sd} over {len(xs)} run(s)")
             for level in ("easy", "medium", "hard", "extra"):
-                per = [r["by_difficulty"][level][0] for r in got if level in r["by_difficulty"]]
+                per = [r["by_difficulty"][level] for r in got if level in r["by_difficulty"]]
                 if per:
-                    n = got[0]["by_difficulty"][level][1]
+                    n = per[0][1]  # the same questions in every run
+                    per = [acc for acc, _ in per]
                     sd = f" ± {statistics.stdev(per):.3f}" if len(per) > 1 else ""
                     print(f"  {level} ({n} questions): {statistics.mean(per):.3f}{sd}")
 
