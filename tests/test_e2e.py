@@ -148,9 +148,9 @@ def test_dvc_repro_runs_the_pipeline(
     by_level = sql["by_difficulty"]  # Spider's levels of the same examples (moe/sql/hardness.py)
     assert set(by_level) <= {"easy", "medium", "hard", "extra"} and len(by_level) > 1
     assert sum(t["examples"] for t in by_level.values()) == n
-    assert sum(
-        t["execution_accuracy"] * t["examples"] for t in by_level.values()
-    ) == pytest.approx(sql["execution_accuracy"] * n)
+    assert sum(t["execution_accuracy"] * t["examples"] for t in by_level.values()) == pytest.approx(
+        sql["execution_accuracy"] * n
+    )
     hits = [x["execution_match"] for x in sql["samples"]]
     assert hits and len(hits) <= n
     if len(hits) == n:

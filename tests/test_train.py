@@ -361,3 +361,25 @@ def test_budget_warns_then_stops_with_a_checkpoint(tmp_path: Path) -> None:
     stops = [r for r in rows if r.get("early_stop", "").startswith("budget")]
     assert [r["step"] for r in alerts] == [3] and [r["step"] for r in stops] == [8]
     assert CheckpointStore(tmp_path / "b").latest_valid().name == f"step_{result.steps:08d}"
+
+
+def test_a_finished_trainer_is_freed_without_waiting_for_the_cycle_collector(
+    tmp_path: Path,
+) -> None:
+    """`moe-pipeline run` runs every stage in one process: a stage's trainer (its model,
+    optimizer state, batches) must go when the stage drops it, not at Python's next full
+    collection. With the cyclic collector off, nothing but reference counts frees it."""
+    import gc
+    import weakref
+
+    data = _data(tmp_path / "data")
+    trainer = _trainer(data, tmp_path / "ckpt", 2)
+    trainer.fit()
+    gone = [weakref.ref(trainer), weakref.ref(trainer.model), weakref.ref(trainer.optimizer)]
+    gc.collect()
+    gc.disable()
+    try:
+        del trainer
+        assert [r() is None for r in gone] == [True, True, True]
+    finally:
+        gc.enable()

@@ -48,8 +48,8 @@ class Progress:
 
 @dataclass
 class TrainState:
-    """The stateful parts of a run. `new_optimizer` builds a fresh optimizer for the model
-    as it is (a checkpoint of a grown or pruned model resizes it)."""
+    """The stateful parts of a run. `new_optimizer(model)` builds a fresh optimizer for the
+    model as it is (a checkpoint of a grown or pruned model resizes it)."""
 
     model: MoETransformer
     optimizer: torch.optim.Optimizer
@@ -57,7 +57,7 @@ class TrainState:
     progress: Progress
     stopper: EarlyStopper | None
     growth: GrowthManager | None
-    new_optimizer: Callable[[], torch.optim.Optimizer]
+    new_optimizer: Callable[[MoETransformer], torch.optim.Optimizer]
 
 
 class Checkpointer:
@@ -239,7 +239,7 @@ class Checkpointer:
             st.model, experts_per_layer(ckpt.model, st.model)
         ):
             # The checkpoint comes from a grown or pruned model: new parameters, new optimizer.
-            st.optimizer = st.new_optimizer()
+            st.optimizer = st.new_optimizer(st.model)
             st.load = ExpertLoad(len(st.model.moe_layers), st.model.experts_per_layer())
         if st.growth and ckpt.state.get("growth"):
             st.growth.load_state_dict(ckpt.state["growth"])

@@ -16,6 +16,7 @@ training killed at any step and resumed ends with bit-identical weights on CPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -156,7 +157,11 @@ class Trainer:
             growth=GrowthManager(model, model.mcfg.growth, seed=cfg.seed)
             if model.mcfg.growth.enabled and expert_warmup
             else None,
-            new_optimizer=lambda: build_optimizer(self.model, cfg, router_lr_mult),
+            # no lambda over self: a Trainer -> state -> closure -> Trainer cycle kept a
+            # finished stage's model and optimizer until a full garbage collection
+            new_optimizer=functools.partial(
+                build_optimizer, cfg=cfg, router_lr_mult=router_lr_mult
+            ),
         )
         self.checkpointer = Checkpointer(store, fingerprint, self.ranks, self.state, base_sha256)
         self.expert_events: list[dict[str, Any]] = []
