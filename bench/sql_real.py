@@ -206,6 +206,7 @@ def rescore(
     from moe.data.tokenizer import load_tokenizer, specials
     from moe.hf.model_dir import load_model_dir
     from moe.sql.evaluate import sql_accuracy
+    from moe.sql.hardness import LEVELS
     from moe.sql.records import load_pairs
 
     sets: dict[str, tuple[int | None, str, Path | None]] = {}  # name: (context, file, data)
@@ -224,13 +225,13 @@ def rescore(
     rows = []
     for project in projects:
         for stage in stages:
+            model = load_model_dir(project / "models" / stage, dtype=torch.float32)
+            native = model.cfg.seq_len
             for name, (ctx, file, data) in sets.items():
                 d = data or project / "data/prepared"
                 tok = load_tokenizer(d / "tokenizer.json")
                 sp = specials(tok, d / "tokenizer.json")
-                model = load_model_dir(project / "models" / stage, dtype=torch.float32)
-                if ctx is not None:
-                    model.set_context(ctx)
+                model.set_context(ctx or native)
                 pairs = load_pairs(d / "sql" / file)[: spider_n if name == "spider" else None]
                 t0 = time.perf_counter()
                 out = sql_accuracy(
@@ -253,7 +254,7 @@ def rescore(
             xs = [r["execution_accuracy"] for r in got]
             sd = f" ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else ""
             print(f"{stage} {name}: {statistics.mean(xs):.3f}{sd} over {len(xs)} run(s)")
-            for level in ("easy", "medium", "hard", "extra"):
+            for level in LEVELS:
                 per = [r["by_difficulty"][level] for r in got if level in r["by_difficulty"]]
                 if per:
                     n = per[0][1]  # the same questions in every run
@@ -262,12 +263,18 @@ def rescore(
                     print(f"  {level} ({n} questions): {statistics.mean(per):.3f}{sd}")
 
 
+def wide_db(work: Path) -> Path:
+    """Chinook-wide's sqlite file under `work` (built once)."""
+    path = work / "chinook_wide.sqlite"
+    if not path.is_file():
+        chinook.build_wide(path, WIDE_THEMES)
+    return path
+
+
 def chinook_wide(work: Path, side: str, whole_ctx: int) -> Path:
     """The prepared data of Chinook-wide as the domain, `side` "pruned" (the bench's context)
     or "whole" (`whole_ctx` tokens, pruning off), by the prepare stage alone (cached)."""
-    wide = work / "chinook_wide.sqlite"
-    if not wide.is_file():
-        chinook.build_wide(wide, WIDE_THEMES)
+    wide = wide_db(work)
     sets = [
         f"model.init={imported('dense')}",
         f"data.sql_generic_source={work / 'spider'}",
@@ -349,9 +356,7 @@ def main() -> None:
     if args.domain == "chinook":
         db = chinook.build(args.work / "chinook.sqlite")
     else:
-        db = args.work / "chinook_wide.sqlite"
-        if not db.is_file():
-            chinook.build_wide(db, WIDE_THEMES)
+        db = wide_db(args.work)
     results = []
     for arm in args.arms:
         kind, arm_sets = ARMS[arm]

@@ -5,7 +5,6 @@ sharded engine's ranks) fills them here."""
 
 from __future__ import annotations
 
-from moe.model.attention import rotary_tables
 from moe.model.transformer import MoETransformer
 
 
@@ -15,9 +14,7 @@ def init_buffers(model: MoETransformer) -> None:
     c = model.cfg
     if c.tie_embeddings and model.lm_head.weight is not model.embed.weight:
         model.lm_head.weight = model.embed.weight
-    device = model.embed.weight.device
-    cos, sin = rotary_tables(c.seq_len, c.rope_width, c.rope_theta, c.rope_type, c.rope_scaling)
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    model.set_context(c.seq_len)  # the rotary tables
     for layer in model.moe_layers:
         r = layer.router
         r.expert_bias_E.zero_()

@@ -214,7 +214,8 @@ class MoETransformer(nn.Module):
         c = self.cfg
         c.seq_len = seq_len
         cos, sin = rotary_tables(seq_len, c.rope_width, c.rope_theta, c.rope_type, c.rope_scaling)
-        self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
+        device = self.embed.weight.device
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def experts_per_layer(self) -> list[int]:
         """Expert count of each MoE layer (they differ after growth or pruning)."""
