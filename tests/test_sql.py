@@ -386,6 +386,42 @@ def test_chinook_as_the_domain(tmp_path: Path, tok, chinook_db: Path) -> None:
     assert sha(chinook_db) == before  # the user's database is only read
 
 
+def test_generated_questions_reach_tables_with_only_a_name(chinook_db: Path) -> None:
+    """Chinook's artist, album and genre hold a name and keys only (no number, no category):
+    the templates ask about them through their names and keys. A person's name is first and
+    last name, an invoice's date is ordered, not asked as if it were the invoice's name."""
+    import random
+    import re
+    from collections import Counter
+
+    from moe.sql.generator import QuestionGenerator
+
+    with ReadOnlyDb(chinook_db) as ro:
+        gen = QuestionGenerator(ro.schema())
+        pairs = list(itertools.islice(gen.stream(random.Random(0)), 400))
+        for q, sql in pairs:
+            assert ro.run(sql).ok, (q, sql)
+    used = Counter(t for _, sql in pairs for t in re.findall(r"(?:FROM|JOIN) (\w+)", sql))
+    assert {"artist", "album", "genre", "media_type", "playlist"} <= set(used), used
+    assert min(used[t] for t in ("artist", "album", "genre")) >= 4, used
+    sqls = [sql for _, sql in pairs]
+    # a named parent's children, and the parent of a named child
+    assert any(
+        re.search(r"FROM genre AS T1 JOIN track AS T2 .* WHERE T1.name = '", s) for s in sqls
+    )
+    assert any(
+        re.search(r"FROM artist AS T1 JOIN album AS T2 .* WHERE T2.title = '", s) for s in sqls
+    )
+    assert any(s.startswith("SELECT firstname, lastname FROM customer") for s in sqls)
+    assert any(
+        re.search(r"FROM employee ORDER BY (hire|birth)date (ASC|DESC) LIMIT 1", s) for s in sqls
+    )
+    assert any(re.search(r"ORDER BY name( DESC)?$", s) for s in sqls)  # alphabetical
+    assert any(re.search(r"FROM album WHERE artist_id = \d+$", s) for s in sqls)  # by a key
+    assert any("WHERE composer = '" in s for s in sqls)  # text that is neither name nor category
+    assert not any("SELECT invoicedate FROM" in s for s in sqls)  # a date is not a name
+
+
 def test_domain_pairs_problems_are_named(tmp_path: Path, tok, chinook_db: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text(

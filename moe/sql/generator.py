@@ -11,6 +11,13 @@ writes questions of five kinds, drawn evenly:
 - grouping: `GROUP BY`, with `HAVING` or ordered by the group's size,
 - joins: across a foreign key, filtered, grouped or aggregated.
 
+Each table is read by moe/sql/roles.py for what it offers: a name-like label (a person's
+first and last name together), numbers, categories, dates, other text, foreign keys. A table
+that holds only a name and keys (an artist, a genre) is still asked about: in alphabetical
+order, by a parent's key (`album WHERE artist_id = 22`), and across a join by its name ("the
+tracks of the album Big Ones", "the artist of the album X", counts and aggregates of a named
+parent's children). A date is ordered (earliest, latest), never asked as if it were a name.
+
 Values come from the rows (a category that exists, a number inside the column's range), so
 a question has an answer on this database. A kind the schema cannot express (no foreign key:
 no joins) is left out. Every statement is executed by the caller before it is kept.
@@ -25,10 +32,10 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 
-from moe.sql.sandbox import Column, Schema, Table, ident, in_dialect
+from moe.sql.roles import _AGGS, _OPS, Template, _literal, _Role, _Tables, article, plural, words
+from moe.sql.sandbox import Schema, ident, in_dialect
 
 KINDS = ("filters", "ordering", "aggregates", "grouping", "joins")
 _AGGREGATES = ("COUNT(", "AVG(", "MIN(", "MAX(", "SUM(")
@@ -50,124 +57,6 @@ def kind_of(sql: str) -> str:
     return "filters"
 
 
-def words(name: str) -> str:
-    """A column or table name as words: `unit_price` and `UnitPrice` -> 'unit price'."""
-    s = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", " ", name)
-    return " ".join(s.replace("_", " ").split()).lower()
-
-
-def plural(phrase: str) -> str:
-    w = phrase
-    if re.search(r"(s|x|z|ch|sh)$", w):
-        return w + "es"
-    if re.search(r"[^aeiou]y$", w):
-        return w[:-1] + "ies"
-    return w + "s"
-
-
-def article(word: str) -> str:
-    return ("an " if word[:1].lower() in "aeiou" else "a ") + word
-
-
-def _literal(v: object) -> str:
-    if isinstance(v, float):
-        return repr(round(v, 2))
-    if isinstance(v, (int, bool)):
-        return str(v)
-    s = str(v)  # text, and a date or time of a server's column: a quoted literal
-    return "'" + s.replace("'", "''") + "'"
-
-
-_OPS = [(">", "greater than"), ("<", "less than"), (">=", "at least"), ("<=", "at most")]
-_AGGS = [("AVG", "average"), ("MAX", "maximum"), ("MIN", "minimum"), ("SUM", "total")]
-
-
-@dataclass
-class _Role:
-    """What a table offers the templates."""
-
-    table: Table
-    noun: str  # singular words
-    nouns: str  # plural
-    label: Column  # what a question asks for (a name-like column, else the key)
-    key: Column | None
-    nums: list[Column]
-    cats: list[Column]
-    names: list[Column]  # text columns with mostly distinct values (a row's name)
-
-
-def _roles(schema: Schema) -> dict[str, _Role]:
-    out = {}
-    for t in schema.tables:
-        if not t.rows or not t.columns:
-            continue
-        key = next((c for c in t.columns if c.pk), None)
-        fk_cols = {c.name for c in t.columns if c.references}
-        free = [c for c in t.columns if not c.pk and c.name not in fk_cols]
-        nums = [c for c in free if c.numeric and c.distinct > 1 and not _id_like(c)]
-        cats = [c for c in free if c.categorical and not c.references]
-        names = [
-            c
-            for c in free
-            if not c.numeric and c.values and c.distinct >= max(2, t.rows // 2) and c not in cats
-        ]
-        named = [c for c in names if re.search(r"name|title", c.name, re.I)]
-        label = (named or names or ([key] if key else []) or t.columns)[0]
-        noun = words(t.name)
-        out[t.name] = _Role(t, noun, plural(noun), label, key, nums, cats, names)
-    return out
-
-
-def _id_like(c: Column) -> bool:
-    return bool(re.search(r"(^|_)id$|Id$|ID$", c.name))
-
-
-Template = Callable[[random.Random], tuple[str, str] | None]
-
-
-class _Tables:
-    """What a database's schema offers the templates: each table's role, the foreign keys
-    to join on, and the pieces every template uses."""
-
-    def __init__(self, schema: Schema) -> None:
-        self.schema = schema
-        self.roles = _roles(schema)
-        self.joins = [
-            (self.roles[child], fk, self.roles[parent], pcol)
-            for child, fk, parent, pcol in schema.foreign_keys
-            if child in self.roles and parent in self.roles and child != parent
-        ]
-
-    def _pick(self, rng: random.Random, need: str) -> _Role | None:
-        ok = [r for r in self.roles.values() if getattr(r, need)]
-        return rng.choice(ok) if ok else None
-
-    @staticmethod
-    def _num_value(c: Column, rng: random.Random) -> object:
-        if c.lo is None or c.hi is None:
-            return rng.choice(c.values)
-        if isinstance(c.lo, int) and isinstance(c.hi, int):
-            return rng.randint(c.lo, c.hi) if rng.random() < 0.5 else rng.choice(c.values)
-        return round(rng.uniform(float(c.lo), float(c.hi)), 2)
-
-    @staticmethod
-    def _cat_value(c: Column, rng: random.Random) -> object:
-        return rng.choice(c.values[:30])
-
-    def _lbl(self, r: _Role) -> str:
-        return plural(words(r.label.name))
-
-    def _join(self, rng: random.Random) -> tuple[_Role, str, _Role, str, str] | None:
-        if not self.joins:
-            return None
-        child, fk, parent, pcol = rng.choice(self.joins)
-        on = (
-            f"{ident(parent.table.name)} AS T1 JOIN {ident(child.table.name)} AS T2"
-            f" ON T1.{ident(pcol)} = T2.{ident(fk)}"
-        )
-        return child, fk, parent, pcol, on
-
-
 class _Filters(_Tables):
     """The `filters` templates: rows selected by a value or a comparison."""
 
@@ -179,7 +68,7 @@ class _Filters(_Tables):
         v = self._cat_value(c, rng)
         return (
             f"List the {self._lbl(r)} of {r.nouns} whose {words(c.name)} is {v}.",
-            f"SELECT {ident(r.label.name)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {_literal(v)}",
+            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {_literal(v)}",
         )
 
     def _f_num(self, rng: random.Random) -> tuple[str, str] | None:
@@ -191,7 +80,7 @@ class _Filters(_Tables):
         v = self._num_value(c, rng)
         return (
             f"List the {self._lbl(r)} of {r.nouns} with {words(c.name)} {op_w} {v}.",
-            f"SELECT {ident(r.label.name)} FROM {ident(r.table.name)} WHERE {ident(c.name)} {op} {_literal(v)}",
+            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} {op} {_literal(v)}",
         )
 
     def _f_both(self, rng: random.Random) -> tuple[str, str] | None:
@@ -203,7 +92,7 @@ class _Filters(_Tables):
         op, op_w = rng.choice(_OPS)
         return (
             f"Which {r.nouns} have {words(c.name)} {v} and {words(n.name)} {op_w} {x}? Give their {self._lbl(r)}.",
-            f"SELECT {ident(r.label.name)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {_literal(v)} AND {ident(n.name)} {op} {_literal(x)}",
+            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {_literal(v)} AND {ident(n.name)} {op} {_literal(x)}",
         )
 
     def _f_named(self, rng: random.Random) -> tuple[str, str] | None:
@@ -233,6 +122,30 @@ class _Filters(_Tables):
             f"SELECT DISTINCT {ident(c.name)} FROM {ident(r.table.name)} WHERE {ident(n.name)} {op} {_literal(x)}",
         )
 
+    def _f_attr(self, rng: random.Random) -> tuple[str, str] | None:
+        r = self._pick(rng, "attrs")
+        if not r:
+            return None
+        c = rng.choice(r.attrs)
+        v = self._any_value(c, rng)
+        return (
+            f"Which {r.nouns} have {words(c.name)} {v}? Give their {self._lbl(r)}.",
+            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {_literal(v)}",
+        )
+
+    def _f_key(self, rng: random.Random) -> tuple[str, str] | None:
+        """Rows of one parent, named by its key as the child stores it (`artist_id = 22`)."""
+        r = self._pick(rng, "fks")
+        if not r:
+            return None
+        c = rng.choice(r.fks)
+        assert c.references is not None
+        parent, v = words(c.references[0]), self._any_value(c, rng)
+        return (
+            f"List the {self._lbl(r)} of the {r.nouns} of {parent} {v}.",
+            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {_literal(v)}",
+        )
+
 
 class _Ordering(_Tables):
     """The `ordering` templates: `ORDER BY`, with or without `LIMIT`."""
@@ -246,7 +159,7 @@ class _Ordering(_Tables):
         high = rng.random() < 0.5
         return (
             f"Show the {self._lbl(r)} of the {k} {r.nouns} with the {'highest' if high else 'lowest'} {words(n.name)}.",
-            f"SELECT {ident(r.label.name)} FROM {ident(r.table.name)} ORDER BY {ident(n.name)} {'DESC' if high else 'ASC'} LIMIT {k}",
+            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} ORDER BY {ident(n.name)} {'DESC' if high else 'ASC'} LIMIT {k}",
         )
 
     def _o_one(self, rng: random.Random) -> tuple[str, str] | None:
@@ -256,8 +169,8 @@ class _Ordering(_Tables):
         n = rng.choice(r.nums)
         high = rng.random() < 0.5
         return (
-            f"What is the {words(r.label.name)} of the {r.noun} with the {'highest' if high else 'lowest'} {words(n.name)}?",
-            f"SELECT {ident(r.label.name)} FROM {ident(r.table.name)} ORDER BY {ident(n.name)} {'DESC' if high else 'ASC'} LIMIT 1",
+            f"What is the {r.label_words} of the {r.noun} with the {'highest' if high else 'lowest'} {words(n.name)}?",
+            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} ORDER BY {ident(n.name)} {'DESC' if high else 'ASC'} LIMIT 1",
         )
 
     def _o_sorted(self, rng: random.Random) -> tuple[str, str] | None:
@@ -269,7 +182,30 @@ class _Ordering(_Tables):
         high = rng.random() < 0.5
         return (
             f"List the {self._lbl(r)} of {r.nouns} whose {words(c.name)} is {v}, from {'highest' if high else 'lowest'} to {'lowest' if high else 'highest'} {words(n.name)}.",
-            f"SELECT {ident(r.label.name)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {_literal(v)} ORDER BY {ident(n.name)} {'DESC' if high else 'ASC'}",
+            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {_literal(v)} ORDER BY {ident(n.name)} {'DESC' if high else 'ASC'}",
+        )
+
+    def _o_alpha(self, rng: random.Random) -> tuple[str, str] | None:
+        r = self._pick(rng, "named")
+        if not r:
+            return None
+        by = r.labels[-1]  # a person: by last name
+        desc = rng.random() < 0.3
+        return (
+            f"List the {self._lbl(r)} of {r.nouns} in {'reverse ' if desc else ''}alphabetical order.",
+            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} ORDER BY {ident(by.name)}{' DESC' if desc else ''}",
+        )
+
+    def _o_date(self, rng: random.Random) -> tuple[str, str] | None:
+        r = self._pick(rng, "dates")
+        if not r:
+            return None
+        c = rng.choice(r.dates)
+        first = rng.random() < 0.5
+        known = f" WHERE {ident(c.name)} IS NOT NULL" if c.nulls else ""
+        return (
+            f"Which {r.noun} has the {'earliest' if first else 'latest'} {words(c.name)}? Give its {r.label_words}.",
+            f"SELECT {self._sel(r)} FROM {ident(r.table.name)}{known} ORDER BY {ident(c.name)} {'ASC' if first else 'DESC'} LIMIT 1",
         )
 
 
@@ -398,7 +334,7 @@ class _Joins(_Tables):
         v = self._cat_value(c, rng)
         return (
             f"List the {self._lbl(parent)} of {parent.nouns} that have {article(child.noun)} with {words(c.name)} {v}.",
-            f"SELECT DISTINCT T1.{ident(parent.label.name)} FROM {on} WHERE T2.{ident(c.name)} = {_literal(v)}",
+            f"SELECT DISTINCT {self._sel(parent, 'T1.')} FROM {on} WHERE T2.{ident(c.name)} = {_literal(v)}",
         )
 
     def _j_count(self, rng: random.Random) -> tuple[str, str] | None:
@@ -407,8 +343,8 @@ class _Joins(_Tables):
             return None
         child, _, parent, pcol, on = j
         return (
-            f"How many {child.nouns} does each {parent.noun} have? Show the {words(parent.label.name)} and count.",
-            f"SELECT T1.{ident(parent.label.name)}, COUNT(*) FROM {on} GROUP BY T1.{ident(pcol)}",
+            f"How many {child.nouns} does each {parent.noun} have? Show the {parent.label_words} and count.",
+            f"SELECT {self._sel(parent, 'T1.')}, COUNT(*) FROM {on} GROUP BY T1.{ident(pcol)}",
         )
 
     def _j_agg(self, rng: random.Random) -> tuple[str, str] | None:
@@ -433,7 +369,7 @@ class _Joins(_Tables):
         v = self._cat_value(c, rng)
         return (
             f"List the {self._lbl(child)} of {child.nouns} whose {parent.noun} has {words(c.name)} {v}.",
-            f"SELECT T2.{ident(child.label.name)} FROM {on} WHERE T1.{ident(c.name)} = {_literal(v)}",
+            f"SELECT {self._sel(child, 'T2.')} FROM {on} WHERE T1.{ident(c.name)} = {_literal(v)}",
         )
 
     def _j_num(self, rng: random.Random) -> tuple[str, str] | None:
@@ -449,6 +385,58 @@ class _Joins(_Tables):
             f"SELECT COUNT(*) FROM {on} WHERE T1.{ident(n.name)} {op} {_literal(x)}",
         )
 
+    def _named_join(
+        self, rng: random.Random, side: int
+    ) -> tuple[_Role, str, _Role, str, str] | None:
+        """A join whose parent (`side` 2) or child (`side` 0) has a name to quote."""
+        j = self._join(rng)
+        return j if j and j[side].named else None
+
+    def _j_of_parent(self, rng: random.Random) -> tuple[str, str] | None:
+        j = self._named_join(rng, 2)
+        if not j:
+            return None
+        child, _, parent, _, on = j
+        v = self._any_value(parent.label, rng)
+        return (
+            f"List the {self._lbl(child)} of the {child.nouns} of the {parent.noun} {v}.",
+            f"SELECT {self._sel(child, 'T2.')} FROM {on} WHERE T1.{ident(parent.label.name)} = {_literal(v)}",
+        )
+
+    def _j_parent_of(self, rng: random.Random) -> tuple[str, str] | None:
+        j = self._named_join(rng, 0)
+        if not j:
+            return None
+        child, _, parent, _, on = j
+        v = self._any_value(child.label, rng)
+        return (
+            f"Which {parent.noun} has the {child.noun} {v}? Give its {parent.label_words}.",
+            f"SELECT {self._sel(parent, 'T1.')} FROM {on} WHERE T2.{ident(child.label.name)} = {_literal(v)}",
+        )
+
+    def _j_count_in(self, rng: random.Random) -> tuple[str, str] | None:
+        j = self._named_join(rng, 2)
+        if not j:
+            return None
+        child, _, parent, _, on = j
+        v = self._any_value(parent.label, rng)
+        return (
+            f"How many {child.nouns} does the {parent.noun} {v} have?",
+            f"SELECT COUNT(*) FROM {on} WHERE T1.{ident(parent.label.name)} = {_literal(v)}",
+        )
+
+    def _j_agg_in(self, rng: random.Random) -> tuple[str, str] | None:
+        j = self._named_join(rng, 2)
+        if not j or not j[0].nums:
+            return None
+        child, _, parent, _, on = j
+        n, v = rng.choice(child.nums), self._any_value(parent.label, rng)
+        agg, agg_w = rng.choice(_AGGS)
+        return (
+            f"What is the {agg_w} {words(n.name)} of the {child.nouns} of the {parent.noun} {v}?",
+            f"SELECT {agg}(T2.{ident(n.name)}) FROM {on} WHERE T1.{ident(parent.label.name)} = {_literal(v)}",
+        )
+
 
 class QuestionGenerator(_Filters, _Ordering, _Aggregates, _Grouping, _Joins):
     """An endless stream of (question, SQL in sqlite's dialect) over one database's schema,
@@ -458,12 +446,14 @@ class QuestionGenerator(_Filters, _Ordering, _Aggregates, _Grouping, _Joins):
     def __init__(self, schema: Schema) -> None:
         super().__init__(schema)
         self.templates: dict[str, list[Template]] = {
-            "filters": [self._f_cat, self._f_num, self._f_both, self._f_named, self._f_distinct],
-            "ordering": [self._o_top, self._o_one, self._o_sorted],
+            "filters": [self._f_cat, self._f_num, self._f_both, self._f_named, self._f_distinct,
+                        self._f_attr, self._f_key],
+            "ordering": [self._o_top, self._o_one, self._o_sorted, self._o_alpha, self._o_date],
             "aggregates": [self._a_count, self._a_count_cat, self._a_count_num, self._a_agg,
                            self._a_agg_cat, self._a_distinct],
             "grouping": [self._g_count, self._g_agg, self._g_having, self._g_most],
-            "joins": [self._j_names, self._j_count, self._j_agg, self._j_child, self._j_num],
+            "joins": [self._j_names, self._j_count, self._j_agg, self._j_child, self._j_num,
+                      self._j_of_parent, self._j_parent_of, self._j_count_in, self._j_agg_in],
         }  # fmt: skip
         probe = random.Random(0)
         self.kinds = [k for k in KINDS if any(self._try(t, probe) for t in self.templates[k] * 4)]

@@ -1,0 +1,182 @@
+"""What each table of a database offers the question templates (moe/sql/generator.py): what a
+question asks for (the table's label: a name, a title, a person's first and last name, else
+the key), the columns it can filter, compare, order or group on, and the foreign keys it can
+join across. Read from `inspect_database`'s statistics, never from the table's name, so one
+reading serves the embedded themes, Spider's databases and a user's own.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from moe.sql.sandbox import Column, Schema, Table, ident
+
+_OPS = [(">", "greater than"), ("<", "less than"), (">=", "at least"), ("<=", "at most")]
+_AGGS = [("AVG", "average"), ("MAX", "maximum"), ("MIN", "minimum"), ("SUM", "total")]
+_ISO_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}")
+_FIRST = re.compile(r"^(first|given|fore)_?name$", re.I)
+_LAST = re.compile(r"^(last|sur|family)_?name$", re.I)
+
+Template = Callable[[random.Random], tuple[str, str] | None]
+
+
+def words(name: str) -> str:
+    """A column or table name as words: `unit_price` and `UnitPrice` -> 'unit price'."""
+    s = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", " ", name)
+    return " ".join(s.replace("_", " ").split()).lower()
+
+
+def plural(phrase: str) -> str:
+    w = phrase
+    if re.search(r"(s|x|z|ch|sh)$", w):
+        return w + "es"
+    if re.search(r"[^aeiou]y$", w):
+        return w[:-1] + "ies"
+    return w + "s"
+
+
+def article(word: str) -> str:
+    return ("an " if word[:1].lower() in "aeiou" else "a ") + word
+
+
+def _literal(v: object) -> str:
+    if isinstance(v, float):
+        return repr(round(v, 2))
+    if isinstance(v, (int, bool)):
+        return str(v)
+    s = str(v)  # text, and a date or time of a server's column: a quoted literal
+    return "'" + s.replace("'", "''") + "'"
+
+
+def _id_like(c: Column) -> bool:
+    return bool(re.search(r"(^|_)id$|Id$|ID$", c.name))
+
+
+def _date_like(c: Column) -> bool:
+    """A date or time column: declared so, or text whose values are all ISO dates."""
+    if c.numeric:
+        return False
+    if re.search(r"date|time", c.type, re.I):
+        return True
+    return bool(c.values) and all(_ISO_DATE.match(str(v)) for v in c.values[:20])
+
+
+@dataclass
+class _Role:
+    """What a table offers the templates."""
+
+    table: Table
+    noun: str  # singular words
+    nouns: str  # plural
+    label: Column  # what a question asks for (a name-like column, else the key)
+    labels: list[Column]  # what the SELECT lists for it: the label, or first and last name
+    label_words: str  # the label in a question: 'title', 'name' (for first and last name)
+    key: Column | None
+    nums: list[Column]
+    cats: list[Column]
+    names: list[Column]  # text columns with mostly distinct values (a row's name)
+    dates: list[Column]  # dates and times: ordered (earliest, latest), never a name
+    attrs: list[Column]  # other text with values (a composer, a city): filtered by equality
+    fks: list[Column]  # foreign-key columns with values: filtered by the parent's key
+
+    @property
+    def named(self) -> bool:
+        """The label is a name a question can quote (not the key)."""
+        return self.label in self.names
+
+
+def _roles(schema: Schema) -> dict[str, _Role]:
+    out = {}
+    for t in schema.tables:
+        if not t.rows or not t.columns:
+            continue
+        key = next((c for c in t.columns if c.pk), None)
+        fk_cols = {c.name for c in t.columns if c.references}
+        free = [c for c in t.columns if not c.pk and c.name not in fk_cols]
+        dates = [c for c in free if _date_like(c) and c.values]
+        nums = [c for c in free if c.numeric and c.distinct > 1 and not _id_like(c)]
+        cats = [c for c in free if c.categorical and not c.references and c not in dates]
+        names = [
+            c
+            for c in free
+            if not c.numeric
+            and c.values
+            and c.distinct >= max(2, t.rows // 2)
+            and c not in cats
+            and c not in dates
+        ]
+        attrs = [
+            c
+            for c in free
+            if not c.numeric and c.values and c.distinct > 1 and c not in cats + names + dates
+        ]
+        named = [c for c in names if re.search(r"name|title", c.name, re.I)]
+        label = (named or names or ([key] if key else []) or t.columns)[0]
+        first = next((c for c in names if _FIRST.match(c.name)), None)
+        last = next((c for c in names if _LAST.match(c.name)), None)
+        labels, label_words = [label], words(label.name)
+        if first and last:  # a person: their name is both columns
+            label, labels, label_words = first, [first, last], "name"
+        fks = [c for c in t.columns if c.references and c.values and not c.pk]
+        noun = words(t.name)
+        out[t.name] = _Role(
+            t, noun, plural(noun), label, labels, label_words, key, nums, cats, names, dates,
+            attrs, fks,
+        )  # fmt: skip
+    return out
+
+
+class _Tables:
+    """What a database's schema offers the templates: each table's role, the foreign keys
+    to join on, and the pieces every template uses."""
+
+    def __init__(self, schema: Schema) -> None:
+        self.schema = schema
+        self.roles = _roles(schema)
+        self.joins = [
+            (self.roles[child], fk, self.roles[parent], pcol)
+            for child, fk, parent, pcol in schema.foreign_keys
+            if child in self.roles and parent in self.roles and child != parent
+        ]
+
+    def _pick(self, rng: random.Random, need: str) -> _Role | None:
+        ok = [r for r in self.roles.values() if getattr(r, need)]
+        return rng.choice(ok) if ok else None
+
+    @staticmethod
+    def _num_value(c: Column, rng: random.Random) -> object:
+        if c.lo is None or c.hi is None:
+            return rng.choice(c.values)
+        if isinstance(c.lo, int) and isinstance(c.hi, int):
+            return rng.randint(c.lo, c.hi) if rng.random() < 0.5 else rng.choice(c.values)
+        return round(rng.uniform(float(c.lo), float(c.hi)), 2)
+
+    @staticmethod
+    def _cat_value(c: Column, rng: random.Random) -> object:
+        return rng.choice(c.values[:30])
+
+    @staticmethod
+    def _any_value(c: Column, rng: random.Random) -> object:
+        """One of the column's sampled values (a name: any of them, not only the commonest)."""
+        return rng.choice(c.values)
+
+    def _lbl(self, r: _Role) -> str:
+        return plural(r.label_words)
+
+    @staticmethod
+    def _sel(r: _Role, alias: str = "") -> str:
+        """What the SELECT lists for the table's label: `name`, or `firstname, lastname`."""
+        return ", ".join(alias + ident(c.name) for c in r.labels)
+
+    def _join(self, rng: random.Random) -> tuple[_Role, str, _Role, str, str] | None:
+        if not self.joins:
+            return None
+        child, fk, parent, pcol = rng.choice(self.joins)
+        on = (
+            f"{ident(parent.table.name)} AS T1 JOIN {ident(child.table.name)} AS T2"
+            f" ON T1.{ident(pcol)} = T2.{ident(fk)}"
+        )
+        return child, fk, parent, pcol, on
