@@ -34,7 +34,7 @@ import random
 import re
 from collections.abc import Iterator
 
-from moe.sql.roles import _AGGS, _OPS, Template, _literal, _Role, _Tables, article, plural, words
+from moe.sql.roles import AGGS, OPS, Role, Tables, Template, article, literal, plural, words
 from moe.sql.sandbox import Schema, ident, in_dialect
 
 KINDS = ("filters", "ordering", "aggregates", "grouping", "joins")
@@ -57,7 +57,7 @@ def kind_of(sql: str) -> str:
     return "filters"
 
 
-class _Filters(_Tables):
+class _Filters(Tables):
     """The `filters` templates: rows selected by a value or a comparison."""
 
     def _f_cat(self, rng: random.Random) -> tuple[str, str] | None:
@@ -68,7 +68,7 @@ class _Filters(_Tables):
         v = self._cat_value(c, rng)
         return (
             f"List the {self._lbl(r)} of {r.nouns} whose {words(c.name)} is {v}.",
-            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {_literal(v)}",
+            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)}",
         )
 
     def _f_num(self, rng: random.Random) -> tuple[str, str] | None:
@@ -76,11 +76,11 @@ class _Filters(_Tables):
         if not r:
             return None
         c = rng.choice(r.nums)
-        op, op_w = rng.choice(_OPS)
+        op, op_w = rng.choice(OPS)
         v = self._num_value(c, rng)
         return (
             f"List the {self._lbl(r)} of {r.nouns} with {words(c.name)} {op_w} {v}.",
-            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} {op} {_literal(v)}",
+            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} {op} {literal(v)}",
         )
 
     def _f_both(self, rng: random.Random) -> tuple[str, str] | None:
@@ -89,10 +89,10 @@ class _Filters(_Tables):
             return None
         c, n = rng.choice(r.cats), rng.choice(r.nums)
         v, x = self._cat_value(c, rng), self._num_value(n, rng)
-        op, op_w = rng.choice(_OPS)
+        op, op_w = rng.choice(OPS)
         return (
             f"Which {r.nouns} have {words(c.name)} {v} and {words(n.name)} {op_w} {x}? Give their {self._lbl(r)}.",
-            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {_literal(v)} AND {ident(n.name)} {op} {_literal(x)}",
+            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)} AND {ident(n.name)} {op} {literal(x)}",
         )
 
     def _f_named(self, rng: random.Random) -> tuple[str, str] | None:
@@ -107,7 +107,7 @@ class _Filters(_Tables):
         v = self._cat_value(name, rng)
         return (
             f"What is the {words(a.name)} of the {r.noun} whose {words(name.name)} is {v}?",
-            f"SELECT {ident(a.name)} FROM {ident(r.table.name)} WHERE {ident(name.name)} = {_literal(v)}",
+            f"SELECT {ident(a.name)} FROM {ident(r.table.name)} WHERE {ident(name.name)} = {literal(v)}",
         )
 
     def _f_distinct(self, rng: random.Random) -> tuple[str, str] | None:
@@ -115,11 +115,11 @@ class _Filters(_Tables):
         if not r or not r.nums:
             return None
         c, n = rng.choice(r.cats), rng.choice(r.nums)
-        op, op_w = rng.choice(_OPS)
+        op, op_w = rng.choice(OPS)
         x = self._num_value(n, rng)
         return (
             f"Which different {plural(words(c.name))} do {r.nouns} with {words(n.name)} {op_w} {x} have?",
-            f"SELECT DISTINCT {ident(c.name)} FROM {ident(r.table.name)} WHERE {ident(n.name)} {op} {_literal(x)}",
+            f"SELECT DISTINCT {ident(c.name)} FROM {ident(r.table.name)} WHERE {ident(n.name)} {op} {literal(x)}",
         )
 
     def _f_attr(self, rng: random.Random) -> tuple[str, str] | None:
@@ -130,7 +130,7 @@ class _Filters(_Tables):
         v = self._any_value(c, rng)
         return (
             f"Which {r.nouns} have {words(c.name)} {v}? Give their {self._lbl(r)}.",
-            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {_literal(v)}",
+            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)}",
         )
 
     def _f_key(self, rng: random.Random) -> tuple[str, str] | None:
@@ -143,11 +143,11 @@ class _Filters(_Tables):
         parent, v = words(c.references[0]), self._any_value(c, rng)
         return (
             f"List the {self._lbl(r)} of the {r.nouns} of {parent} {v}.",
-            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {_literal(v)}",
+            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)}",
         )
 
 
-class _Ordering(_Tables):
+class _Ordering(Tables):
     """The `ordering` templates: `ORDER BY`, with or without `LIMIT`."""
 
     def _o_top(self, rng: random.Random) -> tuple[str, str] | None:
@@ -182,7 +182,7 @@ class _Ordering(_Tables):
         high = rng.random() < 0.5
         return (
             f"List the {self._lbl(r)} of {r.nouns} whose {words(c.name)} is {v}, from {'highest' if high else 'lowest'} to {'lowest' if high else 'highest'} {words(n.name)}.",
-            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {_literal(v)} ORDER BY {ident(n.name)} {'DESC' if high else 'ASC'}",
+            f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)} ORDER BY {ident(n.name)} {'DESC' if high else 'ASC'}",
         )
 
     def _o_alpha(self, rng: random.Random) -> tuple[str, str] | None:
@@ -209,7 +209,7 @@ class _Ordering(_Tables):
         )
 
 
-class _Aggregates(_Tables):
+class _Aggregates(Tables):
     """The `aggregates` templates: `COUNT`/`AVG`/`MIN`/`MAX`/`SUM`."""
 
     def _a_count(self, rng: random.Random) -> tuple[str, str] | None:
@@ -226,7 +226,7 @@ class _Aggregates(_Tables):
         v = self._cat_value(c, rng)
         return (
             f"How many {r.nouns} have {words(c.name)} {v}?",
-            f"SELECT COUNT(*) FROM {ident(r.table.name)} WHERE {ident(c.name)} = {_literal(v)}",
+            f"SELECT COUNT(*) FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)}",
         )
 
     def _a_count_num(self, rng: random.Random) -> tuple[str, str] | None:
@@ -234,11 +234,11 @@ class _Aggregates(_Tables):
         if not r:
             return None
         n = rng.choice(r.nums)
-        op, op_w = rng.choice(_OPS)
+        op, op_w = rng.choice(OPS)
         x = self._num_value(n, rng)
         return (
             f"How many {r.nouns} have {words(n.name)} {op_w} {x}?",
-            f"SELECT COUNT(*) FROM {ident(r.table.name)} WHERE {ident(n.name)} {op} {_literal(x)}",
+            f"SELECT COUNT(*) FROM {ident(r.table.name)} WHERE {ident(n.name)} {op} {literal(x)}",
         )
 
     def _a_agg(self, rng: random.Random) -> tuple[str, str] | None:
@@ -246,7 +246,7 @@ class _Aggregates(_Tables):
         if not r:
             return None
         n = rng.choice(r.nums)
-        agg, agg_w = rng.choice(_AGGS)
+        agg, agg_w = rng.choice(AGGS)
         return (
             f"What is the {agg_w} {words(n.name)} of {r.nouns}?",
             f"SELECT {agg}({ident(n.name)}) FROM {ident(r.table.name)}",
@@ -257,11 +257,11 @@ class _Aggregates(_Tables):
         if not r or not r.nums:
             return None
         c, n = rng.choice(r.cats), rng.choice(r.nums)
-        agg, agg_w = rng.choice(_AGGS)
+        agg, agg_w = rng.choice(AGGS)
         v = self._cat_value(c, rng)
         return (
             f"What is the {agg_w} {words(n.name)} of {r.nouns} whose {words(c.name)} is {v}?",
-            f"SELECT {agg}({ident(n.name)}) FROM {ident(r.table.name)} WHERE {ident(c.name)} = {_literal(v)}",
+            f"SELECT {agg}({ident(n.name)}) FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)}",
         )
 
     def _a_distinct(self, rng: random.Random) -> tuple[str, str] | None:
@@ -275,7 +275,7 @@ class _Aggregates(_Tables):
         )
 
 
-class _Grouping(_Tables):
+class _Grouping(Tables):
     """The `grouping` templates: `GROUP BY`, with `HAVING` or ordered."""
 
     def _g_count(self, rng: random.Random) -> tuple[str, str] | None:
@@ -293,7 +293,7 @@ class _Grouping(_Tables):
         if not r or not r.nums:
             return None
         c, n = rng.choice(r.cats), rng.choice(r.nums)
-        agg, agg_w = rng.choice(_AGGS)
+        agg, agg_w = rng.choice(AGGS)
         return (
             f"What is the {agg_w} {words(n.name)} of {r.nouns} for each {words(c.name)}?",
             f"SELECT {ident(c.name)}, {agg}({ident(n.name)}) FROM {ident(r.table.name)} GROUP BY {ident(c.name)}",
@@ -322,7 +322,7 @@ class _Grouping(_Tables):
         )
 
 
-class _Joins(_Tables):
+class _Joins(Tables):
     """The `joins` templates: across a foreign key."""
 
     def _j_names(self, rng: random.Random) -> tuple[str, str] | None:
@@ -334,7 +334,7 @@ class _Joins(_Tables):
         v = self._cat_value(c, rng)
         return (
             f"List the {self._lbl(parent)} of {parent.nouns} that have {article(child.noun)} with {words(c.name)} {v}.",
-            f"SELECT DISTINCT {self._sel(parent, 'T1.')} FROM {on} WHERE T2.{ident(c.name)} = {_literal(v)}",
+            f"SELECT DISTINCT {self._sel(parent, 'T1.')} FROM {on} WHERE T2.{ident(c.name)} = {literal(v)}",
         )
 
     def _j_count(self, rng: random.Random) -> tuple[str, str] | None:
@@ -353,11 +353,11 @@ class _Joins(_Tables):
             return None
         child, _, parent, _, on = j
         n, c = rng.choice(child.nums), rng.choice(parent.cats)
-        agg, agg_w = rng.choice(_AGGS)
+        agg, agg_w = rng.choice(AGGS)
         v = self._cat_value(c, rng)
         return (
             f"What is the {agg_w} {words(n.name)} of {child.nouns} for {parent.nouns} whose {words(c.name)} is {v}?",
-            f"SELECT {agg}(T2.{ident(n.name)}) FROM {on} WHERE T1.{ident(c.name)} = {_literal(v)}",
+            f"SELECT {agg}(T2.{ident(n.name)}) FROM {on} WHERE T1.{ident(c.name)} = {literal(v)}",
         )
 
     def _j_child(self, rng: random.Random) -> tuple[str, str] | None:
@@ -369,7 +369,7 @@ class _Joins(_Tables):
         v = self._cat_value(c, rng)
         return (
             f"List the {self._lbl(child)} of {child.nouns} whose {parent.noun} has {words(c.name)} {v}.",
-            f"SELECT {self._sel(child, 'T2.')} FROM {on} WHERE T1.{ident(c.name)} = {_literal(v)}",
+            f"SELECT {self._sel(child, 'T2.')} FROM {on} WHERE T1.{ident(c.name)} = {literal(v)}",
         )
 
     def _j_num(self, rng: random.Random) -> tuple[str, str] | None:
@@ -378,16 +378,14 @@ class _Joins(_Tables):
             return None
         child, _, parent, _, on = j
         n = rng.choice(parent.nums)
-        op, op_w = rng.choice(_OPS)
+        op, op_w = rng.choice(OPS)
         x = self._num_value(n, rng)
         return (
             f"How many {child.nouns} belong to {parent.nouns} with {words(n.name)} {op_w} {x}?",
-            f"SELECT COUNT(*) FROM {on} WHERE T1.{ident(n.name)} {op} {_literal(x)}",
+            f"SELECT COUNT(*) FROM {on} WHERE T1.{ident(n.name)} {op} {literal(x)}",
         )
 
-    def _named_join(
-        self, rng: random.Random, side: int
-    ) -> tuple[_Role, str, _Role, str, str] | None:
+    def _named_join(self, rng: random.Random, side: int) -> tuple[Role, str, Role, str, str] | None:
         """A join whose parent (`side` 2) or child (`side` 0) has a name to quote."""
         j = self._join(rng)
         return j if j and j[side].named else None
@@ -400,7 +398,7 @@ class _Joins(_Tables):
         v = self._any_value(parent.label, rng)
         return (
             f"List the {self._lbl(child)} of the {child.nouns} of the {parent.noun} {v}.",
-            f"SELECT {self._sel(child, 'T2.')} FROM {on} WHERE T1.{ident(parent.label.name)} = {_literal(v)}",
+            f"SELECT {self._sel(child, 'T2.')} FROM {on} WHERE T1.{ident(parent.label.name)} = {literal(v)}",
         )
 
     def _j_parent_of(self, rng: random.Random) -> tuple[str, str] | None:
@@ -411,7 +409,7 @@ class _Joins(_Tables):
         v = self._any_value(child.label, rng)
         return (
             f"Which {parent.noun} has the {child.noun} {v}? Give its {parent.label_words}.",
-            f"SELECT {self._sel(parent, 'T1.')} FROM {on} WHERE T2.{ident(child.label.name)} = {_literal(v)}",
+            f"SELECT {self._sel(parent, 'T1.')} FROM {on} WHERE T2.{ident(child.label.name)} = {literal(v)}",
         )
 
     def _j_count_in(self, rng: random.Random) -> tuple[str, str] | None:
@@ -422,7 +420,7 @@ class _Joins(_Tables):
         v = self._any_value(parent.label, rng)
         return (
             f"How many {child.nouns} does the {parent.noun} {v} have?",
-            f"SELECT COUNT(*) FROM {on} WHERE T1.{ident(parent.label.name)} = {_literal(v)}",
+            f"SELECT COUNT(*) FROM {on} WHERE T1.{ident(parent.label.name)} = {literal(v)}",
         )
 
     def _j_agg_in(self, rng: random.Random) -> tuple[str, str] | None:
@@ -431,10 +429,10 @@ class _Joins(_Tables):
             return None
         child, _, parent, _, on = j
         n, v = rng.choice(child.nums), self._any_value(parent.label, rng)
-        agg, agg_w = rng.choice(_AGGS)
+        agg, agg_w = rng.choice(AGGS)
         return (
             f"What is the {agg_w} {words(n.name)} of the {child.nouns} of the {parent.noun} {v}?",
-            f"SELECT {agg}(T2.{ident(n.name)}) FROM {on} WHERE T1.{ident(parent.label.name)} = {_literal(v)}",
+            f"SELECT {agg}(T2.{ident(n.name)}) FROM {on} WHERE T1.{ident(parent.label.name)} = {literal(v)}",
         )
 
 

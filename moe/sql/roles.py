@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from moe.sql.sandbox import Column, Schema, Table, ident
 
-_OPS = [(">", "greater than"), ("<", "less than"), (">=", "at least"), ("<=", "at most")]
-_AGGS = [("AVG", "average"), ("MAX", "maximum"), ("MIN", "minimum"), ("SUM", "total")]
+OPS = [(">", "greater than"), ("<", "less than"), (">=", "at least"), ("<=", "at most")]
+AGGS = [("AVG", "average"), ("MAX", "maximum"), ("MIN", "minimum"), ("SUM", "total")]
 _ISO_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}")
 _FIRST = re.compile(r"^(first|given|fore)_?name$", re.I)
 _LAST = re.compile(r"^(last|sur|family)_?name$", re.I)
@@ -42,7 +42,7 @@ def article(word: str) -> str:
     return ("an " if word[:1].lower() in "aeiou" else "a ") + word
 
 
-def _literal(v: object) -> str:
+def literal(v: object) -> str:
     if isinstance(v, float):
         return repr(round(v, 2))
     if isinstance(v, (int, bool)):
@@ -65,7 +65,7 @@ def _date_like(c: Column) -> bool:
 
 
 @dataclass
-class _Role:
+class Role:
     """What a table offers the templates."""
 
     table: Table
@@ -88,7 +88,7 @@ class _Role:
         return self.label in self.names
 
 
-def _roles(schema: Schema) -> dict[str, _Role]:
+def table_roles(schema: Schema) -> dict[str, Role]:
     out = {}
     for t in schema.tables:
         if not t.rows or not t.columns:
@@ -122,27 +122,27 @@ def _roles(schema: Schema) -> dict[str, _Role]:
             label, labels, label_words = first, [first, last], "name"
         fks = [c for c in t.columns if c.references and c.values and not c.pk]
         noun = words(t.name)
-        out[t.name] = _Role(
+        out[t.name] = Role(
             t, noun, plural(noun), label, labels, label_words, key, nums, cats, names, dates,
             attrs, fks,
         )  # fmt: skip
     return out
 
 
-class _Tables:
+class Tables:
     """What a database's schema offers the templates: each table's role, the foreign keys
     to join on, and the pieces every template uses."""
 
     def __init__(self, schema: Schema) -> None:
         self.schema = schema
-        self.roles = _roles(schema)
+        self.roles = table_roles(schema)
         self.joins = [
             (self.roles[child], fk, self.roles[parent], pcol)
             for child, fk, parent, pcol in schema.foreign_keys
             if child in self.roles and parent in self.roles and child != parent
         ]
 
-    def _pick(self, rng: random.Random, need: str) -> _Role | None:
+    def _pick(self, rng: random.Random, need: str) -> Role | None:
         ok = [r for r in self.roles.values() if getattr(r, need)]
         return rng.choice(ok) if ok else None
 
@@ -163,15 +163,15 @@ class _Tables:
         """One of the column's sampled values (a name: any of them, not only the commonest)."""
         return rng.choice(c.values)
 
-    def _lbl(self, r: _Role) -> str:
+    def _lbl(self, r: Role) -> str:
         return plural(r.label_words)
 
     @staticmethod
-    def _sel(r: _Role, alias: str = "") -> str:
+    def _sel(r: Role, alias: str = "") -> str:
         """What the SELECT lists for the table's label: `name`, or `firstname, lastname`."""
         return ", ".join(alias + ident(c.name) for c in r.labels)
 
-    def _join(self, rng: random.Random) -> tuple[_Role, str, _Role, str, str] | None:
+    def _join(self, rng: random.Random) -> tuple[Role, str, Role, str, str] | None:
         if not self.joins:
             return None
         child, fk, parent, pcol = rng.choice(self.joins)
