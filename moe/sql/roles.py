@@ -73,7 +73,6 @@ class Role:
     nouns: str  # plural
     label: Column  # what a question asks for (a name-like column, else the key)
     labels: list[Column]  # what the SELECT lists for it: the label, or first and last name
-    label_words: str  # the label in a question: 'title', 'name' (for first and last name)
     key: Column | None
     nums: list[Column]
     cats: list[Column]
@@ -81,6 +80,11 @@ class Role:
     dates: list[Column]  # dates and times: ordered (earliest, latest), never a name
     attrs: list[Column]  # other text with values (a composer, a city): filtered by equality
     fks: list[Column]  # foreign-key columns with values: filtered by the parent's key
+
+    @property
+    def label_words(self) -> str:
+        """The label in a question: 'title', or 'name' for a first and last name."""
+        return "name" if len(self.labels) > 1 else words(self.label.name)
 
     @property
     def named(self) -> bool:
@@ -117,13 +121,13 @@ def table_roles(schema: Schema) -> dict[str, Role]:
         label = (named or names or ([key] if key else []) or t.columns)[0]
         first = next((c for c in names if _FIRST.match(c.name)), None)
         last = next((c for c in names if _LAST.match(c.name)), None)
-        labels, label_words = [label], words(label.name)
+        labels = [label]
         if first and last:  # a person: their name is both columns
-            label, labels, label_words = first, [first, last], "name"
+            label, labels = first, [first, last]
         fks = [c for c in t.columns if c.references and c.values and not c.pk]
         noun = words(t.name)
         out[t.name] = Role(
-            t, noun, plural(noun), label, labels, label_words, key, nums, cats, names, dates,
+            t, noun, plural(noun), label, labels, key, nums, cats, names, dates,
             attrs, fks,
         )  # fmt: skip
     return out
