@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -80,6 +82,25 @@ def processes(cfg: Config, stage: str) -> int:
 INPUT_ERROR = "input_error.txt"
 
 
+RANKS_GRACE_S = 120.0  # how long the ranks get to save the step they are in
+
+
+def _stop_ranks(proc: subprocess.Popen[bytes]) -> None:
+    """torchrun passes a SIGTERM on to the ranks, which save the step they are in and end
+    (tasks/training.py saving_on_sigterm); killed after RANKS_GRACE_S or a second interrupt.
+    (subprocess.run would SIGKILL torchrun at once and leave the ranks training, orphaned.)"""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=RANKS_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    except BaseException:
+        proc.kill()
+        raise
+
+
 def torchrun(
     cfg: Config,
     stage: str,
@@ -93,7 +114,6 @@ def torchrun(
     """Run this training stage under torchrun with `nproc` processes on this machine (data
     parallel + expert parallel, moe/train/distributed.py); rank 0 writes the outputs. The metrics
     rows are replayed into log_fn (W&B) afterwards. A rank that dies fails the launch."""
-    import subprocess
     import sys
 
     nproc = processes(cfg, stage)
@@ -127,7 +147,12 @@ def torchrun(
     import psutil
 
     env = {**os.environ, "MOE_ATTEMPT_STARTED": str(psutil.Process().create_time())}
-    proc = subprocess.run(cmd, cwd=Path.cwd(), env=env)
+    proc = subprocess.Popen(cmd, cwd=Path.cwd(), env=env)
+    try:
+        proc.wait()
+    except BaseException:  # a SIGTERM (Prefect's TerminationSignal) or Ctrl-C reached us
+        _stop_ranks(proc)
+        raise
     if refused.is_file():
         raise InputError(refused.read_text())
     if proc.returncode != 0 or not result_file.is_file():

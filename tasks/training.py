@@ -2,15 +2,22 @@
 fit-and-save around the trainer, and its price and resilience settings.
 
 A retry of either task resumes from its newest valid checkpoint (the trainer looks for one
-before it starts), so a machine that dies costs at most `checkpoint_every` steps.
+before it starts), so a machine that dies costs at most `checkpoint_every` steps. Under
+torchrun a SIGTERM (a spot reclaim, an eviction: tasks/launch.py passes it on) costs less:
+the ranks end the step they are in, save it, and end by the signal as they would have, so
+the stage's next run resumes from that step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -107,6 +114,55 @@ def adapter_spec(trainer: Trainer, init: Path | None) -> dict:
     }
 
 
+@contextlib.contextmanager
+def saving_on_sigterm(stage: str) -> Iterator[Callable[[], bool]]:
+    """While training: a SIGTERM asks the trainer to save the step it is in and stop
+    (`Trainer.interrupted`, the function yielded); a second SIGTERM acts at once as before.
+    On leaving, the handler that was there gets the signal, so the process ends as it would
+    have, one checkpoint later. This is the ranks' case under torchrun, which passes a
+    SIGTERM on to them (tasks/launch.py), and a stage run outside Prefect. Under Prefect's
+    handler (a flow run's own process), outside the main thread, or with SIGTERM ignored,
+    nothing changes."""
+    from prefect.utilities.engine import is_prefect_sigterm_handler_installed
+
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    # Prefect's own handler stays: a worker cancelling a run checks that it is installed
+    # before it says so, and a run it does not hear cancelled would be recorded Crashed.
+    if previous == signal.SIG_IGN or is_prefect_sigterm_handler_installed():
+        yield lambda: False
+        return
+    got: list[int] = []
+
+    def notice(signum: int, frame: object) -> None:
+        if got:  # asked twice: no more waiting for the step
+            signal.signal(signal.SIGTERM, previous)
+            _deliver(previous, signum, frame)
+        got.append(signum)
+
+    signal.signal(signal.SIGTERM, notice)
+    try:
+        yield lambda: bool(got)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if got:
+        log.warning("%s: SIGTERM: the step in progress was saved; ending now", stage)
+        _deliver(previous, signal.SIGTERM, None)
+        # a handler that returned: end the stage anyway, unfinished (it must not be saved)
+        raise SystemExit(128 + signal.SIGTERM)
+
+
+def _deliver(handler: object, signum: int, frame: object) -> None:
+    """What `handler` (a signal.getsignal value) would have done with the signal."""
+    if callable(handler):
+        handler(signum, frame)
+    elif handler != signal.SIG_IGN:  # the default (or unknown: set outside Python): end
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
 def fit_and_save(
     cfg: Config, trainer: Trainer, out_dir: Path, run_key: str, init: Path | None = None
 ) -> TrainResult:
@@ -114,13 +170,15 @@ def fit_and_save(
     Under torchrun every rank trains; the experts are gathered and rank 0 writes. A bar on a
     terminal and a Prefect progress artifact follow the steps (tasks/progress.py)."""
     stage = run_key.split("/", 1)[0]
-    try:
-        with training_log(
-            stage, trainer.cfg.max_steps, trainer.metrics.log_fn, row_events(cfg, stage)
-        ) as trainer.metrics.log_fn:
-            result = trainer.fit()
-    finally:  # a failed run's checkpoint being written still lands (a retry resumes from it)
-        trainer.checkpointer.store.close()
+    # A SIGTERM's step is saved and landed; then the signal ends the run (nothing below runs).
+    with saving_on_sigterm(stage) as trainer.interrupted:
+        try:
+            with training_log(
+                stage, trainer.cfg.max_steps, trainer.metrics.log_fn, row_events(cfg, stage)
+            ) as trainer.metrics.log_fn:
+                result = trainer.fit()
+        finally:  # a failed run's checkpoint being written still lands (a retry resumes from it)
+            trainer.checkpointer.store.close()
     model = trainer.model
     adapted = has_adapters(model)
     if trainer.ranks.meshes is not None:

@@ -483,3 +483,84 @@ def test_a_broken_hugging_face_init_fails_every_rank_at_once(
     assert "the import failed on another machine's first process" in err, err[-3000:]
     # Nothing half-written: no model, no part of the streamed import.
     assert not (out / "model.safetensors").exists() and not (out / ".init").exists()
+
+
+SIGTERM_RANKS = """
+import pickle, sys
+from pathlib import Path
+from prefect import flow
+from tasks.pretraining import pretrain_model
+
+cfg, data, out = pickle.loads(Path(sys.argv[1]).read_bytes())
+flow(name="stage")(lambda: pretrain_model(cfg, data, out, lambda row: None))()
+print("the flow returned", flush=True)
+"""
+
+
+def test_a_sigterm_reaches_the_ranks_which_save_their_step_and_end(
+    tmp_path: Path, prefect_server: dict[str, str]
+) -> None:
+    """The pipeline's process gets a SIGTERM (a spot reclaim, an eviction) while its stage
+    trains on 2 processes under torchrun: the launcher passes it to torchrun, which passes
+    it to the ranks; they agree on the step, save it together and end. Nothing is left
+    running (before, torchrun was SIGKILLed and the ranks trained on, orphaned), and the
+    newest checkpoint is the step they stopped at, not the last regular one (there is none:
+    one is due every 10,000 steps). The signal is sent once rank 0 has logged step 2."""
+    import pickle
+    import signal
+    import time
+
+    import psutil
+
+    from tests.conftest import cli_env
+    from tests.test_train import _data
+
+    cfg = torchrun_config("cpu")
+    cfg.pretrain.max_steps = cfg.pretrain.checkpoint_every = 10_000
+    cfg.pretrain.eval_every = 10_000
+    out = tmp_path / "model"
+    args = tmp_path / "args.pickle"
+    args.write_bytes(pickle.dumps((cfg, _data(tmp_path / "data"), out)))
+    log = tmp_path / "stage.log"
+    env = {**cli_env(prefect_server), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SIGTERM_RANKS, str(args)],
+            cwd=ROOT,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
+    tree: list[psutil.Process] = []
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 300  # a bound on the wait, not the verdict
+        while not (
+            metrics.is_file()
+            and any(json.loads(x).get("step", 0) >= 2 for x in metrics.read_text().split("\n")[:-1])
+        ):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        ranks = [p for p in tree if "torch.distributed.run" not in p.cmdline()]
+        assert len(ranks) == 2, [p.cmdline() for p in tree]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=240) == -signal.SIGTERM, log.read_text()[-3000:]
+        left = [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:  # on a failure too: nothing of this test trains on
+        if proc.poll() is None:
+            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        for p in tree:
+            if p.is_running():
+                p.kill()
+        proc.wait(timeout=60)
+    said = log.read_text()
+    assert "the flow returned" not in said
+    assert not left, "processes left running after the stage ended"
+    stopped = [x for x in said.splitlines() if "stopping at step" in x and "interrupted" in x]
+    assert stopped, said[-3000:]
+    step = int(stopped[0].split("stopping at step ")[1].split(":")[0])
+    assert step >= 2
+    newest = CheckpointStore(out / "checkpoints").latest_valid()
+    assert newest is not None and newest.name == f"step_{step:08d}", said[-3000:]
+    assert not (out / "model.safetensors").exists()  # an unfinished stage writes no model

@@ -168,3 +168,85 @@ def test_checkpoint_every_auto_reaches_the_trainer_from_the_stage_pool(tmp_path:
         intervals[hours] = result.resilience["checkpoint_interval"]
         assert intervals[hours]["mtbi_s"] == hours * 3600
     assert intervals[0.5]["rule"] == intervals[4.0]["rule"]
+
+
+SIGTERM_SCRIPT = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    from pathlib import Path
+    import numpy as np
+    from moe.checkpoint.store import CheckpointStore
+    from moe.checkpoint.tensors import weights_digest
+    from moe.data.tokens import token_dtype, write_token_store
+    from tasks.config import load_config
+    from tasks.pretraining import pretrain_model
+
+    work, mode = Path(sys.argv[1]), sys.argv[2]
+    data = work / "data"
+    if not data.is_dir():
+        data.mkdir()
+        rng = np.random.default_rng(0)
+        docs = [rng.integers(1, 60, 300).tolist() for _ in range(20)]
+        counts = write_token_store(iter(map(str, range(20))), lambda b: [docs[int(i)] for i in b], 0, 64, data, {"val": 0.2}, 1)
+        (data / "meta.json").write_text(json.dumps({"dtype": str(token_dtype(64)), "vocab_size": 64, "splits": counts}))
+    cfg = load_config(None, [
+        "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=16", "model.dense_hidden=32",
+        "moe.num_experts=4", "moe.expert_hidden=32", "pretrain.max_steps=10", "pretrain.batch_size=4", "pretrain.device=cpu",
+        "pretrain.checkpoint_every=100", "pretrain.log_every=1", "pretrain.eval_every=5", "pretrain.eval_batches=1",
+        "finetune_sql.max_len=16", "finetune_domain.max_len=16",
+    ])
+    digest = lambda d: weights_digest(CheckpointStore(d / "checkpoints").load(CheckpointStore(d / "checkpoints").latest_valid()).model)
+    if mode == "signal":  # the machine gives notice at step 6 (a rank's case: no Prefect here)
+        def notice(row):
+            if row.get("step") == 6 and "loss" in row:
+                print("SIGTERM at step 6", flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        pretrain_model.fn(cfg, data, work / "cut", notice)
+        print("the stage returned", flush=True)
+    else:  # the stage's next run, and one never interrupted
+        again = pretrain_model.fn(cfg, data, work / "cut", lambda row: None)
+        straight = pretrain_model.fn(cfg, data, work / "straight", lambda row: None)
+        print(json.dumps({"resumed_from": again.resumed_from, "steps": again.steps,
+                          "same": digest(work / "cut") == digest(work / "straight")}))
+    """
+)
+
+
+def test_a_sigterm_saves_the_step_in_progress_and_the_next_run_resumes_from_it(
+    tmp_path: Path, prefect_server: dict[str, str]
+) -> None:
+    """A spot reclaim or an eviction gives notice by SIGTERM, which torchrun passes to its
+    ranks: a training task outside a Prefect flow run, as a rank runs it. With checkpoints
+    due only every 100 steps, the SIGTERM sent at step 6 of 10 (from the training itself: a
+    condition, not a time) still leaves a checkpoint of step 6; the process ends by the
+    signal, with no final model written; the stage's next run resumes from step 6 and ends
+    with the weights of a run never interrupted."""
+    import signal
+
+    from moe.checkpoint.store import CheckpointStore
+
+    env = {**os.environ, **prefect_server, "PYTHONPATH": str(ROOT)}
+
+    def run(mode: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", SIGTERM_SCRIPT, str(tmp_path), mode],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    cut = run("signal")
+    said = cut.stdout + cut.stderr
+    assert cut.returncode == -signal.SIGTERM, said[-3000:]
+    assert "SIGTERM at step 6" in said and "the stage returned" not in said
+    assert "stopping at step 6: interrupted" in said, said[-3000:]
+    store = CheckpointStore(tmp_path / "cut" / "checkpoints")
+    assert store.latest_valid() is not None and store.latest_valid().name == "step_00000006"
+    assert not list((tmp_path / "cut").glob("*.safetensors"))  # not a finished stage
+
+    after = run("resume")
+    assert after.returncode == 0, after.stderr[-3000:]
+    out = json.loads(after.stdout.strip().splitlines()[-1])
+    assert out == {"resumed_from": 6, "steps": 10, "same": True}

@@ -48,6 +48,10 @@ from moe.train.validation import BatchSource, Validation, validation_loss
 
 log = logging.getLogger(__name__)
 
+# The stop reason when `Trainer.interrupted` asked for a stop (the machine is going away):
+# the step's checkpoint is written and the attempt stays open in the journal (not finished).
+INTERRUPTED = "interrupted"
+
 
 @dataclass
 class TrainResult:
@@ -121,18 +125,23 @@ class Trainer:
         resilience: Resilience | None = None,
         weights: Path | None = None,
         base_sha256: str | None = None,
+        interrupted: Callable[[], bool] | None = None,
     ) -> None:
         """`model` may be built on the meta device when training under torchrun: it is then
         sharded first and each rank fills its shards only, from `weights` (a safetensors
         file in the model's names) or, without it, with the initialisation one process
         would draw after the same seed. `base_sha256`: the frozen base's digest when the
-        model trains adapters (moe/train/method.py); checkpoints then hold what trains."""
+        model trains adapters (moe/train/method.py); checkpoints then hold what trains.
+        `interrupted`: asked after each step whether to stop now (a SIGTERM's notice that
+        the machine is going away, tasks/training.py); then the step is saved at once and
+        fit() returns with stop_reason INTERRUPTED. Every rank must pass one or none."""
         self.ranks = Ranks(cfg)
         self.ranks.place(model, cfg, weights)
         self.cfg, self.batches = cfg, batches
         self.expert_warmup = expert_warmup  # False for finetuning: no uniform routing again
         self.validation = validation
         self.metrics = MetricsLog(self.ranks.rank, log_fn, metrics_path)
+        self.interrupted = interrupted
         self.stop_after = stop_after  # testing aid: return after this many steps (simulates a kill)
         # Every decision that reads the time (cost, budget stops, time_budget_s, the lr under a
         # time budget) reads this clock: tests inject one so they do not depend on CPU speed.
@@ -322,9 +331,14 @@ class Trainer:
 
     def _stop_decision(self, run: _Run, lr: float) -> str | None:
         """Why training stops after this step, or None: early stopping on a validation
-        (validates when due), the stage's share of the cost budget, the time budget."""
+        (validates when due), the stage's share of the cost budget, the time budget; first,
+        a stop asked for from outside (no validation then: the notice may be short)."""
         reason = None
         v, progress = self.validation, self.state.progress
+        # ranks agree: one signalled rank stops them all at this step (its save is collective)
+        if self.interrupted is not None and self.ranks.agree_max(float(self.interrupted())):
+            self.stop.record(self.step, INTERRUPTED, progress.elapsed_s)
+            return INTERRUPTED
         if v and v.every and (self.step % v.every == 0 or self.step == self.cfg.max_steps):
             run.val_loss = self._validate()
             if run.val_loss is not None:
@@ -384,12 +398,15 @@ class Trainer:
         path = store.latest_valid()
         resilience: dict[str, Any] = {}
         if self.journal is not None and self.ranks.rank == 0:
-            if stop_reason != "stop_after":  # stop_after stands in for a kill: no "finished"
+            # stop_after stands in for a kill, and an interrupted attempt resumes: no "finished"
+            if stop_reason not in ("stop_after", INTERRUPTED):
                 self.journal.finish(self.step)
             resilience = self.journal.summary(self.state.progress.elapsed_s)
         if self.cadence.interval is not None:
             resilience["checkpoint_interval"] = self.cadence.interval.as_dict()
-        val_loss = run.val_loss if run.val_loss is not None else self.evaluate()
+        val_loss = run.val_loss
+        if val_loss is None and stop_reason != INTERRUPTED:  # no validation on short notice
+            val_loss = self.evaluate()
         return _report(self, run, stop_reason, path, val_loss, resilience)
 
 
