@@ -2,10 +2,9 @@
 fit-and-save around the trainer, and its price and resilience settings.
 
 A retry of either task resumes from its newest valid checkpoint (the trainer looks for one
-before it starts), so a machine that dies costs at most `checkpoint_every` steps. Under
-torchrun a SIGTERM (a spot reclaim, an eviction: tasks/launch.py passes it on) costs less:
-the ranks end the step they are in, save it, and end by the signal as they would have, so
-the stage's next run resumes from that step.
+before it starts), so a machine that dies costs at most `checkpoint_every` steps. One that
+gives notice by SIGTERM (a spot reclaim, an eviction) costs about one step: the step is
+saved, then the process ends by the signal as it would have (`saving_on_sigterm`).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -115,24 +114,32 @@ def adapter_spec(trainer: Trainer, init: Path | None) -> dict:
 
 
 @contextlib.contextmanager
-def saving_on_sigterm(stage: str) -> Iterator[Callable[[], bool]]:
-    """While training: a SIGTERM asks the trainer to save the step it is in and stop
-    (`Trainer.interrupted`, the function yielded); a second SIGTERM acts at once as before.
-    On leaving, the handler that was there gets the signal, so the process ends as it would
-    have, one checkpoint later. This is the ranks' case under torchrun, which passes a
-    SIGTERM on to them (tasks/launch.py), and a stage run outside Prefect. Under Prefect's
-    handler (a flow run's own process), outside the main thread, or with SIGTERM ignored,
-    nothing changes."""
+def saving_on_sigterm(trainer: Trainer, stage: str) -> Iterator[None]:
+    """While `trainer` trains, a SIGTERM (a spot reclaim, an eviction) costs one step, not a
+    checkpoint interval.
+
+    - Under Prefect's handler (a flow run's own process) the handler stays: a worker that
+      cancels a run checks that it is installed first, and a run it does not hear cancelled
+      would be recorded Crashed. Its TerminationSignal, raised in a step's forward or
+      backward, saves the step before (`Trainer.notice`); raised elsewhere, nothing is saved.
+    - Otherwise (a rank under torchrun, which passes a SIGTERM on to them: tasks/launch.py;
+      a stage run outside Prefect) a SIGTERM asks the trainer to save the step it is in and
+      stop (`Trainer.interrupted`), and a second one acts at once. Then the handler that was
+      there gets the signal, so the process ends as it would have, one checkpoint later.
+    - Outside the main thread, or with SIGTERM ignored, nothing changes."""
+    from prefect.exceptions import TerminationSignal
     from prefect.utilities.engine import is_prefect_sigterm_handler_installed
 
     if threading.current_thread() is not threading.main_thread():
-        yield lambda: False
+        yield
         return
     previous = signal.getsignal(signal.SIGTERM)
-    # Prefect's own handler stays: a worker cancelling a run checks that it is installed
-    # before it says so, and a run it does not hear cancelled would be recorded Crashed.
-    if previous == signal.SIG_IGN or is_prefect_sigterm_handler_installed():
-        yield lambda: False
+    if is_prefect_sigterm_handler_installed():
+        trainer.notice = (TerminationSignal,)
+        yield
+        return
+    if previous == signal.SIG_IGN:
+        yield
         return
     got: list[int] = []
 
@@ -143,8 +150,9 @@ def saving_on_sigterm(stage: str) -> Iterator[Callable[[], bool]]:
         got.append(signum)
 
     signal.signal(signal.SIGTERM, notice)
+    trainer.interrupted = lambda: bool(got)
     try:
-        yield lambda: bool(got)
+        yield
     finally:
         signal.signal(signal.SIGTERM, previous)
     if got:
@@ -171,7 +179,7 @@ def fit_and_save(
     terminal and a Prefect progress artifact follow the steps (tasks/progress.py)."""
     stage = run_key.split("/", 1)[0]
     # A SIGTERM's step is saved and landed; then the signal ends the run (nothing below runs).
-    with saving_on_sigterm(stage) as trainer.interrupted:
+    with saving_on_sigterm(trainer, stage):
         try:
             with training_log(
                 stage, trainer.cfg.max_steps, trainer.metrics.log_fn, row_events(cfg, stage)

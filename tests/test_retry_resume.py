@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent(
@@ -204,6 +206,21 @@ SIGTERM_SCRIPT = textwrap.dedent(
 
         pretrain_model.fn(cfg, data, work / "cut", notice)
         print("the stage returned", flush=True)
+    elif mode == "flow":  # in a Prefect flow run: the notice comes during step 7's forward
+        from prefect import flow
+        from moe.train.trainer import Trainer
+
+        forward_backward = Trainer._forward_backward
+
+        def noticed(self, run):
+            if self.step == 6:
+                print("SIGTERM in step 7", flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)  # Prefect's handler raises here
+            return forward_backward(self, run)
+
+        Trainer._forward_backward = noticed
+        flow(name="stage")(lambda: pretrain_model(cfg, data, work / "cut", lambda row: None))()
+        print("the stage returned", flush=True)
     else:  # the stage's next run, and one never interrupted
         again = pretrain_model.fn(cfg, data, work / "cut", lambda row: None)
         straight = pretrain_model.fn(cfg, data, work / "straight", lambda row: None)
@@ -213,15 +230,21 @@ SIGTERM_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("where", ["rank", "flow"])
 def test_a_sigterm_saves_the_step_in_progress_and_the_next_run_resumes_from_it(
-    tmp_path: Path, prefect_server: dict[str, str]
+    tmp_path: Path, prefect_server: dict[str, str], where: str
 ) -> None:
     """A spot reclaim or an eviction gives notice by SIGTERM, which torchrun passes to its
     ranks: a training task outside a Prefect flow run, as a rank runs it. With checkpoints
     due only every 100 steps, the SIGTERM sent at step 6 of 10 (from the training itself: a
     condition, not a time) still leaves a checkpoint of step 6; the process ends by the
     signal, with no final model written; the stage's next run resumes from step 6 and ends
-    with the weights of a run never interrupted."""
+    with the weights of a run never interrupted.
+
+    `flow`: the stage's task in a Prefect flow run, whose SIGTERM handler stays (a worker's
+    cancel needs it): the signal, sent as step 7's forward begins, raises Prefect's
+    TerminationSignal there; step 6 is saved, the run is Crashed and the process ends by the
+    signal, as Prefect ends it."""
     import signal
 
     from moe.checkpoint.store import CheckpointStore
@@ -237,11 +260,13 @@ def test_a_sigterm_saves_the_step_in_progress_and_the_next_run_resumes_from_it(
             timeout=300,
         )
 
-    cut = run("signal")
+    cut = run("signal" if where == "rank" else "flow")
     said = cut.stdout + cut.stderr
     assert cut.returncode == -signal.SIGTERM, said[-3000:]
-    assert "SIGTERM at step 6" in said and "the stage returned" not in said
+    assert "SIGTERM" in said and "the stage returned" not in said
     assert "stopping at step 6: interrupted" in said, said[-3000:]
+    if where == "flow":
+        assert "Crashed" in said and "termination signal" in said, said[-3000:]
     store = CheckpointStore(tmp_path / "cut" / "checkpoints")
     assert store.latest_valid() is not None and store.latest_valid().name == "step_00000006"
     assert not list((tmp_path / "cut").glob("*.safetensors"))  # not a finished stage

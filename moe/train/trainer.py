@@ -20,7 +20,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +43,7 @@ from moe.train.metrics import MetricsLog, Window
 from moe.train.optim import LrSchedule, build_optimizer
 from moe.train.ranks import Ranks
 from moe.train.resilience import AttemptJournal, begin_attempt
+from moe.train.rng import rng_state, set_rng_state
 from moe.train.stop import Budget, StopPolicy
 from moe.train.validation import BatchSource, Validation, validation_loss
 
@@ -101,6 +102,7 @@ class _Run:
     last_loss: float = float("nan")
     val_loss: float | None = None
     aux: Any = None  # the last forward's routing statistics
+    saved: int | None = None  # the step of the newest checkpoint this run made or resumed
 
 
 class Trainer:
@@ -126,6 +128,7 @@ class Trainer:
         weights: Path | None = None,
         base_sha256: str | None = None,
         interrupted: Callable[[], bool] | None = None,
+        notice: tuple[type[BaseException], ...] = (),
     ) -> None:
         """`model` may be built on the meta device when training under torchrun: it is then
         sharded first and each rank fills its shards only, from `weights` (a safetensors
@@ -134,14 +137,18 @@ class Trainer:
         model trains adapters (moe/train/method.py); checkpoints then hold what trains.
         `interrupted`: asked after each step whether to stop now (a SIGTERM's notice that
         the machine is going away, tasks/training.py); then the step is saved at once and
-        fit() returns with stop_reason INTERRUPTED. Every rank must pass one or none."""
+        fit() returns with stop_reason INTERRUPTED. Every rank must pass one or none.
+        `notice`: exceptions that say the machine is going away (Prefect's TerminationSignal
+        from a SIGTERM). One raised in a step's forward or backward, where the weights and
+        the optimizer still hold the step before, saves that step and is raised again; one
+        raised elsewhere (the update, a save) is raised as it is. One process only."""
         self.ranks = Ranks(cfg)
         self.ranks.place(model, cfg, weights)
         self.cfg, self.batches = cfg, batches
         self.expert_warmup = expert_warmup  # False for finetuning: no uniform routing again
         self.validation = validation
         self.metrics = MetricsLog(self.ranks.rank, log_fn, metrics_path)
-        self.interrupted = interrupted
+        self.interrupted, self.notice = interrupted, notice
         self.stop_after = stop_after  # testing aid: return after this many steps (simulates a kill)
         # Every decision that reads the time (cost, budget stops, time_budget_s, the lr under a
         # time budget) reads this clock: tests inject one so they do not depend on CPU speed.
@@ -201,8 +208,9 @@ class Trainer:
         stop_reason = "max_steps"
         while self.step < self.cfg.max_steps:
             t_step = self.clock()
-            lr = self._set_lr()
-            loss, counts = self._forward_backward(run)
+            with self._saving_on_notice(run):
+                lr = self._set_lr()
+                loss, counts = self._forward_backward(run)
             grad_norm = self._optimizer_step(run, counts)
             self._account_time(t_step)
             run.steps += 1
@@ -244,7 +252,29 @@ class Trainer:
             step0=self.step,
             params=[p for p in self.model.parameters() if p.requires_grad],
             window=Window(self.clock()),
+            saved=resumed,
         )
+
+    @contextlib.contextmanager
+    def _saving_on_notice(self, run: _Run) -> Iterator[None]:
+        """Save the step before when a `notice` exception cuts this step's forward or
+        backward: the weights and optimizer are untouched yet, and the random generators and
+        token count are put back to where the step began, as a save there would hold them."""
+        if not self.notice or self.ranks.world > 1:  # ranks: `interrupted` (a collective save)
+            yield
+            return
+        rng, tokens = rng_state(), self.state.progress.tokens
+        try:
+            yield
+        except self.notice:
+            self.optimizer.zero_grad(set_to_none=True)
+            set_rng_state(*rng)
+            self.state.progress.tokens = tokens
+            self.stop.record(self.step, INTERRUPTED, self.state.progress.elapsed_s)
+            if self.step not in (0, run.saved):
+                self.checkpointer.save(run.val_loss)
+                self.checkpointer.store.flush()
+            raise
 
     def _set_lr(self) -> float:
         """This step's learning rate (and the routing schedule's position)."""
@@ -382,6 +412,7 @@ class Trainer:
             return
         t_save = self.clock()
         self.checkpointer.save(run.val_loss)
+        run.saved = self.step
         # What the save cost the training thread (the copy; encoding and writing happen on
         # the store's worker thread in background mode).
         stall = self.clock() - t_save
