@@ -463,8 +463,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def exit_on_sigterm() -> None:
+    """A SIGTERM ends the command as an exit does, not as the default action does: atexit
+    runs, so Prefect's temporary server (no PREFECT_API_URL) and W&B's service process
+    stop with it instead of running on, orphaned. Inside a flow run Prefect's own handler
+    acts first, then gives the signal to this one."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and (
+        signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    ):
+        signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    exit_on_sigterm()
     try:
         return args.handler(args)
     except InputError as e:

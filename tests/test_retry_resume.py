@@ -275,3 +275,71 @@ def test_a_sigterm_saves_the_step_in_progress_and_the_next_run_resumes_from_it(
     assert after.returncode == 0, after.stderr[-3000:]
     out = json.loads(after.stdout.strip().splitlines()[-1])
     assert out == {"resumed_from": 6, "steps": 10, "same": True}
+
+
+ORPHANS_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import psutil
+    from prefect import flow, task
+    from flows.cli import exit_on_sigterm
+
+    if sys.argv[1] == "cli":
+        exit_on_sigterm()
+
+    @task
+    def work():
+        me = psutil.Process()
+        servers = [p.pid for p in me.children() if "uvicorn" in " ".join(p.cmdline())]
+        print("servers", *servers, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    flow(name="stage")(lambda: work())()
+    """
+)
+
+
+@pytest.mark.parametrize("handler", ["cli", "default"])
+def test_a_sigterm_stops_prefects_temporary_server_with_the_command(
+    tmp_path: Path, handler: str
+) -> None:
+    """Without PREFECT_API_URL a command's flow run starts Prefect's temporary server as a
+    child process. SIGTERM's default action ends the command without atexit, so that server
+    ran on, orphaned (`default`: the check that it still does, so the test can fail). With
+    the CLI's handler (`moe-pipeline` installs it) the command exits 143 and the server
+    stops with it."""
+    import signal
+    import time
+
+    import psutil
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = tmp_path / "out.log"
+    with open(out, "w") as f:  # a file, not a pipe: an orphaned server would hold a pipe open
+        r = subprocess.run(
+            [sys.executable, "-c", ORPHANS_SCRIPT, handler],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=300,
+        )
+    said = out.read_text()
+    [line] = [x for x in said.splitlines() if x.startswith("servers")]
+    servers = [psutil.Process(int(pid)) for pid in line.split()[1:] if psutil.pid_exists(int(pid))]
+    assert line.split()[1:], said[-3000:]  # the command had started its temporary server
+    try:
+        deadline = time.monotonic() + 30  # what an exit's stop of the server may take
+        while handler == "cli" and any(p.is_running() for p in servers):
+            assert time.monotonic() < deadline, [p.pid for p in servers]
+            time.sleep(0.2)
+        left = [p.pid for p in servers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if handler == "cli":
+            assert r.returncode == 128 + signal.SIGTERM, said[-3000:]
+            assert not left, left
+        else:
+            assert r.returncode == -signal.SIGTERM and left, (r.returncode, servers)
+    finally:
+        for p in servers:
+            if p.is_running():
+                p.kill()
