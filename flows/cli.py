@@ -479,7 +479,8 @@ def exit_on_sigterm() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    exit_on_sigterm()
+    if argv is None:  # the command itself (`moe-pipeline`, `python -m flows.cli`), not a test
+        exit_on_sigterm()
     try:
         return args.handler(args)
     except InputError as e:
