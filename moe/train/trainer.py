@@ -208,7 +208,7 @@ class Trainer:
         stop_reason = "max_steps"
         while self.step < self.cfg.max_steps:
             t_step = self.clock()
-            with self._saving_on_notice(run):
+            with _saving_on_notice(self, run):
                 lr = self._set_lr()
                 loss, counts = self._forward_backward(run)
             grad_norm = self._optimizer_step(run, counts)
@@ -254,27 +254,6 @@ class Trainer:
             window=Window(self.clock()),
             saved=resumed,
         )
-
-    @contextlib.contextmanager
-    def _saving_on_notice(self, run: _Run) -> Iterator[None]:
-        """Save the step before when a `notice` exception cuts this step's forward or
-        backward: the weights and optimizer are untouched yet, and the random generators and
-        token count are put back to where the step began, as a save there would hold them."""
-        if not self.notice or self.ranks.world > 1:  # ranks: `interrupted` (a collective save)
-            yield
-            return
-        rng, tokens = rng_state(), self.state.progress.tokens
-        try:
-            yield
-        except self.notice:
-            self.optimizer.zero_grad(set_to_none=True)
-            set_rng_state(*rng)
-            self.state.progress.tokens = tokens
-            self.stop.record(self.step, INTERRUPTED, self.state.progress.elapsed_s)
-            if self.step not in (0, run.saved):
-                self.checkpointer.save(run.val_loss)
-                self.checkpointer.store.flush()
-            raise
 
     def _set_lr(self) -> float:
         """This step's learning rate (and the routing schedule's position)."""
@@ -370,7 +349,7 @@ class Trainer:
             self.stop.record(self.step, INTERRUPTED, progress.elapsed_s)
             return INTERRUPTED
         if v and v.every and (self.step % v.every == 0 or self.step == self.cfg.max_steps):
-            run.val_loss = self._validate()
+            run.val_loss = _validate(self)
             if run.val_loss is not None:
                 reason = (
                     self.stop.early_stop(
@@ -388,19 +367,6 @@ class Trainer:
         if reason is not None:
             self.stop.record(self.step, reason, progress.elapsed_s)
         return reason
-
-    def _validate(self) -> float | None:
-        val_loss = self.evaluate()
-        if val_loss is None:
-            return None
-        progress = self.state.progress
-        progress.best_val = (
-            val_loss if progress.best_val is None else min(progress.best_val, val_loss)
-        )
-        ppl = math.exp(min(val_loss, 50))
-        self.metrics.emit({"step": self.step, "val_loss": val_loss, "val_ppl": ppl})
-        log.info("step %d val loss %.4f (ppl %.1f)", self.step, val_loss, ppl)
-        return val_loss
 
     def _checkpoint_if_due(self, run: _Run, stopping: str | None) -> None:
         """Save when due (and on a stop or the last step), then plan the next save; the
@@ -439,6 +405,42 @@ class Trainer:
         if val_loss is None and stop_reason != INTERRUPTED:  # no validation on short notice
             val_loss = self.evaluate()
         return _report(self, run, stop_reason, path, val_loss, resilience)
+
+
+@contextlib.contextmanager
+def _saving_on_notice(trainer: Trainer, run: _Run) -> Iterator[None]:
+    """Save the step before when a `notice` exception cuts this step's forward or backward:
+    the weights and optimizer are untouched yet, and the random generators and token count
+    are put back to where the step began, as a save there would hold them."""
+    if not trainer.notice or trainer.ranks.world > 1:  # ranks: `interrupted` (collective)
+        yield
+        return
+    progress = trainer.state.progress
+    rng, tokens = rng_state(), progress.tokens
+    try:
+        yield
+    except trainer.notice:
+        trainer.optimizer.zero_grad(set_to_none=True)
+        set_rng_state(*rng)
+        progress.tokens = tokens
+        trainer.stop.record(trainer.step, INTERRUPTED, progress.elapsed_s)
+        if trainer.step not in (0, run.saved):
+            trainer.checkpointer.save(run.val_loss)
+            trainer.checkpointer.store.flush()
+        raise
+
+
+def _validate(trainer: Trainer) -> float | None:
+    """The validation loss now, kept as the best one so far and logged."""
+    val_loss = trainer.evaluate()
+    if val_loss is None:
+        return None
+    progress = trainer.state.progress
+    progress.best_val = val_loss if progress.best_val is None else min(progress.best_val, val_loss)
+    ppl = math.exp(min(val_loss, 50))
+    trainer.metrics.emit({"step": trainer.step, "val_loss": val_loss, "val_ppl": ppl})
+    log.info("step %d val loss %.4f (ppl %.1f)", trainer.step, val_loss, ppl)
+    return val_loss
 
 
 def _report(
