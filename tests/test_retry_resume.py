@@ -15,30 +15,48 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SCRIPT = textwrap.dedent(
+
+# A tiny corpus in the work folder (made once), a 10-step pretrain config (CHECKPOINT_EVERY and
+# LOG_EVERY filled in by each script) and the digest of a folder's newest checkpoint.
+SETUP = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
     import numpy as np
     from moe.checkpoint.store import CheckpointStore
     from moe.checkpoint.tensors import weights_digest
-    from tasks.config import load_config
     from moe.data.tokens import token_dtype, write_token_store
+    from tasks.config import load_config
     from tasks.pretraining import pretrain_model
 
     work = Path(sys.argv[1])
     data = work / "data"
-    data.mkdir()
-    rng = np.random.default_rng(0)
-    docs = [rng.integers(1, 60, 300).tolist() for _ in range(20)]
-    counts = write_token_store(iter(map(str, range(20))), lambda b: [docs[int(i)] for i in b], 0, 64, data, {"val": 0.2}, 1)
-    (data / "meta.json").write_text(json.dumps({"dtype": str(token_dtype(64)), "vocab_size": 64, "splits": counts}))
+    if not data.is_dir():
+        data.mkdir()
+        rng = np.random.default_rng(0)
+        docs = [rng.integers(1, 60, 300).tolist() for _ in range(20)]
+        counts = write_token_store(iter(map(str, range(20))), lambda b: [docs[int(i)] for i in b], 0, 64, data, {"val": 0.2}, 1)
+        (data / "meta.json").write_text(json.dumps({"dtype": str(token_dtype(64)), "vocab_size": 64, "splits": counts}))
     cfg = load_config(None, [
         "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=16", "model.dense_hidden=32",
         "moe.num_experts=4", "moe.expert_hidden=32", "pretrain.max_steps=10", "pretrain.batch_size=4", "pretrain.device=cpu",
-        "pretrain.checkpoint_every=4", "pretrain.log_every=2", "pretrain.eval_every=5", "pretrain.eval_batches=1",
+        "pretrain.checkpoint_every=CHECKPOINT_EVERY", "pretrain.log_every=LOG_EVERY", "pretrain.eval_every=5", "pretrain.eval_batches=1",
         "finetune_sql.max_len=16", "finetune_domain.max_len=16",
     ])
+    digest = lambda d: weights_digest(CheckpointStore(d / "checkpoints").load(CheckpointStore(d / "checkpoints").latest_valid()).model)
+    """
+)
+
+
+def _script(checkpoint_every: int, log_every: int, body: str) -> str:
+    setup = SETUP.replace("CHECKPOINT_EVERY", str(checkpoint_every))
+    return setup.replace("LOG_EVERY", str(log_every)) + textwrap.dedent(body)
+
+
+SCRIPT = _script(
+    4,
+    2,
+    """
     task = pretrain_model.with_options(retries=1, retry_delay_seconds=0, retry_jitter_factor=None)
     crashed = []
 
@@ -49,7 +67,6 @@ SCRIPT = textwrap.dedent(
 
     resumed = task(cfg, data, work / "crashy", crash_once)
     straight = task(cfg, data, work / "straight", lambda row: None)
-    digest = lambda d: weights_digest(CheckpointStore(d / "checkpoints").load(CheckpointStore(d / "checkpoints").latest_valid()).model)
     same = digest(work / "crashy") == digest(work / "straight")
     # Same folder, another learning rate: the checkpoints there belong to other params.
     import dataclasses
@@ -57,7 +74,7 @@ SCRIPT = textwrap.dedent(
     relr = task(other, data, work / "straight", lambda row: None)
     print(json.dumps({"crashed": crashed, "resumed_from": resumed.resumed_from, "straight_from": straight.resumed_from,
                       "steps": resumed.steps, "other_lr_from": relr.resumed_from, "same": same}))
-    """
+    """,
 )
 
 
@@ -172,32 +189,13 @@ def test_checkpoint_every_auto_reaches_the_trainer_from_the_stage_pool(tmp_path:
     assert intervals[0.5]["rule"] == intervals[4.0]["rule"]
 
 
-SIGTERM_SCRIPT = textwrap.dedent(
+SIGTERM_SCRIPT = _script(
+    100,
+    1,
     """
-    import json, os, signal, sys
-    from pathlib import Path
-    import numpy as np
-    from moe.checkpoint.store import CheckpointStore
-    from moe.checkpoint.tensors import weights_digest
-    from moe.data.tokens import token_dtype, write_token_store
-    from tasks.config import load_config
-    from tasks.pretraining import pretrain_model
+    import os, signal
 
-    work, mode = Path(sys.argv[1]), sys.argv[2]
-    data = work / "data"
-    if not data.is_dir():
-        data.mkdir()
-        rng = np.random.default_rng(0)
-        docs = [rng.integers(1, 60, 300).tolist() for _ in range(20)]
-        counts = write_token_store(iter(map(str, range(20))), lambda b: [docs[int(i)] for i in b], 0, 64, data, {"val": 0.2}, 1)
-        (data / "meta.json").write_text(json.dumps({"dtype": str(token_dtype(64)), "vocab_size": 64, "splits": counts}))
-    cfg = load_config(None, [
-        "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=16", "model.dense_hidden=32",
-        "moe.num_experts=4", "moe.expert_hidden=32", "pretrain.max_steps=10", "pretrain.batch_size=4", "pretrain.device=cpu",
-        "pretrain.checkpoint_every=100", "pretrain.log_every=1", "pretrain.eval_every=5", "pretrain.eval_batches=1",
-        "finetune_sql.max_len=16", "finetune_domain.max_len=16",
-    ])
-    digest = lambda d: weights_digest(CheckpointStore(d / "checkpoints").load(CheckpointStore(d / "checkpoints").latest_valid()).model)
+    mode = sys.argv[2]
     if mode == "signal":  # the machine gives notice at step 6 (a rank's case: no Prefect here)
         def notice(row):
             if row.get("step") == 6 and "loss" in row:
@@ -226,7 +224,7 @@ SIGTERM_SCRIPT = textwrap.dedent(
         straight = pretrain_model.fn(cfg, data, work / "straight", lambda row: None)
         print(json.dumps({"resumed_from": again.resumed_from, "steps": again.steps,
                           "same": digest(work / "cut") == digest(work / "straight")}))
-    """
+    """,
 )
 
 
