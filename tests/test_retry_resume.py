@@ -222,7 +222,8 @@ SIGTERM_SCRIPT = _script(
     else:  # the stage's next run, and one never interrupted
         again = pretrain_model.fn(cfg, data, work / "cut", lambda row: None)
         straight = pretrain_model.fn(cfg, data, work / "straight", lambda row: None)
-        print(json.dumps({"resumed_from": again.resumed_from, "steps": again.steps,
+        cut_at = [i["at_step"] for i in again.resilience["interruptions"]]
+        print(json.dumps({"resumed_from": again.resumed_from, "steps": again.steps, "cut_at": cut_at,
                           "same": digest(work / "cut") == digest(work / "straight")}))
     """,
 )
@@ -272,7 +273,8 @@ def test_a_sigterm_saves_the_step_in_progress_and_the_next_run_resumes_from_it(
     after = run("resume")
     assert after.returncode == 0, after.stderr[-3000:]
     out = json.loads(after.stdout.strip().splitlines()[-1])
-    assert out == {"resumed_from": 6, "steps": 10, "same": True}
+    # the journal says where the attempt was cut: step 6, not the step it last noted
+    assert out == {"resumed_from": 6, "steps": 10, "cut_at": [6], "same": True}
 
 
 ORPHANS_SCRIPT = textwrap.dedent(

@@ -427,6 +427,8 @@ def _saving_on_notice(trainer: Trainer, run: _Run) -> Iterator[None]:
         if trainer.step not in (0, run.saved):
             trainer.checkpointer.save(run.val_loss)
             trainer.checkpointer.store.flush()
+            if trainer.journal is not None:  # the next attempt's account starts from here
+                trainer.journal.progress(trainer.step, force=True)
         raise
 
 
