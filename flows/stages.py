@@ -25,6 +25,9 @@ work, and saves the resolved configuration beside its outputs.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 from pathlib import Path
 from typing import Any
@@ -112,6 +115,26 @@ def _skipped(
     return {**rec.get("metrics", {}), "skipped": True}
 
 
+def return_freed_memory() -> bool:
+    """Hand the memory a finished stage freed back to the system. `moe-pipeline run` runs
+    every stage in one process, and glibc keeps freed heap pages for reuse: a training stage
+    frees gigabytes of tensors in pieces below its mmap threshold, and the process went on
+    holding them (7.2 GB of SmolLM2's 8.2 GB peak between its two finetune stages; 0.5 GB
+    after this, bench/RESULTS.md). That memory is then free for the other processes of the
+    machine (another run, a scorer) while this one waits or loads. The next stage's own peak
+    is not lowered: glibc would have reused those pages. `malloc_trim(0)` releases every free
+    page of every arena. False where the C library has no malloc_trim (musl, macOS)."""
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
 def run_stage(
     stage: Stage,
     params_file: str | None = None,
@@ -128,6 +151,7 @@ def run_stage(
     upstream = [s.out(cfg) / "lineage.json" for s in earlier]
     record = StageRecord(cfg, stage.name, stage.out(cfg), upstream)
     made = stage.body(cfg, record)
+    return_freed_memory()
     written = record.write(
         inputs=inputs,
         outputs=made.outputs,
