@@ -5,9 +5,6 @@ not resumed."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,6 @@ from moe.train.optim import lr_at
 from moe.train.stop import Budget
 from moe.train.trainer import Trainer
 from moe.train.validation import Validation
-from tests.conftest import ROOT
 
 VOCAB = 64
 
@@ -387,42 +383,3 @@ def test_a_finished_trainer_is_freed_without_waiting_for_the_cycle_collector(
         assert [r() is None for r in gone] == [True, True, True]
     finally:
         gc.enable()
-
-
-FRAGMENTED_HEAP = """
-import json
-from pathlib import Path
-import flows.stages
-
-def rss_anon_mb():
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) / 1024
-
-# 4,096 blocks of 64 KiB (below glibc's mmap threshold: they live on the heap), written so
-# their pages are resident; every 16th is kept, so the freed ones sit between live blocks
-# and the heap's top cannot shrink by itself.
-blocks = [b"\\x01" * 65536 for _ in range(4096)]
-kept = blocks[::16]
-del blocks
-before = rss_anon_mb()
-returned = flows.stages.return_freed_memory()
-print(json.dumps({"returned": returned, "before": before, "after": rss_anon_mb()}))
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; glibc's trim")
-def test_a_stage_hands_its_freed_memory_back_before_the_next_stage() -> None:
-    """`moe-pipeline run` runs every stage in one process, and glibc keeps freed heap pages
-    for reuse: without a hand-back the process holds most of a stage's peak while the next
-    one starts (7.2 GB of 8.2 between SmolLM2's two finetune stages, bench/RESULTS.md). In a
-    process of its own, 240 MiB freed in pieces between live blocks must leave the resident
-    set."""
-    out = subprocess.run(
-        [sys.executable, "-c", FRAGMENTED_HEAP],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["returned"] is True
-    assert got["before"] - got["after"] > 200, got  # of the 240 MiB freed
