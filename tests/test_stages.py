@@ -142,7 +142,9 @@ print(json.dumps(seen))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; glibc's trim")
-def test_a_stage_hands_its_freed_memory_back_before_the_next_stage(tmp_path: Path) -> None:
+def test_a_stage_hands_its_freed_memory_back_before_the_next_stage(
+    tmp_path: Path, prefect_server: dict[str, str]
+) -> None:
     """`moe-pipeline run` runs every stage in one process, and glibc keeps freed heap pages
     for reuse: without a hand-back the process holds most of a stage's peak while the next
     one starts (7.15 GB of 8.2 between SmolLM2's two finetune stages, bench/RESULTS.md). A
@@ -151,7 +153,7 @@ def test_a_stage_hands_its_freed_memory_back_before_the_next_stage(tmp_path: Pat
     out = subprocess.run(
         [sys.executable, "-c", FRAGMENTED_STAGE],
         cwd=tmp_path, capture_output=True, text=True, check=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, **prefect_server, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["freed_in_body"] - seen["at_record"] > 200, seen  # of the 240 MiB freed
