@@ -26,8 +26,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def anon_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
+def anon_mb(pid: int | str = "self") -> float:
+    """A process's RssAnon (its private resident memory) in MB; 0 when it has ended."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return 0.0
+    for line in text.splitlines():
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) / 1024
     return 0.0
@@ -63,9 +68,7 @@ class AnonPeak:
 
     def _run(self) -> None:
         while not self.done:
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith("RssAnon:"):
-                    self.peak = max(self.peak, int(line.split()[1]) / 1024)
+            self.peak = max(self.peak, anon_mb())
             time.sleep(0.005)
 
     def stop(self) -> float:

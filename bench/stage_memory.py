@@ -27,6 +27,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from hf_import import anon_mb  # noqa: E402
 
 CHILD = """
 import sys
@@ -36,16 +39,6 @@ if sys.argv[1] == "keep":
 from flows.cli import main
 sys.exit(main(sys.argv[2:]))
 """
-
-
-def rss_anon_gb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) / 1024**2
-    except FileNotFoundError:
-        return None
-    return None
 
 
 def one(project: Path, side: str, sets: list[str]) -> dict:
@@ -63,7 +56,7 @@ def one(project: Path, side: str, sets: list[str]) -> dict:
         proc = subprocess.Popen(cmd, cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT)
         sql_peak = held = domain_peak = 0.0
         while proc.poll() is None:
-            gb = rss_anon_gb(proc.pid) or 0.0
+            gb = anon_mb(proc.pid) / 1024
             if not held:
                 if marker.is_file():
                     held = gb
