@@ -564,3 +564,51 @@ def test_a_sigterm_reaches_the_ranks_which_save_their_step_and_end(
     newest = CheckpointStore(out / "checkpoints").latest_valid()
     assert newest is not None and newest.name == f"step_{step:08d}", said[-3000:]
     assert not (out / "model.safetensors").exists()  # an unfinished stage writes no model
+
+
+def test_every_sharded_router_is_gathered_again_before_its_backward(tmp_path: Path) -> None:
+    """Under bf16 each router is an FSDP2 unit of its own (fp32 weights, gathered unrounded).
+    FSDP2 gathers a unit's weights again for its backward from a hook on the unit's outputs,
+    and torch 2.11 (the rented-GPU image) finds those outputs with pytree's tree_flatten:
+    a router's output (a dataclass) hid its tensors, no hook ran, and on CUDA the backward
+    read a freed weight. Here FSDP2 runs with 2.11's rule on one CPU process: every router
+    unit must run its pre-backward (a CPU's all-gather is synchronous, so only the hook's
+    absence is seen, not the crash)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    from torch.utils._pytree import tree_flatten
+
+    from moe.train import distributed as D
+
+    def hook_rule_of_torch_2_11(self, output):  # FSDPState._register_pre_backward_hook
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        return output
+
+    seen: list[str] = []
+    pre_backward = FSDPParamGroup.pre_backward
+
+    def recording(self, *args, **kwargs):
+        seen.append(self._module_fqn)
+        return pre_backward(self, *args, **kwargs)
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(FSDPState, "_register_pre_backward_hook", hook_rule_of_torch_2_11)
+        mp.setattr(FSDPParamGroup, "pre_backward", recording)
+        model = W.build()
+        D.parallelize(model, D.make_meshes(torch.device("cpu"), 1), param_dtype=torch.bfloat16)
+        x, y, _ = W.Batches().batch_at(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss, aux = model(x, y, None, logits=False)
+        (loss + aux.balance_loss).backward()
+    finally:
+        mp.undo()
+        dist.destroy_process_group()
+    routers = {f"blocks.{i}.ffn.router" for i in range(len(model.blocks))}
+    assert routers <= set(seen), f"no pre-backward for {sorted(routers - set(seen))}"

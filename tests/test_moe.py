@@ -28,7 +28,7 @@ def _layer(E: int = 4, D: int = 16, F: int = 32, K: int = 2, cf: float = 0.0, se
 
 
 @pytest.mark.parametrize("cf", [0.0, 0.75])
-@pytest.mark.parametrize("D", [16, 6])  # 6: rows not 16-byte aligned -> the loop fallback
+@pytest.mark.parametrize("D", [16, 6])  # 6: rows not 16-byte aligned -> padded for the kernel
 def test_grouped_equals_reference_outputs_and_grads(cf: float, D: int) -> None:
     router, experts = _layer(D=D, cf=cf)
     x = torch.randn(40, D, requires_grad=True)
@@ -108,6 +108,81 @@ def test_sinks_and_windows_in_the_fused_attention_equal_the_softmax_written_out(
     ):
         torch.testing.assert_close(a, b)
     assert causal_mask(5, 2).sum(1).tolist() == [1, 2, 2, 2, 2]  # itself and one before
+
+
+def test_unaligned_widths_take_the_kernel_padded_never_the_host(monkeypatch) -> None:
+    """Rows of 24 and 20 bytes (D=6, F=5 in fp32; a rank-1 expert adapter is 4) are padded
+    to the kernel's 16 bytes: equal to the reference, and the counts never go to the host."""
+
+    def no_host_read(self, *args, **kwargs):
+        raise AssertionError("a tensor was read on the host (.tolist())")
+
+    torch.manual_seed(0)
+    router, experts = _layer(D=6, F=5)
+    x = torch.randn(40, 6, requires_grad=True)
+    with torch.no_grad():
+        r = router(x)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", no_host_read)
+        y_fast = experts(x, r.experts_TK, r.weights_TK)
+        grads_fast = torch.autograd.grad(y_fast.square().sum(), [x, *experts.parameters()])
+    y_ref = reference_moe(experts, x, r.experts_TK, r.weights_TK)
+    grads_ref = torch.autograd.grad(y_ref.square().sum(), [x, *experts.parameters()])
+    torch.testing.assert_close(y_fast, y_ref)
+    for a, b in zip(grads_fast, grads_ref, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_the_loop_over_experts_says_why_once(monkeypatch) -> None:
+    """Where the kernel cannot run (here: a torch without F.grouped_mm) the loop gives the
+    same result and warns once, naming the reason: a 6x slower step is never silent."""
+    import moe.model.experts as X
+
+    router, experts = _layer()
+    x = torch.randn(40, 16)
+    r = router(x)
+    monkeypatch.delattr(torch.nn.functional, "grouped_mm")
+    monkeypatch.setattr(X, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="loop over the experts.*has no F.grouped_mm"):
+        y = experts(x, r.experts_TK, r.weights_TK)
+    torch.testing.assert_close(y, reference_moe(experts, x, r.experts_TK, r.weights_TK))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        experts(x, r.experts_TK, r.weights_TK)  # said once
+
+
+def test_under_autocast_every_grouped_product_computes_in_its_dtype() -> None:
+    """F.grouped_mm has no autocast rule: an fp32 input under bf16 autocast missed the CUDA
+    kernel (bf16 only) for the loop. Every grouped product, forward and backward, experts
+    and their adapters, must see bf16 operands."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moe.config import LoraConfig
+    from moe.model.lora import ExpertLoRA
+
+    class Dtypes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[torch.dtype, ...]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "grouped_mm" in func.__name__:
+                self.seen.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+            return func(*args, **(kwargs or {}))
+
+    router, experts = _layer()
+    lcfg = LoraConfig(rank=4)
+    experts.lora = ExpertLoRA(experts, lcfg.rank, 2.0, 0.0, torch.Generator().manual_seed(0))
+    torch.nn.init.normal_(experts.lora.b13, std=0.1)
+    x = torch.randn(40, 16, requires_grad=True)
+    r = router(x)
+    with Dtypes() as mode, torch.autocast("cpu", dtype=torch.bfloat16):
+        y = experts(x, r.experts_TK, r.weights_TK)
+        y.float().square().sum().backward()
+    assert len(mode.seen) >= 8 * 2  # 8 products forward, more in the backward
+    assert {d for ds in mode.seen for d in ds if d.is_floating_point} == {torch.bfloat16}
 
 
 def test_grouped_handles_empty_experts() -> None:

@@ -11,6 +11,7 @@ the fast path equal to (outputs and gradients).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,25 +96,66 @@ SWIGLU = Activation()
 EXPERT_BIASES = ("b13_EG", "b2_ED")
 
 
-def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+# Why a call took the slow loop, each said once per process (a 6x slower step must not be silent).
+_WARNED: set[str] = set()
+
+
+def _fallback_reason(x: torch.Tensor) -> str | None:
+    """Why F.grouped_mm cannot take this input (None: it can)."""
     if not hasattr(F, "grouped_mm"):
-        return False
-    # Kernels need 16-byte aligned rows; on CUDA they take bf16 on SM >= 80 only.
-    if (x.shape[-1] * x.element_size()) % 16 or (w.shape[-1] * w.element_size()) % 16:
-        return False
+        return f"torch {torch.__version__} has no F.grouped_mm"
     if x.is_cuda:
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 8
-    return True
+        major = torch.cuda.get_device_capability(x.device)[0]
+        if major < 8:
+            return f"the GPU's compute capability {major}.x is below 8.0 (the kernel's floor)"
+        if x.dtype != torch.bfloat16:
+            return f"{x.dtype} input on CUDA: its kernel takes bf16 (train with dtype: auto)"
+    return None
+
+
+def _aligned(x_AD: torch.Tensor, w_EDF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Zero-pad the inner (D) and output (F) widths to the kernel's 16-byte rows: the product
+    is unchanged (the padded columns are sliced off), and no count is read on the host.
+    Returns the padded operands and the true output width."""
+    step = 16 // x_AD.element_size()
+    D, F_ = w_EDF.shape[1:]
+    pad_d, pad_f = -D % step, -F_ % step
+    if pad_d:
+        x_AD = F.pad(x_AD, (0, pad_d))
+    if pad_d or pad_f:
+        w_EDF = F.pad(w_EDF, (0, pad_f, 0, pad_d))
+    return x_AD, w_EDF, F_
 
 
 def grouped_mm(
     x_AD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, counts_E: torch.Tensor
 ) -> torch.Tensor:
-    """Row block e of x_AD (rows offs[e-1]:offs[e]) times w_EDF[e]. The one compute seam."""
+    """Row block e of x_AD (rows offs[e-1]:offs[e]) times w_EDF[e]. The one compute seam.
+
+    Under autocast both operands are cast to its dtype first (F.grouped_mm has no autocast
+    rule of its own: an fp32 input would miss the CUDA kernel, which takes bf16 only).
+    Widths that are not a multiple of 16 bytes are zero-padded for the kernel. Only where
+    the kernel cannot run at all (no F.grouped_mm, fp32 on CUDA outside autocast, a GPU
+    below SM80) does it loop over the experts, reading their counts on the host (a sync),
+    and it says so once, with the reason."""
+    device = x_AD.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x_AD = x_AD.to(dtype)
     w_EDF = w_EDF.to(x_AD.dtype)
-    if _grouped_mm_supported(x_AD, w_EDF):
-        return _ContiguousGrad.apply(F.grouped_mm(x_AD, w_EDF, offs=offs_E))
-    # Fallback: a loop over the non-empty groups (needs the counts on the host).
+    reason = _fallback_reason(x_AD)
+    if reason is None:
+        x_AD, w_EDF, width = _aligned(x_AD, w_EDF)
+        y_AF = _ContiguousGrad.apply(F.grouped_mm(x_AD, w_EDF, offs=offs_E))
+        return y_AF if y_AF.shape[-1] == width else y_AF[..., :width]
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(
+            f"grouped_mm falls back to a loop over the experts with a host sync per call "
+            f"(several times slower): {reason}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     chunks = torch.split(x_AD, counts_E.tolist())
     return torch.cat([c @ w_EDF[e] for e, c in enumerate(chunks)], dim=0)
 

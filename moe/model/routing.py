@@ -72,6 +72,15 @@ class RouterOutput:
     dropped_fraction: torch.Tensor  # fp32 scalar, fraction of assignments dropped
 
 
+# A pytree node, not a leaf: FSDP2 finds the tensors of a module's output that need its
+# pre-backward hook (the re-gather of the weights before their backward) by flattening the
+# output, and torch 2.11's FSDP2 flattens with pytree, to which an unregistered dataclass is
+# one opaque leaf. A router sharded as its own unit (bf16 training, moe/train/distributed.py)
+# then had no hook: on CUDA its backward read a weight whose gathered copy was freed
+# ("setStorage: ... out of bounds for storage of size 0"). torch 2.13 walks dataclasses.
+torch.utils._pytree.register_dataclass(RouterOutput)
+
+
 _RECOMPUTING = contextvars.ContextVar("moe_recomputing", default=False)
 
 
