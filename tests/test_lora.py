@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -695,3 +696,141 @@ def test_plan_prints_what_fits_where_even_for_a_config_the_check_refuses(
     # pretraining from scratch cannot take adapters: no method is offered for it
     assert "does not fit: pretrain (full)" in out and "methods none on gpu-h100" in out
     assert "does not fit: finetune_domain (full)" in out and "methods qlora on gpu-4090" in out
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
+def test_a_step_between_metrics_rows_never_waits_on_the_device(method: str, tmp_path: Path) -> None:
+    """Loss, token counts, expert loads and the gradient norm stay where they were computed
+    and are read once per metrics row (or at a save, a stop decision, the end): a step in
+    between makes no host sync (moe/train/syncs.py: item(), nonzero, bincount, .tolist()...),
+    so the host runs ahead of a GPU instead of waiting on it. The optimizer's own step
+    counters, which this CPU path keeps on the host, are the one read allowed (the fused
+    AdamW a GPU gets keeps them on the device)."""
+    from moe.train.syncs import HostSyncs
+
+    t = _lora_trainer(_data(tmp_path / "data"), tmp_path / "ck", 8, method=method)
+    t.cfg.log_every = t.cfg.checkpoint_every = 100  # one row and one save: after step 8
+
+    def host_counter(args: tuple) -> bool:
+        return any(args[0] is s.get("step") for s in t.optimizer.state.values())
+
+    with HostSyncs(lambda: t.step, host_counter) as syncs:
+        result = t.fit()
+    assert result.steps == 8 and math.isfinite(result.train_loss)
+    # ops under label k: step k's forward, backward and update, then step k-1's decisions
+    steady = {k: dict(syncs.at(k)) for k in range(1, 8)}
+    assert steady == {k: {} for k in range(1, 8)}, steady
+    assert sum(syncs.at(8).values()) > 0  # the row, the save and the report read the device
+
+
+def test_a_diverged_step_stops_training_at_the_next_read_and_is_never_saved(
+    tmp_path: Path,
+) -> None:
+    """The gradient norm's finiteness is kept on the device and read at the next metrics row
+    or save: the error still names the first bad step, and no checkpoint holds it."""
+    t = _lora_trainer(_data(tmp_path / "data"), tmp_path / "ck", 8, method="lora")
+    t.cfg.log_every = 3  # the first row after the bad step is at step 6
+    poison = {"from": 4}
+
+    def nan_after(module, args, out):
+        return out * float("nan") if t.step >= poison["from"] else out
+
+    t.model.blocks[0].register_forward_hook(nan_after)
+    with pytest.raises(FloatingPointError, match="non-finite gradient norm at step 4"):
+        t.fit()
+    store = t.checkpointer.store
+    assert store.load(store.latest_valid()).step == 3  # saved before the bad step, not after
+
+
+def test_a_bf16_frozen_base_computes_as_the_rounded_base_and_merges_exactly(
+    monkeypatch,
+) -> None:
+    """LoRA on a GPU holds the adapted projections' frozen weights in bf16 (2 bytes a weight,
+    as PEFT does) and the adapters in fp32. Under bf16 autocast the model computes exactly
+    what the fp32 model with those weights rounded computes; before the merge the base goes
+    back to fp32 and the merge adds in fp32, so merged = fp32(bf16(W)) + delta exactly. Only
+    a single-process bf16 GPU stage takes it (CUDA's presence is patched in: no GPU here);
+    a CPU stage keeps its base as loaded, bit for bit."""
+    from moe.model.lora import LoRALinear, hold_base_in
+    from moe.train.method import frozen_dtype
+
+    lcfg = LoraConfig(rank=4, alpha=8.0)
+    held, rounded = _tiny(), _tiny()
+    for m in (held, rounded):
+        add_adapters(m, lcfg, seed=3)
+        _randomize_adapters(m, seed=4)
+    bases = [(m, n) for m in held.modules() for n in ("weight", "w13_EDG", "w2_EFD")]
+    adapted = sum(
+        getattr(m, n).numel()
+        for m, n in bases
+        if (isinstance(m, LoRALinear) and n == "weight")
+        or (n != "weight" and getattr(m, "lora", None) is not None)
+    )
+    assert hold_base_in(held, torch.bfloat16) == 2 * adapted
+    with torch.no_grad():  # the twin: fp32 weights holding the bf16-rounded values
+        for name, p in held.named_parameters():
+            if p.dtype == torch.bfloat16:
+                rounded.get_parameter(name).copy_(p.float())
+    kinds = {(p.dtype, p.requires_grad) for n, p in held.named_parameters() if p.ndim > 1}
+    assert (torch.bfloat16, False) in kinds and (torch.float32, True) in kinds
+    assert all(p.dtype == torch.float32 for p in held.parameters() if p.requires_grad)
+    x = torch.randint(0, 64, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, _, _ = held(x)
+        b, _, _ = rounded(x)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    dequantize_base(held)
+    assert all(p.dtype == torch.float32 for p in held.parameters())
+    merge_adapters(held)
+    merge_adapters(rounded)
+    for (n, p), q in zip(held.named_parameters(), rounded.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    # which stages take it
+    cpu = FinetuneConfig(method="lora", device="cpu")
+    assert frozen_dtype(cpu) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = FinetuneConfig(method="lora", device="cuda")
+    assert frozen_dtype(gpu) == torch.bfloat16
+    assert frozen_dtype(dataclasses.replace(gpu, dtype="float32")) is None
+    assert frozen_dtype(dataclasses.replace(gpu, method="full")) is None
+
+
+def test_an_expert_layers_kernels_do_not_grow_with_its_experts() -> None:
+    """The routed experts' adapters run through the same grouped products as the experts:
+    an MoE layer's forward and backward with adapters dispatch the same ops at 8 and at 64
+    experts (a loop over experts, or over adapters, would grow 8x), six of them grouped
+    products in the forward (two for the experts, four for their adapters)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moe.model.lora import ExpertLoRA
+    from moe.model.transformer import MoEAux, MoELayer
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    seen = {}
+    for E in (8, 64):
+        torch.manual_seed(0)
+        layer = MoELayer(32, MoEConfig(num_experts=E, top_k=2, expert_hidden=32, balancing=[]))
+        layer.experts.lora = ExpertLoRA(layer.experts, 4, 2.0, 0.0, torch.Generator())
+        for p in layer.parameters():
+            p.requires_grad_(False)
+        for p in layer.experts.lora.parameters():
+            p.requires_grad_(True)
+        x = torch.randn(2, 64, 32, requires_grad=True)
+        zero = torch.zeros(())
+        with Ops() as forward:
+            y = layer(x, MoEAux(zero, zero, zero))
+        with Ops() as backward:
+            y.square().sum().backward()
+        seen[E] = (forward.ops, backward.ops)
+        assert forward.ops["_grouped_mm"] == 6, forward.ops
+    assert seen[8] == seen[64], (seen[8], seen[64])

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from moe.config import MoEConfig
 from moe.model.quant import dequantize, is_nf4
+from moe.model.routing import count_per_expert
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -281,7 +282,7 @@ class GroupedExperts(nn.Module):
         order_A = torch.sort(expert_A, stable=True).indices
         if slot_A is not None:
             order_A = slot_A[order_A]
-        counts_E = torch.bincount(expert_A, minlength=self.num_experts)
+        counts_E = count_per_expert(expert_A, self.num_experts)
 
         y_AD = self.compute(x_TD[order_A // K], counts_E)
         # Combine in fp32 (summing K bf16 products loses bits the residual stream keeps):

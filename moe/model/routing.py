@@ -175,7 +175,7 @@ class Router(nn.Module):
         if cfg.routed_scale != 1.0:
             weights_TK = weights_TK * cfg.routed_scale
 
-        tokens_per_expert_E = torch.bincount(experts_TK.flatten(), minlength=E)
+        tokens_per_expert_E = count_per_expert(experts_TK, E)
         if self.training and not recomputing():  # counted once, not again in a recompute
             self.load_E += tokens_per_expert_E.to(self.load_E.dtype)
         # The balancing losses read a distribution over experts: sigmoid affinities are
@@ -274,24 +274,35 @@ class Router(nn.Module):
         before calling this, so every rank routes identically.
         """
         load_E = self.load_E
-        total = float(load_E.sum())
-        if total <= 0:
-            return
         if self.policy == "frozen":  # a stage that keeps the routing as it came
             load_E.zero_()
             return
+        # Whether anything was routed stays on the device (no host read): each update is
+        # computed, then kept only where it was.
+        routed = load_E.sum() > 0
         mean = load_E.mean()
         if "aux_free" in self.methods:
-            self.expert_bias_E += self.cfg.aux_free_rate * torch.sign(mean - load_E)
-            self.expert_bias_E -= self.expert_bias_E.mean()
+            bias_E = self.expert_bias_E + self.cfg.aux_free_rate * torch.sign(mean - load_E)
+            bias_E -= bias_E.mean()
+            self.expert_bias_E.copy_(torch.where(routed, bias_E, self.expert_bias_E))
         if self.methods & {"util_aware", "rebalance"}:
             m = self.cfg.util_momentum
-            self.util_E.mul_(m).add_((1 - m) * load_E / mean)
+            util_E = self.util_E * m + (1 - m) * load_E / mean.clamp_min(1e-30)
+            self.util_E.copy_(torch.where(routed, util_E, self.util_E))
         rebalance = "rebalance" in self.methods and self.policy == "trained"
         if rebalance and step > 0 and step % self.cfg.rebalance_every == 0:
             factor_E = (1 - self.cfg.rebalance_beta * (self.util_E - 1)).clamp(0.5, 1.5)
+            factor_E = torch.where(routed, factor_E, torch.ones_like(factor_E))
             self.gate.weight.mul_(factor_E.to(self.gate.weight.dtype).unsqueeze(1))
         load_E.zero_()
+
+
+def count_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert (int64) of a tensor of expert ids. Not torch.bincount: on a GPU
+    it reads the largest id on the host to size its output (a sync in every MoE layer)."""
+    flat = experts.flatten()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def limit_groups(choose_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
@@ -320,7 +331,7 @@ def capacity_mask(
     # contiguous and in descending score order.
     by_score = torch.argsort(flat_s, descending=True, stable=True)
     order = by_score[torch.argsort(flat_e[by_score], stable=True)]
-    counts_E = torch.bincount(flat_e, minlength=num_experts)
+    counts_E = count_per_expert(flat_e, num_experts)
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     sorted_e = flat_e[order]
     rank = torch.arange(flat_e.numel(), device=flat_e.device) - starts_E[sorted_e]

@@ -1,7 +1,9 @@
 """Per-expert load statistics: counts, utilisation, CV, MaxVio, dead experts, drops.
 
 Cheap enough for every step: the trainer adds one (layers x experts) count tensor per
-micro-batch; summaries are computed on the CPU only when a window is read.
+micro-batch, summed where the counts are (a GPU's counts never leave it between reads);
+they reach the CPU, and summaries are computed there, only when a window or the totals are
+read (a metrics row, a checkpoint, a stop decision).
 """
 
 from __future__ import annotations
@@ -19,26 +21,60 @@ class ExpertLoad:
         sizes = [num_experts] * num_layers if isinstance(num_experts, int) else list(num_experts)
         self.counts = [torch.zeros(e, dtype=torch.float64) for e in sizes]  # since window()
         self.since_eval = [torch.zeros(e, dtype=torch.float64) for e in sizes]
-        self.total = [torch.zeros(e, dtype=torch.float64) for e in sizes]
-        self._dropped: list[float] = []  # mean dropped fraction of each batch in the window
+        self._total = [torch.zeros(e, dtype=torch.float64) for e in sizes]
+        self._dropped_sum, self._dropped_n = 0.0, 0  # mean dropped fraction of each batch
+        # Added since the last read, on the device the counts came from (float64 there).
+        self._pending: list[torch.Tensor] | None = None
+        self._pending_dropped: torch.Tensor | None = None
+        self._pending_n = 0
 
     def add(
         self, tokens_per_expert: list[torch.Tensor], dropped_fraction: list[torch.Tensor] = ()
     ) -> None:
         if not tokens_per_expert:
             return
-        for i, t in enumerate(tokens_per_expert):
-            c = t.detach().to("cpu", torch.float64)
-            self.counts[i] += c
-            self.since_eval[i] += c
-            self.total[i] += c
+        counts = [t.detach().to(torch.float64) for t in tokens_per_expert]
+        if self._pending is None:
+            self._pending = counts
+        else:
+            self._pending = [a + b for a, b in zip(self._pending, counts, strict=True)]
         if dropped_fraction:
-            self._dropped.append(float(torch.stack(list(dropped_fraction)).float().mean()))
+            d = torch.stack(list(dropped_fraction)).float().mean().double()
+            self._pending_dropped = (
+                d if self._pending_dropped is None else self._pending_dropped + d
+            )
+            self._pending_n += 1
+
+    def flush(self) -> None:
+        """Bring what was added since the last read to the CPU (one copy per layer)."""
+        if self._pending is not None:
+            for i, t in enumerate(self._pending):
+                c = t.cpu()
+                self.counts[i] += c
+                self.since_eval[i] += c
+                self._total[i] += c
+            self._pending = None
+        if self._pending_dropped is not None:
+            self._dropped_sum += float(self._pending_dropped)
+            self._dropped_n += self._pending_n
+            self._pending_dropped, self._pending_n = None, 0
+
+    @property
+    def total(self) -> list[torch.Tensor]:
+        """Counts since training began, per layer (read: on the CPU)."""
+        self.flush()
+        return self._total
+
+    @total.setter
+    def total(self, value: list[torch.Tensor]) -> None:
+        self.flush()
+        self._total = value
 
     def resize(self, layer: int, index: torch.Tensor) -> None:
         """Follow a change in a layer's experts: new expert e takes old expert index[e]'s
         counts; index -1 = a new expert (zero counts)."""
-        for series in (self.counts, self.since_eval, self.total):
+        self.flush()
+        for series in (self.counts, self.since_eval, self._total):
             old = series[layer]
             new = torch.zeros(len(index), dtype=torch.float64)
             known = index >= 0
@@ -47,15 +83,17 @@ class ExpertLoad:
 
     def window(self) -> Summary:
         """Summary of the counts since the last call, then reset the window."""
+        self.flush()
         out = summarize(self.counts)
-        out["dropped_fraction"] = sum(self._dropped) / len(self._dropped) if self._dropped else 0.0
+        out["dropped_fraction"] = self._dropped_sum / self._dropped_n if self._dropped_n else 0.0
         for c in self.counts:
             c.zero_()
-        self._dropped.clear()
+        self._dropped_sum, self._dropped_n = 0.0, 0
         return out
 
     def eval_window(self) -> Summary:
         """Summary of the counts since the last evaluation, then reset (for early stopping)."""
+        self.flush()
         out = summarize(self.since_eval)
         for c in self.since_eval:
             c.zero_()

@@ -246,6 +246,7 @@ class MoETransformer(nn.Module):
         targets_BS: torch.Tensor | None = None,
         loss_weight_BS: torch.Tensor | None = None,
         logits: bool = True,
+        loss_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, MoEAux]:
         """Logits (B, S, V); the mean cross-entropy over targets != -100, weighted per token
         when loss_weight_BS is given; and the MoE auxiliaries.
@@ -254,7 +255,9 @@ class MoETransformer(nn.Module):
         logits and runs the output head only where a target counts: in finetuning the prompt
         carries no loss and is ~80% of the tokens, and the head over a 4096-token vocabulary is
         about half of this small model's forward FLOPs (bench/RESULTS.md). The loss is the
-        same (tests/test_moe.py)."""
+        same (tests/test_moe.py). `loss_rows`: those positions (flat, int64) when the caller
+        has them already: the trainer finds them on the host, where the batch is, so that the
+        device is never asked how many there are (a host sync)."""
         B, S = idx_BS.shape
         if S > self.cfg.seq_len:
             raise ValueError(
@@ -275,7 +278,7 @@ class MoETransformer(nn.Module):
             logits_BSV = self.lm_head(h_BSD)
             logits_TV = logits_BSV.view(-1, logits_BSV.size(-1))
         else:  # only the positions that carry loss go through the head
-            keep_T = (t_T != -100).nonzero().squeeze(1)
+            keep_T = (t_T != -100).nonzero().squeeze(1) if loss_rows is None else loss_rows
             logits_TV = self.lm_head(h_BSD.reshape(B * S, -1)[keep_T])
             t_T = t_T[keep_T]
             w_T = None if w_T is None else w_T[keep_T]

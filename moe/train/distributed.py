@@ -271,10 +271,10 @@ def _replicas(t: torch.Tensor, world: int) -> int:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """The gradient norm of the whole (unsharded) model from every rank's shards, in one
     all-reduce; clips in place like torch.nn.utils.clip_grad_norm_ and returns the norm
-    before clipping."""
+    before clipping, where it was reduced (never read on the host: no sync)."""
     grads = [p.grad for p in params if p.grad is not None]
     world = dist.get_world_size()
     # Summed where the gradients are (no host sync per tensor on a GPU); NCCL reduces on
@@ -293,9 +293,9 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> flo
     if not nccl:
         sq = sq.cpu()
     dist.all_reduce(sq)
-    total = float(sq.sqrt())
-    if max_norm > 0 and total > max_norm:
-        scale = max_norm / (total + 1e-6)
+    total = sq.sqrt()
+    if 0 < max_norm < math.inf:
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0).to(device)
         for g in grads:
             _local(g).mul_(scale)
     return total

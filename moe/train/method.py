@@ -11,10 +11,18 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 
 from moe.config import OptimConfig
-from moe.model.lora import AdapterPlan, add_adapters, quantize_base, set_router_policy
+from moe.model.lora import (
+    AdapterPlan,
+    add_adapters,
+    hold_base_in,
+    quantize_base,
+    set_router_policy,
+)
 from moe.model.transformer import MoETransformer
+from moe.train.ranks import autocast_dtype, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +35,9 @@ def apply_method(model: MoETransformer, cfg: OptimConfig, stage: str) -> Adapter
         plan = add_adapters(model, cfg.lora, seed=cfg.seed)
         if cfg.method == "qlora":
             quantize_base(model, cfg.lora.nf4_block)
+        elif (dtype := frozen_dtype(cfg)) is not None:
+            freed = hold_base_in(model, dtype)
+            log.info("%s: the frozen base in %s (%.2f GB less)", stage, dtype, freed / 1e9)
         log.info(
             "%s: %s on %d projections and %d expert layers: %s trainable parameters, %s frozen",
             stage,
@@ -42,6 +53,17 @@ def apply_method(model: MoETransformer, cfg: OptimConfig, stage: str) -> Adapter
         # gate weights that learn count as trainable (set_router_policy decides them)
         plan.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return plan
+
+
+def frozen_dtype(cfg: OptimConfig) -> torch.dtype | None:
+    """The dtype LoRA holds its frozen base in: bf16 where the stage computes under bf16
+    autocast on a GPU in one process (the sharded engine gathers one dtype per unit and keeps
+    fp32 weights); None (as loaded, fp32) elsewhere, so CPU runs stay bit-identical."""
+    if cfg.method != "lora" or dist.is_initialized():
+        return None
+    device = resolve_device(cfg.device)
+    amp = autocast_dtype(device, cfg.dtype)
+    return amp if device.type == "cuda" and amp == torch.bfloat16 else None
 
 
 def trainable_bytes(model: torch.nn.Module) -> int:

@@ -51,6 +51,7 @@ class Window:
     """The steps since the last metrics row: their loss, tokens and time."""
 
     def __init__(self, t0: float) -> None:
+        # loss: summed on the device over the window's steps, read once in row()
         self.t0, self.loss, self.tokens = t0, 0.0, 0
 
     def row(
@@ -71,7 +72,7 @@ class Window:
         stats = load.window()
         row = {
             "step": step,
-            "loss": self.loss / max(1, (step - 1) % log_every + 1),
+            "loss": float(self.loss) / max(1, (step - 1) % log_every + 1),
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": self.tokens / max(dt, 1e-9),

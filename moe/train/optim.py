@@ -17,7 +17,9 @@ def build_optimizer(
 ) -> torch.optim.AdamW:
     """AdamW groups: decayed matrices, undecayed norms/biases, and the routers at a higher lr.
     `foreach` (the sharded engine): one multi-tensor op per group instead of one DTensor
-    dispatch per parameter and op."""
+    dispatch per parameter and op. On a GPU without sharding, the fused kernel: one launch
+    per group, and its step counters on the device (the other paths keep them on the host
+    and read them every step)."""
     decay, no_decay, router = [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -35,8 +37,14 @@ def build_optimizer(
         {"params": router, "weight_decay": 0.0, "lr_mult": router_lr_mult, "name": "router"},
     ]
     groups = [g for g in groups if g["params"]]
+    params = [p for g in groups for p in g["params"]]
+    fused = not foreach and bool(params) and all(p.is_cuda for p in params)
     return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False, foreach=foreach
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        fused=fused,
+        foreach=None if fused else foreach,
     )
 
 

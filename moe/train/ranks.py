@@ -125,19 +125,13 @@ class Ranks:
         return int(t)
 
     def reduce_micro(
-        self, loss: torch.Tensor, y: torch.Tensor, counts: list[torch.Tensor]
-    ) -> tuple[float, int, list[torch.Tensor]]:
-        """A micro-batch's loss (mean over ranks), tokens and expert counts (summed), in one
-        small all-reduce."""
-        if self.world == 1:
-            return float(loss.detach()), int((y != -100).sum()), counts
-        packed = torch.cat(
-            [
-                loss.detach().float().reshape(1),
-                (y != -100).sum().float().reshape(1),
-                *[c.float() for c in counts],
-            ]
-        )
+        self, loss: torch.Tensor, counts: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A micro-batch's loss (mean over ranks) and expert counts (summed), in one small
+        all-reduce, left on the device (read once per metrics row, not per step)."""
+        if self.world == 1:  # float64, as the host summed the values it read before
+            return loss.detach().float().double(), counts
+        packed = torch.cat([loss.detach().float().reshape(1), *[c.float() for c in counts]])
         dist.all_reduce(packed)
-        counts = list(packed[2:].view(len(counts), -1)) if counts else []
-        return float(packed[0]) / self.world, int(packed[1]), counts
+        counts = list(packed[1:].view(len(counts), -1)) if counts else []
+        return packed[0].double() / self.world, counts

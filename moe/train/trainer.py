@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.experimental import implicit_replication
@@ -99,10 +100,13 @@ class _Run:
     params: list[torch.nn.Parameter]  # the trainable ones (growth replaces them)
     window: Window  # the current logging window
     steps: int = 0  # steps taken in this run
-    last_loss: float = float("nan")
+    last_loss: torch.Tensor | float = float("nan")  # on the device until read
     val_loss: float | None = None
     aux: Any = None  # the last forward's routing statistics
     saved: int | None = None  # the step of the newest checkpoint this run made or resumed
+    # The first step whose gradient norm was not finite (-1: none), kept on the device and
+    # read where the host reads anyway (a metrics row, a save, the end).
+    bad_step: torch.Tensor | None = None
 
 
 class Trainer:
@@ -213,6 +217,8 @@ class Trainer:
                 loss, counts = self._forward_backward(run)
             grad_norm = self._optimizer_step(run, counts)
             self._account_time(t_step)
+            # Nothing above read the device: the host runs ahead of the GPU until a row, a
+            # save or a stop decision reads it (tests/test_train.py counts the syncs).
             run.steps += 1
             run.last_loss = loss
             run.window.loss += loss
@@ -263,23 +269,32 @@ class Trainer:
         )
         return lr
 
-    def _forward_backward(self, run: _Run) -> tuple[float, list[torch.Tensor]]:
+    def _forward_backward(self, run: _Run) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Forward and backward over the step's micro-batches; returns the mean loss (over
-        ranks) and the step's tokens per expert per layer (summed over ranks)."""
+        ranks) and the step's tokens per expert per layer (summed over ranks), on the device.
+        What the batch says (its loss tokens, the positions that carry loss) is read on the
+        host, where the batch is, before it moves."""
         cfg, ranks = self.cfg, self.ranks
-        loss_sum = 0.0
+        loss_sum: torch.Tensor | float = 0.0
         step_counts: list[torch.Tensor] = []
         for micro in range(cfg.grad_accum):
-            x, y, w = ranks.rows(self.batches.batch_at(self.step, micro))
+            batch = self.batches.batch_at(self.step, micro)
+            n_tok = _loss_tokens(batch[1])  # of the global batch: every rank's rows
+            x, y, w = ranks.rows(batch)
+            rows = _loss_rows(y).to(ranks.device, non_blocking=True)
             x, y = x.to(ranks.device), y.to(ranks.device)
             with ranks.autocast():
                 _, loss, aux = self.model(
-                    x, y, None if w is None else w.to(ranks.device), logits=False
+                    x,
+                    y,
+                    None if w is None else w.to(ranks.device),
+                    logits=False,
+                    loss_rows=rows,
                 )
                 total = loss + aux.balance_loss
             (total / cfg.grad_accum).backward()
-            loss_val, n_tok, counts = ranks.reduce_micro(loss, y, aux.tokens_per_expert)
-            loss_sum += loss_val
+            loss_val, counts = ranks.reduce_micro(loss, aux.tokens_per_expert)
+            loss_sum = loss_sum + loss_val
             self.state.load.add(counts, aux.dropped_fraction)
             step_counts = (
                 [a + b for a, b in zip(step_counts, counts, strict=True)]
@@ -302,11 +317,14 @@ class Trainer:
             D.finish_expert_gradients(self.model, meshes)
             grad_norm = D.clip_grad_norm(run.params, clip)
         else:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(run.params, clip))
-        if not math.isfinite(grad_norm):
-            raise FloatingPointError(
-                f"non-finite gradient norm at step {self.step}: lower the learning rate or raise grad_clip"
-            )
+            grad_norm = torch.nn.utils.clip_grad_norm_(run.params, clip)
+        bad = ~torch.isfinite(grad_norm)
+        first = (
+            run.bad_step
+            if run.bad_step is not None
+            else torch.full_like(bad, -1, dtype=torch.int64)
+        )
+        run.bad_step = torch.where(bad & (first < 0), self.step, first)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.progress.step += 1
@@ -322,14 +340,15 @@ class Trainer:
         progress = self.state.progress
         progress.elapsed_s = self.ranks.agree_max(progress.elapsed_s + self.clock() - t_step)
 
-    def _log_window(self, run: _Run, lr: float, grad_norm: float) -> None:
+    def _log_window(self, run: _Run, lr: float, grad_norm: torch.Tensor) -> None:
         """One metrics row for the steps since the last one (and a log line)."""
+        _raise_if_diverged(run)
         row = run.window.row(
             step=self.step,
             max_steps=self.cfg.max_steps,
             log_every=self.cfg.log_every,
             lr=lr,
-            grad_norm=grad_norm,
+            grad_norm=float(grad_norm),
             now=self.clock(),
             load=self.state.load,
             aux=run.aux,
@@ -376,6 +395,7 @@ class Trainer:
             if journal is not None:
                 journal.progress(self.step)
             return
+        _raise_if_diverged(run)  # a checkpoint never holds a diverged step
         t_save = self.clock()
         self.checkpointer.save(run.val_loss)
         run.saved = self.step
@@ -390,6 +410,7 @@ class Trainer:
 
     def _end(self, run: _Run, stop_reason: str) -> TrainResult:
         """Wait for the checkpoint writes, close the attempt in the journal, and report."""
+        _raise_if_diverged(run)
         store = self.checkpointer.store
         store.flush()  # background checkpoint writes are on disk before we report
         path = store.latest_valid()
@@ -432,6 +453,25 @@ def _saving_on_notice(trainer: Trainer, run: _Run) -> Iterator[None]:
         raise
 
 
+def _loss_tokens(y: torch.Tensor) -> int:
+    """Targets that carry loss in a batch on the host (numpy: host data, no device op)."""
+    return int(np.count_nonzero(y.cpu().numpy() != -100))
+
+
+def _loss_rows(y: torch.Tensor) -> torch.Tensor:
+    """The flat positions whose target carries loss (the output head runs on these only),
+    found on the host so that the device is never asked how many there are."""
+    return torch.from_numpy(np.flatnonzero(y.cpu().numpy().reshape(-1) != -100))
+
+
+def _raise_if_diverged(run: _Run) -> None:
+    """The first non-finite gradient norm since the last read, as the error it always was."""
+    if run.bad_step is not None and (step := int(run.bad_step)) >= 0:
+        raise FloatingPointError(
+            f"non-finite gradient norm at step {step}: lower the learning rate or raise grad_clip"
+        )
+
+
 def _validate(trainer: Trainer) -> float | None:
     """The validation loss now, kept as the best one so far and logged."""
     val_loss = trainer.evaluate()
@@ -459,7 +499,7 @@ def _report(
     return TrainResult(
         steps=progress.step,
         resumed_from=run.resumed,
-        train_loss=run.last_loss,
+        train_loss=float(run.last_loss),
         val_loss=val_loss,
         tokens=progress.tokens,
         wall_s=progress.elapsed_s,
