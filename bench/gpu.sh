@@ -5,16 +5,21 @@
 #   2. bench/gpu_train.py: a ~100M-active-parameter MoE in bf16 on FSDP2 for 300 steps,
 #      tokens/s and model FLOP utilisation;
 #   3. bench/moe_layer.py on CUDA (ours against HF Qwen3-MoE's block and the dense limit);
-#   4. bench/moe_vs_dense.py at a scale where the literature sees the MoE's gain per token
+#   4. bench/gpu_peer.py (issue 52): our full / lora / qlora through the stage's training
+#      code against transformers + PEFT LoRA on the same 0.89B Qwen3-MoE, interleaved:
+#      tokens/s, peak memory beside the plan's figure, MFU, host syncs per step;
+#   5. bench/moe_vs_dense.py at a scale where the literature sees the MoE's gain per token
 #      (two seeds, 2000 steps of 64 x 512 tokens: 65M tokens a run), after `prepare`.
 # Each step has its own time limit and log under $OUT (the device tool brings $OUT back);
 # one failing step does not stop the others. The figures go into bench/RESULTS.md, marked as
 # H200 figures.
 #
 # The lent machine's image has PyTorch, safetensors, tokenizers, transformers and PyYAML but
-# not zstandard or Prefect: carry zstandard as a wheel (the device README says how; .whl in
-# `carry`). Steps 1-3 need only the `moe` package; step 4 needs the pipeline's `prepare`
-# stage and is skipped, saying so, where its imports are missing.
+# not zstandard, torchao or Prefect: carry zstandard and torchao as wheels and install them
+# into the interpreter itself (`python3 -m pip install --no-index --no-deps WHEELS`: the
+# torchrun tests set PYTHONPATH to the project alone, so a --target folder is lost).
+# Steps 1-4 need only the `moe` package (and peft for step 4); step 5 needs the pipeline's
+# `prepare` stage and is skipped, saying so, where its imports are missing.
 #
 #   device: bash bench/gpu.sh        (PY=python3 there; OUT is set by the device tool)
 set -uo pipefail
@@ -42,6 +47,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 step cuda_tests 240 "$PY" -m pytest -q -p no:randomly tests/test_cuda.py
 step train_fsdp2 300 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 \
   bench/gpu_train.py --steps 300
+step gpu_peer 420 "$PY" bench/gpu_peer.py --shape gpu --steps 5 --rounds 3
 step moe_layer 180 "$PY" bench/moe_layer.py --device cuda --tokens 32768 --d-model 1024 \
   --hidden 1024 --experts 64 --top-k 4
 
