@@ -208,10 +208,12 @@ class Peer:
 
 
 def plan_peak(imported: Path, method: str, s: dict, width: int) -> float:
-    """The memory plan's peak for this method and batch, as the stage computes it."""
-    m = model_dir_skeleton(imported)
-    state = state_bytes(m.cfg, m.mcfg, m.vocab_size, method, LoraConfig(rank=RANK, alpha=ALPHA))
-    acts = activation_bytes(m.cfg, m.mcfg, m.vocab_size, s["B"], s["S"], 1.0, width)
+    """The memory plan's peak for this method and batch, as a stage on this device plans it
+    (width 2: bf16 autocast on a GPU)."""
+    m, amp = model_dir_skeleton(imported), width == 2
+    lcfg = LoraConfig(rank=RANK, alpha=ALPHA)
+    state = state_bytes(m.cfg, m.mcfg, m.vocab_size, method, lcfg, amp=amp)
+    acts = activation_bytes(m.cfg, m.mcfg, m.vocab_size, s["B"], s["S"], 1.0, width, amp=amp)
     return peak_bytes(state, acts)
 
 

@@ -49,8 +49,11 @@ def needs(
     """Weights and trainable state of `method` (the stage's own by default), and its
     micro-batch's activations split over n GPUs: batch_size (plus replay rows) / grad_accum
     rows of max_len (a finetune) or seq_len tokens, a loss at every position (an upper
-    bound for a finetune), 2 bytes each under bf16 (the default on a GPU), else 4."""
-    state = state_bytes(model, moe, vocab, method or sec.method, sec.lora)
+    bound for a finetune), 2 bytes each under bf16 (the default on a GPU), else 4; under bf16
+    what stays fp32 and what autocast adds to the weights counted as moe/train/memory.py
+    says."""
+    amp = not (sec.dtype == "float32" or sec.device == "cpu")
+    state = state_bytes(model, moe, vocab, method or sec.method, sec.lora, amp=amp)
     replay = getattr(sec, "replay_ratio", 0.0)
     rows = sec.batch_size + (max(1, round(sec.batch_size * replay)) if replay > 0 else 0)
     seq = getattr(sec, "max_len", model.seq_len)
@@ -58,7 +61,7 @@ def needs(
 
     def activations(n: int) -> float:
         per = max(1, math.ceil(rows / sec.grad_accum / n))
-        return activation_bytes(model, moe, vocab, per, seq, 1.0, width)
+        return activation_bytes(model, moe, vocab, per, seq, 1.0, width, amp=amp)
 
     return dataclasses.replace(state, activations=activations)
 

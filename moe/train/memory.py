@@ -7,8 +7,17 @@ on the meta device: nothing is allocated or drawn), and the measured peak it is 
 - trainable state: each trained parameter's gradient and AdamW's two moments (fp32).
 
 - activations: what the backward keeps of one micro-batch, counted from the tensors each
-  op of a block saves (`activation_bytes`), in fp32 on the CPU (under bf16 autocast most of
-  them are half that: the count is an upper bound there).
+  op of a block saves (`activation_bytes`), in fp32 on the CPU; under bf16 autocast (`amp`)
+  at 2 bytes, except what stays fp32 there: the router's logits and probabilities, the
+  experts' outputs copied to fp32 for the weighted sum, and the loss (fp32 log-probabilities,
+  and in the first step of the backward their gradient and the logits' gradient beside them);
+- one process under bf16 autocast (`amp`) also holds what autocast adds to the weights: a
+  bf16 copy of every fp32 weight a product reads, kept for the backward (the trained
+  weights' copies are cached for the whole forward, the frozen ones' are saved by their
+  product), the largest weight's bf16 gradient before it joins the fp32 one (full), and
+  QLoRA's largest weight while torchao dequantises it for its product; LoRA
+  holds its adapted frozen weights in bf16 there (moe/train/method.py frozen_dtype). Under
+  FSDP2 the gathered weights are bf16 already and nothing is copied.
 
 Sharded over the stage's processes (FSDP2 for dense weights, expert parallelism for the
 experts), each GPU holds its share of the weights and state, and the activations of its own
@@ -32,6 +41,9 @@ from moe.model.transformer import MoETransformer
 
 HEADROOM = 0.9  # of a GPU's memory for weights, trainable state and activations
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # per weight: codes, block scales, their scales
+# Bytes a weight while torchao dequantises an NF4 weight for its product (its temporaries,
+# the fp32 result, the bf16 cast): measured 21.06 on the CPU (bench/RESULTS.md).
+NF4_DEQUANT_PEAK = 21.0
 
 
 @dataclass(frozen=True)
@@ -45,14 +57,19 @@ class StateBytes:
     single_process: bool = False  # QLoRA: its NF4 base is not sharded
     # A micro-batch's activations on each of n GPUs (its rows split over them); None = 0.
     activations: Callable[[int], float] | None = None
+    # What one process under bf16 autocast adds (autocast's weight copies, QLoRA's dequantised
+    # weight) less what it saves (LoRA's bf16 frozen base); 0 elsewhere.
+    one_process: float = 0.0
 
     @property
     def total(self) -> float:
         return self.weights + self.trainable_state
 
     def per_gpu(self, n: int) -> float:
-        """Bytes on each of n GPUs: a share of the weights and state, its rows' activations."""
-        return self.total / n + (self.activations(n) if self.activations else 0.0)
+        """Bytes on each of n GPUs: a share of the weights and state, its rows' activations
+        (and, on one GPU, what autocast adds there)."""
+        acts = self.activations(n) if self.activations else 0.0
+        return self.total / n + acts + (self.one_process if n == 1 else 0.0)
 
     def gpus_needed(self, gpu_memory_gib: float, most: int = 1 << 16) -> int:
         """The fewest GPUs of this memory that hold it (HEADROOM of each used); `most` + 1
@@ -67,15 +84,34 @@ class StateBytes:
         return lo
 
 
+def _product_weights(model: MoETransformer) -> int:
+    """Weights that a product under autocast reads (and copies to bf16): every matrix but
+    the embedding table (a lookup) and the routers (scored in fp32); a tied head is one."""
+    skip = {id(layer.router.gate.weight) for layer in model.moe_layers}
+    if not model.cfg.tie_embeddings:
+        skip.add(id(model.embed.weight))
+    return sum(p.numel() for p in model.parameters() if p.ndim >= 2 and id(p) not in skip)
+
+
 def state_bytes(
-    model_cfg: ModelConfig, moe_cfg: MoEConfig, vocab: int, method: str, lora: LoraConfig
+    model_cfg: ModelConfig,
+    moe_cfg: MoEConfig,
+    vocab: int,
+    method: str,
+    lora: LoraConfig,
+    amp: bool = False,
 ) -> StateBytes:
-    """What `method` ("full", "lora", "qlora") holds for this architecture."""
+    """What `method` ("full", "lora", "qlora") holds for this architecture; `amp`: computed
+    under bf16 autocast (a GPU), which changes what one process holds (`one_process`)."""
     with torch.device("meta"):
         model = MoETransformer(model_cfg, moe_cfg, vocab)
     params = model.num_params()
+    products = _product_weights(model)
+    largest = max((p.numel() for p in model.parameters()), default=0)
     if method == "full":
-        return StateBytes(params, params, 4.0 * params, 12.0 * params)
+        # the bf16 copies, and the largest weight's bf16 gradient before it joins its fp32 one
+        one = 2.0 * (products + largest) if amp else 0.0
+        return StateBytes(params, params, 4.0 * params, 12.0 * params, one_process=one)
     adapters, adapted = adapter_counts(model, lora)
     trainable = adapters
     if lora.train_embeddings:
@@ -83,12 +119,24 @@ def state_bytes(
     if lora.train_head and not model_cfg.tie_embeddings:
         trainable += model.lm_head.weight.numel()
     base = 4.0 * (params - adapted) + (NF4_BYTES if method == "qlora" else 4.0) * adapted
+    one = 0.0
+    if amp:
+        # the adapters' bf16 copies; the frozen fp32 products outside the adapted ones (the
+        # head, untargeted projections); LoRA's adapted base in bf16 (2 bytes less each);
+        # QLoRA's largest NF4 weight dequantised to fp32 and cast to bf16 for its product
+        one = 2.0 * (trainable + products - adapted)
+        if method == "lora":
+            one -= 2.0 * adapted
+        else:  # the experts' gate/up weight is the largest NF4 weight of a layer
+            nf4 = [layer.experts.w13_EDG.numel() for layer in model.moe_layers]
+            one += NF4_DEQUANT_PEAK * max(nf4, default=0)
     return StateBytes(
         params + adapters,
         trainable,
         base + 4.0 * adapters,
         12.0 * trainable,
         single_process=method == "qlora",
+        one_process=one,
     )
 
 
@@ -100,6 +148,7 @@ def activation_bytes(
     seq: int,
     loss_fraction: float = 1.0,
     bytes_per: int = 4,
+    amp: bool = False,
 ) -> float:
     """What the backward keeps of a micro-batch of `rows` x `seq` tokens (`loss_fraction` of
     the positions carrying a loss: the head runs there only), from what each op saves:
@@ -110,7 +159,10 @@ def activation_bytes(
       (A = T K) the gathered input, the gate/up product, SiLU and SwiGLU outputs, the expert
       output and its fp32 copy for the weighted sum; a dense block: norm and four T F;
       a shared expert: four T F;
-    - the final norm, and the logits and log-probabilities of the positions with a loss."""
+    - the final norm, and the logits and log-probabilities of the positions with a loss.
+    `amp` (bf16 autocast, bytes_per 2): the norms' input and normalised product, the
+    router's three, the experts' fp32 copies and the loss in fp32: the log-probabilities,
+    their gradient and the logits' (12 bytes a logit at the backward's first step)."""
     c, m = model_cfg, moe_cfg
     T = rows * seq
     D, Q, KV = c.d_model, c.n_head * c.head_width, c.kv_heads * c.head_width
@@ -130,8 +182,16 @@ def activation_bytes(
                 total += 4 * T * (m.shared_expert_hidden or F_)
         else:
             total += 3 * T * D + 4 * T * c.dense_hidden
-    total += 3 * T * D + 2 * loss_fraction * T * vocab
-    return total * bytes_per
+    if not amp:
+        total += 3 * T * D + 2 * loss_fraction * T * vocab
+        return total * bytes_per
+    # each RMSNorm (two a block, one at the end) keeps its input (the fp32 residual stream)
+    # and its normalised product in fp32
+    fp32 = 12 * loss_fraction * T * vocab + (4 - bytes_per) * 2 * T * D * (2 * c.n_layer + 1)
+    for i in range(c.n_layer):
+        if c.is_moe_block(i):  # router logits/probabilities, the fp32 copy of each output
+            fp32 += (4 - bytes_per) * (3 * T * m.num_experts + T * m.top_k * D)
+    return (total + 3 * T * D) * bytes_per + fp32
 
 
 def peak_bytes(state: StateBytes, activations: float, grad_accum: int = 1) -> float:
@@ -140,8 +200,9 @@ def peak_bytes(state: StateBytes, activations: float, grad_accum: int = 1) -> fl
     weights, moments and all gradients."""
     grads = state.trainable_state / 3
     moments = state.trainable_state - grads
-    during = state.weights + moments + activations + (grads if grad_accum > 1 else 0.0)
-    return max(during, state.weights + moments + grads)
+    weights = state.weights + state.one_process
+    during = weights + moments + activations + (grads if grad_accum > 1 else 0.0)
+    return max(during, weights + moments + grads)
 
 
 def storage_bytes(t: torch.Tensor) -> list[tuple[int, int]]:
