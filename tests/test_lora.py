@@ -501,8 +501,16 @@ def test_auto_picks_the_cheapest_pool_that_holds_the_stage() -> None:
         ]
         + ["finetune_domain.method=qlora"],
     )
-    # LoRA over 5.2B fp32 weights (22 GB with the adapters' state) takes an 80 GB card
-    assert big.pools.stages["finetune_sql"] == "gpu-a100"
+    # LoRA on one GPU holds its frozen base in bf16 (10.4 GB for 5.2B): a 24 GB card holds it
+    assert big.pools.stages["finetune_sql"] == "gpu-4090"
+    fp32 = load_config(
+        ROOT / "params.yaml",
+        [*BIG, *auto, "pretrain.nodes=2", "storage.backend=s3", "storage.bucket=models"]
+        + ["finetune_sql.method=lora", "finetune_sql.dtype=float32"]
+        + ["finetune_domain.method=qlora"],
+    )
+    # in fp32 (no autocast, the base as loaded: 22 GB with the adapters' state) an 80 GB card
+    assert fp32.pools.stages["finetune_sql"] == "gpu-a100"
     qlora = load_config(
         ROOT / "params.yaml",
         [

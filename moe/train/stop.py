@@ -8,11 +8,33 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from moe.config import OptimConfig
 from moe.model.stats import ExpertLoad
 from moe.train.early_stop import EarlyStopper
 
 log = logging.getLogger(__name__)
+
+
+class Divergence:
+    """The first step whose gradient norm was not finite, kept where the norm is (a GPU's
+    norm is never read per step) and raised as an error where the host reads anyway: a
+    metrics row, a save (no checkpoint holds a diverged step), the end."""
+
+    def __init__(self) -> None:
+        self.first: torch.Tensor | None = None  # -1: none yet
+
+    def observe(self, grad_norm: torch.Tensor, step: int) -> None:
+        bad = ~torch.isfinite(grad_norm)
+        first = self.first if self.first is not None else torch.full_like(bad, -1, dtype=torch.long)
+        self.first = torch.where(bad & (first < 0), step, first)
+
+    def check(self) -> None:
+        if self.first is not None and (step := int(self.first)) >= 0:
+            raise FloatingPointError(
+                f"non-finite gradient norm at step {step}: lower the learning rate or raise grad_clip"
+            )
 
 
 @dataclass

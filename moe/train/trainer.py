@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.experimental import implicit_replication
@@ -45,7 +44,7 @@ from moe.train.optim import LrSchedule, build_optimizer
 from moe.train.ranks import Ranks
 from moe.train.resilience import AttemptJournal, begin_attempt
 from moe.train.rng import rng_state, set_rng_state
-from moe.train.stop import Budget, StopPolicy
+from moe.train.stop import Budget, Divergence, StopPolicy
 from moe.train.validation import BatchSource, Validation, validation_loss
 
 log = logging.getLogger(__name__)
@@ -104,9 +103,7 @@ class _Run:
     val_loss: float | None = None
     aux: Any = None  # the last forward's routing statistics
     saved: int | None = None  # the step of the newest checkpoint this run made or resumed
-    # The first step whose gradient norm was not finite (-1: none), kept on the device and
-    # read where the host reads anyway (a metrics row, a save, the end).
-    bad_step: torch.Tensor | None = None
+    diverged: Divergence = field(default_factory=Divergence)  # read where the host reads
 
 
 class Trainer:
@@ -217,8 +214,7 @@ class Trainer:
                 loss, counts = self._forward_backward(run)
             grad_norm = self._optimizer_step(run, counts)
             self._account_time(t_step)
-            # Nothing above read the device: the host runs ahead of the GPU until a row, a
-            # save or a stop decision reads it (tests/test_train.py counts the syncs).
+            # no device read above: rows, saves and stops read it (moe/train/syncs.py)
             run.steps += 1
             run.last_loss = loss
             run.window.loss += loss
@@ -278,19 +274,9 @@ class Trainer:
         loss_sum: torch.Tensor | float = 0.0
         step_counts: list[torch.Tensor] = []
         for micro in range(cfg.grad_accum):
-            batch = self.batches.batch_at(self.step, micro)
-            n_tok = _loss_tokens(batch[1])  # of the global batch: every rank's rows
-            x, y, w = ranks.rows(batch)
-            rows = _loss_rows(y).to(ranks.device, non_blocking=True)
-            x, y = x.to(ranks.device), y.to(ranks.device)
+            x, y, w, rows, n_tok = ranks.to_device(self.batches.batch_at(self.step, micro))
             with ranks.autocast():
-                _, loss, aux = self.model(
-                    x,
-                    y,
-                    None if w is None else w.to(ranks.device),
-                    logits=False,
-                    loss_rows=rows,
-                )
+                _, loss, aux = self.model(x, y, w, logits=False, loss_rows=rows)
                 total = loss + aux.balance_loss
             (total / cfg.grad_accum).backward()
             loss_val, counts = ranks.reduce_micro(loss, aux.tokens_per_expert)
@@ -318,13 +304,7 @@ class Trainer:
             grad_norm = D.clip_grad_norm(run.params, clip)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(run.params, clip)
-        bad = ~torch.isfinite(grad_norm)
-        first = (
-            run.bad_step
-            if run.bad_step is not None
-            else torch.full_like(bad, -1, dtype=torch.int64)
-        )
-        run.bad_step = torch.where(bad & (first < 0), self.step, first)
+        run.diverged.observe(grad_norm, self.step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.progress.step += 1
@@ -342,7 +322,7 @@ class Trainer:
 
     def _log_window(self, run: _Run, lr: float, grad_norm: torch.Tensor) -> None:
         """One metrics row for the steps since the last one (and a log line)."""
-        _raise_if_diverged(run)
+        run.diverged.check()
         row = run.window.row(
             step=self.step,
             max_steps=self.cfg.max_steps,
@@ -395,7 +375,7 @@ class Trainer:
             if journal is not None:
                 journal.progress(self.step)
             return
-        _raise_if_diverged(run)  # a checkpoint never holds a diverged step
+        run.diverged.check()  # a checkpoint never holds a diverged step
         t_save = self.clock()
         self.checkpointer.save(run.val_loss)
         run.saved = self.step
@@ -410,7 +390,7 @@ class Trainer:
 
     def _end(self, run: _Run, stop_reason: str) -> TrainResult:
         """Wait for the checkpoint writes, close the attempt in the journal, and report."""
-        _raise_if_diverged(run)
+        run.diverged.check()
         store = self.checkpointer.store
         store.flush()  # background checkpoint writes are on disk before we report
         path = store.latest_valid()
@@ -451,25 +431,6 @@ def _saving_on_notice(trainer: Trainer, run: _Run) -> Iterator[None]:
             if trainer.journal is not None:  # the next attempt's account starts from here
                 trainer.journal.progress(trainer.step, force=True)
         raise
-
-
-def _loss_tokens(y: torch.Tensor) -> int:
-    """Targets that carry loss in a batch on the host (numpy: host data, no device op)."""
-    return int(np.count_nonzero(y.cpu().numpy() != -100))
-
-
-def _loss_rows(y: torch.Tensor) -> torch.Tensor:
-    """The flat positions whose target carries loss (the output head runs on these only),
-    found on the host so that the device is never asked how many there are."""
-    return torch.from_numpy(np.flatnonzero(y.cpu().numpy().reshape(-1) != -100))
-
-
-def _raise_if_diverged(run: _Run) -> None:
-    """The first non-finite gradient norm since the last read, as the error it always was."""
-    if run.bad_step is not None and (step := int(run.bad_step)) >= 0:
-        raise FloatingPointError(
-            f"non-finite gradient norm at step {step}: lower the learning rate or raise grad_clip"
-        )
 
 
 def _validate(trainer: Trainer) -> float | None:
