@@ -56,7 +56,13 @@ def run(
         init=init,
     )
     mcfg = dataclasses.replace(
-        cfg.moe, num_experts=4, top_k=1, balancing=balancing, router_lr_mult=5.0, growth=growth
+        cfg.moe,
+        num_experts=4,
+        top_k=1,
+        renormalize=False,  # Switch's top-1: the probability weighs, so the gate learns
+        balancing=balancing,
+        router_lr_mult=5.0,
+        growth=growth,
     )
     t = dataclasses.replace(
         cfg.pretrain,

@@ -629,7 +629,10 @@ class MoEConfig:
     # Typical: 1.2-1.5 early (routing still moves), 0.8-1.0 late. Above 0: capacity_factor moves linearly to this
     # value over the training run; 0 = constant.
     capacity_factor_end: float = knob(0.0, ge=0, note=" (0 = constant capacity_factor)")
-    renormalize: bool = True  # renormalise the kept top-k weights to sum to 1
+    # Renormalise the kept top-k weights to sum to 1; at top-1 the one choice then weighs 1
+    # (Mixtral, Qwen3-MoE's norm_topk_prob). false: the router's probabilities as they are
+    # (Switch's top-1, where the gate learns through the weight).
+    renormalize: bool = True
     jitter: float = knob(
         0.0, ge=0, lt=1
     )  # Switch: multiply router inputs by U(1-jitter, 1+jitter) in training

@@ -194,6 +194,51 @@ def test_import_computes_what_transformers_computes(model_type: str, tmp_path: P
         assert float((a - b).abs().max()) < 1e-5, f"{model_type}: step {k}"
 
 
+# Each MoE family at top-1, with the key its config names the choice count by (and both
+# settings of norm_topk_prob where the family reads it).
+TOP1 = {
+    "qwen3_moe": dict(num_experts_per_tok=1),
+    "qwen3_moe-raw": dict(num_experts_per_tok=1, norm_topk_prob=False),
+    "qwen2_moe": dict(num_experts_per_tok=1),
+    "qwen2_moe-normed": dict(num_experts_per_tok=1, norm_topk_prob=True),
+    "mixtral": dict(num_experts_per_tok=1),
+    "olmoe": dict(num_experts_per_tok=1),
+    "olmoe-normed": dict(num_experts_per_tok=1, norm_topk_prob=True),
+    "ernie4_5_moe": dict(moe_k=1),
+    "deepseek_v3": dict(num_experts_per_tok=1),
+    "glm4_moe": dict(num_experts_per_tok=1),
+    "gpt_oss": dict(num_experts_per_tok=1),
+}
+
+
+@pytest.mark.parametrize("case", list(TOP1))
+def test_a_top_1_model_imports_with_its_familys_routing_weight(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At top-1 the one chosen expert's weight is the family's: 1 where it renormalises the
+    kept weights (Mixtral, gpt-oss, norm_topk_prob: true), the raw probability where it does
+    not. The import carries the rule; the logits equal transformers' own (fp32)."""
+    model_type = case.split("-")[0]
+    cls_name, extra = ARCHS[model_type]
+    monkeypatch.setitem(ARCHS, model_type, (cls_name, {**extra, **TOP1[case]}))
+    hf = hf_model(model_type, tmp_path / "hf")
+    ours, _ = load_hf_model(tmp_path / "hf", MOE, seq_len=64, dtype=torch.float32)
+    ours.eval()
+    assert ours.mcfg.top_k == 1
+    idx = torch.randint(0, V, (3, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = float((ours(idx)[0] - hf_logits(hf, idx)).abs().max())
+    assert diff < 1e-5, f"{case}: logits differ by {diff}"
+    # and the export writes the rule back: transformers reads the exported folder's logits
+    export_hf(
+        ours, tmp_path / "out", tokenizer_dir(tmp_path), {"eos": 0, "pad": 1, "bos": None}, "card"
+    )
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    with torch.no_grad():
+        diff = float((ours(idx)[0] - hf_logits(back.eval(), idx)).abs().max())
+    assert diff < 1e-5, f"{case}: the export's logits differ by {diff}"
+
+
 def test_an_upcycled_dense_model_computes_the_dense_function_at_step_0(tmp_path: Path) -> None:
     hf = hf_model("llama", tmp_path / "hf")
     for experts, k in ((4, 2), (8, 3)):
