@@ -890,3 +890,32 @@ def test_the_plan_under_bf16_autocast_is_never_below_the_peak(shape: tuple[int, 
         )
         ratio = planned / measured
         assert 1.0 <= ratio <= (1.10 if method == "full" else 1.40), (method, shape, ratio)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "glm4_moe", "gpt_oss"])
+def test_qlora_keeps_every_bias_of_a_family_that_has_them(model_type: str, tmp_path: Path) -> None:
+    """QLoRA on a family whose projections carry biases (Qwen2-MoE's and GLM-4.5's q/k/v,
+    gpt-oss's attention and experts, its sinks): the NF4 model computes what the same
+    adapters compute over the dequantised base held as plain tensors, biases included (a
+    bias lost under NF4 moved a gpt-oss's logits by 1.3)."""
+    import copy
+
+    hf_model(model_type, tmp_path / "hf")
+    model, _ = load_hf_model(tmp_path / "hf", MOE, seq_len=64, dtype=torch.float32)
+    model.eval()
+    biases = [n for n, p in model.named_parameters() if n.endswith("bias") and p.abs().sum() > 0]
+    assert any(".attn." in n for n in biases), biases  # what the test rests on
+    add_adapters(model, LoraConfig(rank=4, alpha=8.0), seed=0)
+    _randomize_adapters(model, seed=3)
+    reference = copy.deepcopy(model)
+    assert quantize_base(model, 16) > 0
+    quantize_base(reference, 16)
+    dequantize_base(reference)  # the same values, as plain fp32 tensors
+    idx = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours, ref = model(idx)[0], reference(idx)[0]
+    scale = float(ref.abs().max().clamp_min(1.0))
+    assert float((ours - ref).abs().max()) < 1e-5 * scale, model_type
+    # and every bias is still where it was, unquantised
+    for name in biases:
+        assert torch.equal(model.get_parameter(name), reference.get_parameter(name)), name
