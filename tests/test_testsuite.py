@@ -114,3 +114,36 @@ def test_columns_in_any_order_rows_as_multisets_or_in_order() -> None:
     # a permutation must hold for every row, not column by column
     assert not same_result([("rock", 1), ("jazz", 3), ("jazz", 1)], gold, ordered=False)
     assert same_result([(2.0000000001, 1)], [(1, 2)], ordered=False)  # numbers within 1e-6
+
+
+def test_the_score_counts_a_match_only_where_the_original_agrees(
+    tmp_path: Path, small_db: Path
+) -> None:
+    """Test-suite accuracy is built from execution accuracy: a prediction right on every
+    filled copy but wrong on the original database counts as wrong, and over any set of
+    predictions test-suite accuracy never exceeds execution accuracy."""
+    from moe.sql.evaluate import _score, _Scorer
+    from moe.sql.records import SqlPair
+
+    gold = GOLD[1]
+    # right wherever the visit table does not hold exactly 100 rows: every copy, not the original
+    tricky = "SELECT count(*) + ((SELECT count(*) FROM visit) = 100) FROM visit WHERE cost > 100"
+    pair = SqlPair("visits over 100?", gold, small_db.name, "schema")
+    scorer = _Scorer([pair], small_db.parent, 2.0, 10_000, test_suite=3)
+    try:
+        copies = [scorer._open(c) for c in scorer.suites[small_db.name]]
+        assert suite_match(copies, gold, tricky)  # what the test rests on
+        rows = [
+            scorer.score(pair, p)
+            for p in (gold, tricky, "SELECT count(*) FROM visit WHERE cost > 1000", "SELEC")
+        ]
+    finally:
+        scorer.close()
+    assert [(r["execution_match"], r["test_suite_match"]) for r in rows] == [
+        (True, True),  # the gold itself
+        (False, False),  # right on the copies, wrong on the original: wrong
+        (True, False),  # right on the original by chance, wrong on a copy
+        (False, False),  # does not run
+    ]
+    score = _score(rows)
+    assert score["test_suite_accuracy"] == 0.25 <= score["execution_accuracy"] == 0.5
