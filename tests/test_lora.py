@@ -919,3 +919,51 @@ def test_qlora_keeps_every_bias_of_a_family_that_has_them(model_type: str, tmp_p
     # and every bias is still where it was, unquantised
     for name in biases:
         assert torch.equal(model.get_parameter(name), reference.get_parameter(name)), name
+
+
+def test_the_plan_of_gpt_oss_20b_qlora_at_grad_accum_8_is_the_hand_count(tmp_path: Path) -> None:
+    """gpt-oss-20b's published config through the importer and the plan a GPU stage makes
+    (QLoRA, rank 8 on attention and the experts, grad_accum 8): the weights, the adapters'
+    state and what one process adds under autocast equal a count written out here from the
+    shape; a micro-batch's activations are the whole batch's / grad_accum, and / n over n
+    processes, as the README says."""
+    from bench.families_plan import GPT_OSS_20B
+    from moe.hf.architecture import read_architecture
+    from moe.train.memory import NF4_BYTES, NF4_DEQUANT_PEAK
+    from tasks.fit import needs
+
+    folder = tmp_path / "gpt-oss-20b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(GPT_OSS_20B))
+    arch = read_architecture(folder, MoEConfig(), 4096)
+    sec = FinetuneConfig(method="qlora", batch_size=16, grad_accum=8, max_len=512)
+    plan = needs(arch.model, arch.moe, arch.vocab_size, sec)
+
+    D, L, H, KV, Dh, E, F, V, r = 2880, 24, 64, 8, 64, 32, 2880, 201088, 8
+    qkv, o = D * (H + 2 * KV) * Dh, H * Dh * D  # the attention's matrices
+    w13, w2 = E * D * 2 * F, E * F * D  # the experts' (gate and up fused, down)
+    layer = qkv + o + w13 + w2
+    layer += (H + 2 * KV) * Dh + D + H  # q/k/v and output biases, sinks
+    layer += E * 2 * F + E * D  # the experts' biases
+    layer += E * D + E + 2 * D  # the router and its bias, two norms
+    total = L * layer + D + 2 * V * D  # the final norm, untied embedding and head
+    assert total == 20_914_757_184  # transformers counts 20.9B for gpt-oss-20b
+    adapted = L * (qkv + o + w13 + w2)
+    adapters = L * (
+        r * (3 * D + (H + 2 * KV) * Dh)  # q/k/v: A per segment, B
+        + r * (H * Dh + D)  # output projection
+        + E * (2 * r * (D + 2 * F) + r * (F + D))  # experts: a13, b13 (rank 2r), a2, b2
+    )
+    assert plan.trainable == adapters
+    assert plan.weights == 4.0 * (total - adapted) + NF4_BYTES * adapted + 4.0 * adapters
+    assert plan.trainable_state == 12.0 * adapters  # gradients and two AdamW moments
+    # one process under autocast: the adapters' and the head's bf16 copies, the largest NF4
+    # weight (an expert layer's gate/up) while it is dequantised
+    assert plan.one_process == 2.0 * (adapters + V * D) + NF4_DEQUANT_PEAK * w13
+    rows = 16 + 4  # batch_size and replay_ratio 0.25's rows
+    assert plan.activations is not None
+    whole = needs(arch.model, arch.moe, arch.vocab_size, dataclasses.replace(sec, grad_accum=1))
+    assert whole.activations is not None
+    assert plan.activations(1) == pytest.approx(whole.activations(1) * 3 / rows, rel=1e-12)
+    assert plan.activations(2) == pytest.approx(plan.activations(1) * 2 / 3, rel=1e-12)
+    assert plan.per_gpu(1) == plan.total + plan.activations(1) + plan.one_process

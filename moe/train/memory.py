@@ -36,6 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe.config import LoraConfig, ModelConfig, MoEConfig
+from moe.model.experts import EXPERT_BIASES
 from moe.model.lora import adapter_counts
 from moe.model.transformer import MoETransformer
 
@@ -86,11 +87,17 @@ class StateBytes:
 
 def _product_weights(model: MoETransformer) -> int:
     """Weights that a product under autocast reads (and copies to bf16): every matrix but
-    the embedding table (a lookup) and the routers (scored in fp32); a tied head is one."""
+    the embedding table (a lookup), the routers (scored in fp32) and the experts' biases
+    (added, 2-D only for their expert axis); a tied head is one."""
     skip = {id(layer.router.gate.weight) for layer in model.moe_layers}
+    skip |= {id(p) for layer in model.moe_layers for p in _expert_biases(layer.experts)}
     if not model.cfg.tie_embeddings:
         skip.add(id(model.embed.weight))
     return sum(p.numel() for p in model.parameters() if p.ndim >= 2 and id(p) not in skip)
+
+
+def _expert_biases(experts: torch.nn.Module) -> list[torch.Tensor]:
+    return [b for b in (getattr(experts, n, None) for n in EXPERT_BIASES) if b is not None]
 
 
 def state_bytes(
