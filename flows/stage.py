@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from moe.errors import InputError
+from tasks.archive import dataset_version
 from tasks.config import Config
 from tasks.lineage import StageRecord
 
@@ -67,8 +68,28 @@ def read_receipt() -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def read_published(cfg: Config) -> dict[str, Any]:
+    """The receipt of the published dataset a stage is about to read, refused (before any
+    compute) when the prepared data on this machine is not what was published: `prepare`
+    ran again (another domain database, other pairs) and publish did not, so the stage
+    would train or score on the old data and nothing would say so. A machine without the
+    prepared data (a GPU pool that only downloads) reads the receipt as it is."""
+    receipt = read_receipt()
+    prepared = Path(cfg.data.out_dir)
+    if (prepared / "meta.json").is_file():
+        on_disk = dataset_version(prepared)
+        if on_disk != receipt["version"]:
+            raise InputError(
+                f"{prepared} holds dataset {on_disk} but {PUBLISHED / 'receipt.json'} publishes"
+                f" {receipt['name']}/{receipt['version']}: prepare ran again and publish did"
+                " not. Publish it first (moe-pipeline stage publish, or include publish in"
+                " `moe-pipeline run --stages`; dvc repro does it)"
+            )
+    return receipt
+
+
 def published(cfg: Config) -> dict[str, Path]:
-    read_receipt()  # a missing receipt says which stage to run
+    read_published(cfg)  # a missing receipt says which stage to run, a stale one says so
     return {"receipt": PUBLISHED / "receipt.json"}
 
 

@@ -59,6 +59,16 @@ def _file_manifest(folder: Path) -> dict[str, dict[str, Any]]:
     }
 
 
+def _version(files: dict[str, dict[str, Any]]) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def dataset_version(prepared: Path) -> str:
+    """The version publish gives the prepared data in `prepared`: a digest of every file's
+    name, sha256 and size."""
+    return _version(_file_manifest(prepared))
+
+
 def _zstd(level: int, threads: int) -> zstandard.ZstdCompressor:
     return zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True)
 
@@ -105,7 +115,7 @@ def publish_dataset(cfg: Config, prepared: Path, work: Path) -> Published:
     files = _file_manifest(prepared)
     if "meta.json" not in files:
         raise InputError(f"{prepared}/meta.json is missing: run the prepare stage first")
-    version = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+    version = _version(files)
     base = f"datasets/{s.dataset_name}/{version}"
     store = open_store(s)
     work.mkdir(parents=True, exist_ok=True)

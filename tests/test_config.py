@@ -4,6 +4,8 @@ every bad key, type or value is named with its path, exits 2, and touches nothin
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -225,3 +227,56 @@ def test_cli_stage_with_bad_params_touches_nothing(tmp_path: Path) -> None:
 def test_cli_check_ok(tmp_path: Path) -> None:
     r = _cli("params", "check", str(ROOT / "params.yaml"), cwd=tmp_path)
     assert r.returncode == 0 and "OK" in r.stdout
+
+
+def _prepared_and_published(root: Path) -> Path:
+    """data/prepared as prepare leaves it, data/published/receipt.json as publish leaves it
+    for that data, and a pretrained model folder: what a finetune stage reads."""
+    from tasks.archive import dataset_version
+
+    prepared = root / "data" / "prepared"
+    prepared.mkdir(parents=True)
+    (prepared / "meta.json").write_text('{"vocab_size": 64}')
+    (prepared / "sql_domain_test.jsonl").write_text('{"question": "old"}\n')
+    receipt = {"name": "demo", "version": dataset_version(prepared)}
+    (root / "data" / "published").mkdir(parents=True)
+    (root / "data" / "published" / "receipt.json").write_text(json.dumps(receipt))
+    for stage in ("pretrain", "finetune_sql", "finetune_domain"):
+        (root / "models" / stage).mkdir(parents=True)
+        (root / "models" / stage / "model.safetensors").write_bytes(b"weights")
+    return prepared
+
+
+def test_a_stage_never_reads_a_publish_that_the_prepared_data_has_left_behind(
+    tmp_path: Path,
+) -> None:
+    """`prepare` ran again (another test set) and publish did not: a stage that reads the
+    published data stops before any compute (exit 2) naming both digests and the command;
+    `run --stages` that prepares without publishing says publish is left out. Nothing is
+    written."""
+    prepared = _prepared_and_published(tmp_path)
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    published = json.loads((tmp_path / "data/published/receipt.json").read_text())["version"]
+    (prepared / "sql_domain_test.jsonl").write_text('{"question": "new"}\n')
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for stage in ("finetune_sql", "finetune_domain", "evaluate"):
+        r = _cli("stage", stage, cwd=tmp_path)
+        assert r.returncode == 2, r.stderr
+        assert published in r.stderr and "moe-pipeline stage publish" in r.stderr, r.stderr
+        from tasks.archive import dataset_version
+
+        assert dataset_version(prepared) in r.stderr
+    r = _cli("run", "--stages", "prepare", "finetune_domain", "evaluate", cwd=tmp_path)
+    assert r.returncode == 2 and "Add publish to --stages" in r.stderr, r.stderr
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    # published again (the receipt names what is on disk): the check lets the stage start
+    (tmp_path / "data/published/receipt.json").write_text(
+        json.dumps({"name": "demo", "version": dataset_version(prepared)})
+    )
+    from flows.stage import read_published
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        assert read_published(load_config("params.yaml", []))["version"] == dataset_version(
+            prepared
+        )

@@ -4,6 +4,7 @@ the report, and the final model exported as transformers loads it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from flows.stage import (
@@ -15,6 +16,7 @@ from flows.stage import (
     Stage,
     files,
     lineage_files,
+    read_published,
     read_receipt,
 )
 from tasks.archive import download_dataset
@@ -130,14 +132,19 @@ def headline(metrics: dict[str, Any], ledger: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _inputs(cfg: Config) -> dict[str, Path]:
+    """The trained models (the receipt they were trained on is in their own inputs); the
+    published data it scores on must be what is prepared here (flows/stage.py)."""
+    read_published(cfg)
+    return {s: MODELS / s / "model.safetensors" for s in list(Config.training_stages())}
+
+
 EVALUATE = Stage(
     "evaluate",
     "evaluate",
     "Perplexity and SQL accuracy of every stage's model, the bill and the report.",
     out=lambda cfg: REPORTS / "evaluate",
-    inputs=lambda cfg: {
-        s: MODELS / s / "model.safetensors" for s in list(Config.training_stages())
-    },
+    inputs=lambda cfg: _inputs(cfg),
     handoff=lambda cfg: [
         REPORTS / "metrics.json",
         REPORTS / "cost.json",

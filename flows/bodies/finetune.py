@@ -14,6 +14,7 @@ from flows.stage import (
     Stage,
     budget_left,
     model_handoff,
+    read_published,
     read_receipt,
     train_summary,
 )
@@ -28,7 +29,7 @@ from tasks.tracking import wandb_run
 def _finetune_inputs(stage: str, init: str) -> Callable[[Config], dict[str, Path]]:
     def inputs(cfg: Config) -> dict[str, Path]:
         model = MODELS / init / "model.safetensors"
-        read_receipt()
+        read_published(cfg)
         if not model.is_file():
             raise InputError(f"{model} is missing: run the {init} stage first")
         return {"receipt": PUBLISHED / "receipt.json", "init_model": model}
