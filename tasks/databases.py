@@ -70,20 +70,25 @@ def write_fingerprint(info: dict[str, Any], path: Path = FINGERPRINT_FILE) -> No
 
 def preflight(d: Any) -> None:
     """A server domain database, reached before any compute (the URL, where the password
-    comes from, the login, the schema), with a warning when its login may write: a bad one
-    is an InputError saying what is wrong. Nothing for a sqlite file (its checks are
+    comes from, the login, the schema), refused when its login may do more than read (a
+    superuser, the server-file roles, CREATE, writes: moe/sql/server.py
+    `unsafe_privileges`), since the model's SQL runs as that login: a bad one is an
+    InputError saying what is wrong. Nothing for a sqlite file (its checks are
     moe/sql/sandbox.py `open_checked`'s)."""
     if not server.is_url(d.sql_domain_database):
         return
     remember_password(d.sql_domain_password)
     link = ServerLink(d.sql_domain_database, d.sql_domain_password, d.sql_domain_schema)
     with server.ServerDb(link, d.sql_time_limit_s, d.sql_row_limit) as db:
-        writes = db.can_write()
-        if writes:
-            log.warning(
-                "%s: every statement still runs in a read-only transaction, but use a"
-                " read-only role (README: Your database where it lives)",
-                writes,
+        unsafe = db.unsafe_privileges()
+        if unsafe:
+            raise InputError(
+                f"data.sql_domain_database = {db.label}: the model's SQL runs as this login, and"
+                f" it may do more than read ({'; '.join(unsafe)}). Log in as a role that may"
+                " only read, e.g. CREATE ROLE moe_reader LOGIN PASSWORD '...'; GRANT CONNECT"
+                f" ON DATABASE <db> TO moe_reader; GRANT USAGE ON SCHEMA {db.namespace} TO"
+                f" moe_reader; GRANT SELECT ON ALL TABLES IN SCHEMA {db.namespace} TO"
+                " moe_reader (README: Your database where it lives)"
             )
 
 

@@ -15,6 +15,7 @@ After each, every table's digest is what it was.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import subprocess
@@ -189,6 +190,97 @@ def test_predicted_sql_cannot_write_escape_or_run_away(
         assert db.run("SELECT sum(total) FROM invoice").rows == [(2328.6,)]
     assert digest(pg) == before
     assert not Path("/tmp/moe-pwned").exists()
+
+
+# What the word list refuses first, in forms a word list misses: each must be refused by the
+# server itself when the list is off (the login's privileges and the read-only transaction).
+PAST_THE_LIST = [
+    # pg_terminate_backend ends our own session; set_config on a setting runs, and is undone
+    # with the transaction (held below)
+    *[sql for sql in HOSTILE if "pg_terminate_backend" not in sql and "set_config" not in sql],
+    "SELECT PG_READ_FILE('PG_VERSION')",
+    "SeLeCt Pg_Read_File('PG_VERSION')",
+    "SELECT pg_catalog.pg_read_file('PG_VERSION')",
+    "SELECT \"pg_read_file\"('PG_VERSION')",
+    "SELECT /* hi */ pg_read_file -- there\n ('PG_VERSION')",
+    "SELECT pg_read_binary_file('PG_VERSION')",
+    "SELECT pg_ls_dir('.')",
+    "copy track to program 'touch /tmp/moe-pwned'",
+    "SELECT lo_import('/etc/hostname')",
+    "SELECT lo_export(lo_create(0), '/tmp/moe-pwned')",
+    "SELECT set_config('role', 'owner', false)",
+    "SELECT set_config('role', 'owner', false), pg_read_file('PG_VERSION')",
+    "WITH x AS (UPDATE invoice SET total = 0 RETURNING 1) SELECT count(*) FROM x",
+    "WITH x AS (INSERT INTO genre VALUES (99, 'x') RETURNING 1) SELECT * FROM x",
+    "SELECT dblink_connect('host=127.0.0.1')",
+]
+
+
+def test_the_server_refuses_what_the_word_list_would_with_the_list_turned_off(
+    pg: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a login that may only read, with no refusal by words before the server: every
+    hostile statement (case, comments, quoted and schema-qualified calls, COPY TO PROGRAM,
+    large objects, a role change, writes through a CTE) is refused by the server, nothing on
+    it changes and no file is written. The same statements as a superuser would read the
+    server's files: that is why prepare refuses such a login."""
+    before = digest(pg)
+    with _db(pg, monkeypatch, time_limit_s=0.5, word_list=False) as db:
+        for sql in PAST_THE_LIST:
+            out = db.run(sql)
+            assert out.status in ("denied", "error") and out.rows is None, (sql, out)
+            assert db.run("SELECT count(*) FROM genre").rows == [(25,)], sql
+        assert db.run("SELECT set_config('default_transaction_read_only', 'off', false)").ok
+        on = "SELECT current_setting('default_transaction_read_only')"
+        assert db.run(on).rows == [("on",)]  # rolled back with its transaction
+    assert digest(pg) == before
+    assert not Path("/tmp/moe-pwned").exists()
+    with _db(pg, monkeypatch, "owner", word_list=False) as owner:
+        assert owner.run("SeLeCt Pg_Read_File('PG_VERSION')").ok  # the list was its only guard
+
+
+def test_prepare_refuses_a_login_that_may_do_more_than_read(
+    pg: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model's SQL runs as the login: a superuser, a member of a server-file role, or a
+    role that may create in the schema is refused before any compute (an InputError: exit 2),
+    each privilege named; the read-only `reader` passes."""
+    from tasks.config import Config
+    from tasks.databases import preflight
+
+    psql, pw = pg["psql"], "x-" + secrets.token_hex(6)
+    psql(f"CREATE ROLE filer LOGIN PASSWORD '{pw}' IN ROLE pg_read_server_files")
+    psql(f"CREATE ROLE maker LOGIN PASSWORD '{pw}'")
+    psql("GRANT CONNECT ON DATABASE chinook TO filer, maker")
+    psql("GRANT USAGE, CREATE ON SCHEMA public TO maker", "chinook")
+    where = pg["url"].split("@", 1)[1]
+    try:
+        cases = {
+            "owner": (pg["owner_pw"], ["owner: superuser"]),
+            "filer": (pw, ["filer: a member of pg_read_server_files"]),
+            "maker": (pw, ["maker: CREATE on schema public"]),
+            "reader": (pg["reader_pw"], []),
+        }
+        for who, (secret, named) in cases.items():
+            monkeypatch.setenv("PG_LOGIN_PW", secret)
+            d = dataclasses.replace(
+                Config().data,
+                sql_domain_database=f"postgresql+psycopg://{who}@{where}",
+                sql_domain_password="env:PG_LOGIN_PW",
+            )
+            if not named:
+                preflight(d)
+                continue
+            with pytest.raises(InputError) as e:
+                preflight(d)
+            for phrase in named:
+                assert phrase in str(e.value), (who, str(e.value))
+            assert "may only read" in str(e.value) and secret not in str(e.value)
+    finally:
+        psql("REVOKE ALL ON SCHEMA public FROM maker", "chinook")
+        psql("REVOKE CONNECT ON DATABASE chinook FROM filer, maker")
+        psql("DROP ROLE filer")
+        psql("DROP ROLE maker")
 
 
 def test_the_schema_is_read_from_the_server(pg: dict[str, Any], monkeypatch) -> None:

@@ -17,7 +17,15 @@ enforced by the server's own means.
   one statement, no data-modifying WITH) from which at most `row_limit + 1` rows are fetched.
   What is not a query (DROP, INSERT, COPY ... TO PROGRAM, SET ROLE, several statements) and
   functions that act beyond the transaction (`pg_terminate_backend`, `lo_export`,
-  `set_config`, `dblink`, ...) are denied before they reach the server.
+  `set_config`, `dblink`, ...) are denied before they reach the server: a fast first refusal
+  with a clear reason, not the guard (`word_list=False` turns it off, and the tests show the
+  server refusing each of them).
+- The guard is the login's own privileges: `unsafe_privileges` names what a login may do
+  beyond reading (superuser, pg_read_server_files, pg_write_server_files,
+  pg_execute_server_program, CREATE on the database or schema, writes to tables, creating
+  roles or databases), and prepare refuses such a login. A role SET after login cannot take
+  its place: a statement can reset the role to the login's (`set_config('role', ...)`)
+  within its own evaluation, so the role that evaluates must be the one that logs in.
 
 Only PostgreSQL (psycopg 3) has a sandbox here: the rules are the engine's own, and another
 engine (MySQL, DuckDB) is refused rather than run without them.
@@ -55,6 +63,8 @@ _DENIED_CALL = re.compile(
     r"|pg_logical_\w+|pg_replication_\w+|query_to_xml\w*|cursor_to_xml\w*)\s*\(",
     re.IGNORECASE,
 )
+# Roles whose members reach the server's files and programs (PostgreSQL 11+).
+SERVER_FILE_ROLES = ("pg_read_server_files", "pg_write_server_files", "pg_execute_server_program")
 _COMMENT = re.compile(r"\s*(--[^\n]*(\n|$)|/\*.*?\*/)", re.DOTALL)
 
 
@@ -157,10 +167,19 @@ class ServerDb:
     (`run`, `schema`, `row_limit`, `close`), so the generator, pruning and scoring use
     either."""
 
-    def __init__(self, link: ServerLink, time_limit_s: float = 2.0, row_limit: int = 10_000):
+    def __init__(
+        self,
+        link: ServerLink,
+        time_limit_s: float = 2.0,
+        row_limit: int = 10_000,
+        word_list: bool = True,
+    ):
+        """`word_list=False`: no refusal by words before the server (the tests' proof that
+        the server and the login's privileges refuse on their own)."""
         import sqlalchemy as sa
 
         self.link, self.time_limit_s, self.row_limit = link, time_limit_s, row_limit
+        self.word_list = word_list
         url = parse_url(link.url)
         self.label = shown(url)
         self.dialect = url.get_backend_name()
@@ -223,11 +242,11 @@ class ServerDb:
         if not text:
             return Outcome(None, "error", "empty statement")
         first = _first_word(text)
-        if first not in _QUERY_WORDS:
+        if self.word_list and first not in _QUERY_WORDS:
             return Outcome(
                 None, "denied", f"only a query may run, not {first.upper() or repr(text[:20])}"
             )
-        call = _DENIED_CALL.search(text)
+        call = _DENIED_CALL.search(text) if self.word_list else None
         if call:
             return Outcome(None, "denied", f"{call.group(1)}() is not allowed")
         cur = None
@@ -284,6 +303,34 @@ class ServerDb:
                 )
         except sa.exc.DBAPIError as e:
             raise InputError(f"{self.label}: cannot read the schema ({_message(e.orig)})") from None
+
+    def unsafe_privileges(self) -> list[str]:
+        """What the login (and the role it acts as, where another) may do beyond reading,
+        one phrase each; [] for a role fit to run predicted SQL."""
+        roles = ", ".join(f"pg_has_role(r.oid, '{x}', 'MEMBER')" for x in SERVER_FILE_ROLES)
+        rows = self._rows(
+            "SELECT r.rolname, r.rolsuper, r.rolcreaterole, r.rolcreatedb, "
+            + roles
+            + ", has_database_privilege(r.oid, current_database(), 'CREATE')"
+            + f", has_schema_privilege(r.oid, {_literal(self.namespace)}, 'CREATE')"
+            + ", (SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            + f" WHERE c.relkind IN ('r', 'p') AND n.nspname = {_literal(self.namespace)}"
+            + " AND has_table_privilege(r.oid, c.oid, 'INSERT, UPDATE, DELETE, TRUNCATE'))"
+            + " FROM pg_roles r WHERE r.rolname IN (session_user, current_user) ORDER BY 1"
+        )
+        out: list[str] = []
+        for name, superuser, createrole, createdb, *rest in rows:
+            member, (db_create, schema_create, tables) = rest[:3], rest[3:]
+            held = ["superuser"] * superuser
+            held += [
+                f"a member of {x}" for x, m in zip(SERVER_FILE_ROLES, member, strict=True) if m
+            ]
+            held += ["CREATE on the database"] * db_create
+            held += [f"CREATE on schema {self.namespace}"] * schema_create
+            held += [f"may write {tables} table(s)"] * (tables > 0)
+            held += ["CREATEROLE"] * createrole + ["CREATEDB"] * createdb
+            out += [f"{name}: {h}" for h in held]
+        return out
 
     def can_write(self) -> str:
         """What this login may change besides what the sandbox stops ('' = nothing): a
