@@ -77,7 +77,58 @@ def _load_chinook(postgres: dict[str, Any], sqlite_path: Path) -> None:
                 (ARRAY['open','paid','shipped'])[1 + g % 3], (g % 17) * 3.25,
                 date '2024-01-01' + g % 60 FROM generate_series(1, 160) g;
         """)  # fmt: skip
+        con.execute(APP_SCHEMA)
+        for table, cols, rows in APP_ROWS:
+            marks = ", ".join(["%s"] * len(cols))
+            names = ", ".join(f'"{c}"' for c in cols)
+            with con.cursor() as c:
+                c.executemany(f'INSERT INTO app."{table}" ({names}) VALUES ({marks})', rows)
     src.close()
+
+
+# A schema as real ones are named: tables and columns that PostgreSQL reserves and sqlite
+# does not (user, order, offset, analyse, window), mixed case, in a schema of its own.
+APP_SCHEMA = """
+    CREATE SCHEMA app;
+    CREATE TABLE app."user" (id integer PRIMARY KEY, "Name" text, "offset" integer,
+        "window" text);
+    CREATE TABLE app.analyse (id integer PRIMARY KEY,
+        "userId" integer REFERENCES app."user"(id), "order" integer, "Score" integer,
+        "window" text);
+"""
+APP_ROWS = [
+    (
+        "user",
+        ["id", "Name", "offset", "window"],
+        [(i, f"User {i}", (i * 7) % 11, ("day", "week", "month")[i % 3]) for i in range(1, 31)],
+    ),
+    (
+        "analyse",
+        ["id", "userId", "order", "Score", "window"],
+        [(i, 1 + i % 30, i % 5, (i * 13) % 97, ("day", "week")[i % 2]) for i in range(1, 121)],
+    ),
+]
+
+
+def _app_twin(path: Path) -> Path:
+    """The `app` schema's tables and rows as a sqlite file (sqlite reserves none of the
+    names)."""
+    import sqlite3
+
+    con = sqlite3.connect(path)
+    con.executescript(
+        'CREATE TABLE "user" (id INTEGER PRIMARY KEY, "Name" TEXT, "offset" INTEGER,'
+        ' "window" TEXT);'
+        ' CREATE TABLE analyse (id INTEGER PRIMARY KEY, "userId" INTEGER REFERENCES'
+        ' "user"(id), "order" INTEGER, "Score" INTEGER, "window" TEXT);'
+    )
+    for table, cols, rows in APP_ROWS:
+        names = ", ".join(f'"{c}"' for c in cols)
+        marks = ", ".join("?" * len(cols))
+        con.executemany(f'INSERT INTO "{table}" ({names}) VALUES ({marks})', rows)
+    con.commit()
+    con.close()
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +141,8 @@ def pg(postgres: dict[str, Any], chinook_db: Path) -> dict[str, Any]:  # noqa: F
     reader_pw = "reader-" + secrets.token_hex(8)
     psql(f"CREATE ROLE reader LOGIN PASSWORD '{reader_pw}'")
     psql("GRANT CONNECT ON DATABASE chinook TO reader")
-    psql("GRANT USAGE ON SCHEMA public, shop TO reader", "chinook")
-    psql("GRANT SELECT ON ALL TABLES IN SCHEMA public, shop TO reader", "chinook")
+    psql("GRANT USAGE ON SCHEMA public, shop, app TO reader", "chinook")
+    psql("GRANT SELECT ON ALL TABLES IN SCHEMA public, shop, app TO reader", "chinook")
     psql("CREATE TABLE salary (employee_id int, amount int)", "chinook")  # not the reader's
     where = f"{postgres['host']}:{postgres['port']}/chinook"
     return {
@@ -408,6 +459,39 @@ def test_generated_sql_quotes_what_postgresql_folds_or_reserves(
     assert got.domain["schema"] == "shop" and set(got.domain["tables"]) == {"Customer", "order"}
     with _db(pg, monkeypatch, schema="shop") as db:
         assert all(db.run(p.sql).ok for p in pairs)
+
+
+def test_pairs_over_names_postgresql_reserves_return_what_the_sqlite_twin_returns(
+    pg: dict[str, Any],
+    tmp_path: Path,
+    tok,  # noqa: F811
+    monkeypatch,
+) -> None:
+    """Tables and columns named `user`, `order`, `offset`, `analyse`, `window` and in mixed
+    case, in a schema of their own: every generated pair runs on the server and returns the
+    rows the same pair returns on a sqlite twin of the data. Unquoted, `SELECT count(*) FROM
+    user` runs cleanly on PostgreSQL and counts the current role: one row, the wrong answer."""
+    from moe.sql.sandbox import ReadOnlyDb, same_result
+
+    monkeypatch.setenv("CHINOOK_PW", pg["reader_pw"])
+    d = small(sql_domain_database=pg["url"], sql_domain_password="env:CHINOOK_PW",
+              sql_domain_schema="app", sql_domain_train_pairs=60, sql_domain_test_pairs=20)  # fmt: skip
+    got = build_sql_sets(d, tmp_path / "out", limits(tok))
+    pairs = got.sets["domain_train"] + got.sets["domain_test"]
+    sqls = " ".join(p.sql for p in pairs)
+    assert '"user"' in sqls and '"Name"' in sqls and "analyse" in sqls  # what the test rests on
+    assert any(w in sqls for w in ('"offset"', '"window"', '"order"', '"Score"', '"userId"'))
+    twin = ReadOnlyDb(_app_twin(tmp_path / "app.sqlite"))
+    try:
+        with _db(pg, monkeypatch, schema="app") as db:
+            assert db.run("SELECT count(*) FROM user").rows == [(1,)]  # the trap
+            assert db.run('SELECT count(*) FROM "user"').rows == [(30,)]
+            for p in pairs:
+                on_server, on_twin = db.run(p.sql), twin.run(p.sql)
+                assert on_server.ok and on_twin.ok, (p.sql, on_server, on_twin)
+                assert same_result(on_server.rows or [], on_twin.rows or [], ordered=False), p.sql
+    finally:
+        twin.close()
 
 
 def test_pruning_reads_values_from_the_server_and_keeps_the_dialect(pg, monkeypatch) -> None:

@@ -147,3 +147,35 @@ def test_the_score_counts_a_match_only_where_the_original_agrees(
     ]
     score = _score(rows)
     assert score["test_suite_accuracy"] == 0.25 <= score["execution_accuracy"] == 0.5
+
+
+def test_a_question_whose_answer_is_a_tie_is_not_kept(tmp_path: Path, small_db: Path) -> None:
+    """`ORDER BY key LIMIT k` that cuts through rows sharing the key has several right
+    answers and one gold (the engine's tie order): the generator's check sees the tie at the
+    cut, and none of the generated pairs has one."""
+    import random
+
+    from moe.sql.databases import Databases
+    from moe.sql.sources import generate_records, tied_at_the_cut
+
+    db = ReadOnlyDb(small_db)
+    try:
+        # ten doctors in each city: "the city with the fewest doctors" is either
+        tie = "SELECT city FROM doctor GROUP BY city ORDER BY COUNT(*) ASC LIMIT 1"
+        assert tied_at_the_cut(db, tie)
+        # costs 0..49, two visits each: the top 3 cut through the pair at 48
+        assert tied_at_the_cut(db, "SELECT id FROM visit ORDER BY cost DESC LIMIT 3")
+        assert not tied_at_the_cut(db, "SELECT id FROM visit ORDER BY cost DESC LIMIT 2")
+        assert not tied_at_the_cut(db, "SELECT name FROM doctor ORDER BY id DESC LIMIT 1")
+        assert not tied_at_the_cut(db, "SELECT count(*) FROM visit")
+    finally:
+        db.close()
+    dbs = Databases(2.0, 10_000)
+    try:
+        records = generate_records(small_db, dbs, random.Random(0), 200, set())
+        check = ReadOnlyDb(small_db)
+        assert len(records) > 50
+        assert not [r.sql for r in records if tied_at_the_cut(check, r.sql)]
+        check.close()
+    finally:
+        dbs.close()

@@ -24,6 +24,7 @@ test sets are stratified over the kinds of query.
 from __future__ import annotations
 
 import random
+import re
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -117,11 +118,36 @@ def generate_records(
             continue  # asked already: nothing to rewrite or run
         sql = gen.in_dialect(sql)  # a server's dialect (sqlglot); sqlite's stays as it is
         keys = {(db_path, sql), (db_path, norm_question(q)), (db_path, norm_sql(sql))}
-        if keys & seen or not db.run(sql).ok:
+        if keys & seen or not db.run(sql).ok or tied_at_the_cut(db, sql):
             continue
         seen.update(keys)
         out.append(Record(q, sql, db_path, "generated"))
     return out
+
+
+_CUT = re.compile(
+    r"^SELECT (?P<select>.+?) FROM (?P<rest>.+) ORDER BY (?P<key>.+?) (?P<dir>ASC|DESC)"
+    r"(?P<nulls> NULLS (?:FIRST|LAST))? LIMIT (?P<k>\d+)$",
+    re.IGNORECASE | re.DOTALL,
+)
+
+
+def tied_at_the_cut(db: Any, sql: str) -> bool:
+    """Whether a query's `ORDER BY key LIMIT k` cuts through a tie: the k-th and the next
+    row share the key, so which of them the answer holds is the engine's choice, not the
+    question's (sqlite keeps insertion order, PostgreSQL another: "which has the fewest"
+    had three right answers and one gold). Such a pair is not kept."""
+    m = _CUT.match(sql.strip())
+    if not m:
+        return False
+    k = int(m["k"])
+    probe = (
+        f"SELECT {m['key']} FROM {m['rest']} ORDER BY {m['key']} {m['dir']}"
+        f"{m['nulls'] or ''} LIMIT {k + 1}"
+    )
+    got = db.run(probe)
+    rows = got.rows if got.ok else None
+    return rows is not None and len(rows) > k and rows[k - 1] == rows[k]
 
 
 # --------------------------------------------------------------------------- splitting
