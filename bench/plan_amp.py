@@ -69,6 +69,9 @@ def case(width: int, layers: int, experts: int, method: str) -> dict[str, float]
 
 
 def main() -> None:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     out = {}
     for width, layers, experts in SIZES:
         for method in ("full", "lora", "qlora"):
