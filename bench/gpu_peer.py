@@ -40,12 +40,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moe.adapters.method import apply_method
 from moe.checkpoint.store import CheckpointStore
 from moe.config import FinetuneConfig, LoraConfig, MoEConfig
 from moe.hf.importer import import_model
 from moe.hf.model_dir import load_model_dir, model_dir_skeleton
 from moe.train.memory import activation_bytes, peak_bytes, state_bytes, storage_bytes
-from moe.train.method import apply_method
 from moe.train.syncs import HostSyncs
 from moe.train.trainer import Trainer
 

@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
+from moe.adapters.lora import expert_rank
+from moe.adapters.method import apply_method, trainable_bytes
 from moe.checkpoint.store import CheckpointStore
 from moe.config import FinetuneConfig, LoraConfig, MoEConfig
 from moe.hf.importer import import_model
 from moe.hf.model_dir import load_model_dir
-from moe.model.lora import expert_rank
 from moe.train.memory import measure_peak
-from moe.train.method import apply_method, trainable_bytes
 from moe.train.trainer import Trainer
 from tasks.config import Config
 

@@ -17,8 +17,8 @@ import json
 
 import torch
 
+from moe.adapters.lora import add_adapters, hold_base_in, quantize_base
 from moe.config import LoraConfig, ModelConfig, MoEConfig
-from moe.model.lora import add_adapters, hold_base_in, quantize_base
 from moe.model.transformer import MoETransformer
 from moe.train.memory import activation_bytes, measure_peak, peak_bytes, state_bytes
 

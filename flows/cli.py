@@ -74,6 +74,7 @@ def preflight(cfg: Config, stages: list[str] | tuple[str, ...]) -> None:
     """Raise InputError for what the stages need and cannot get: a corpus with no readable
     text, or an upstream output that no stage of this run makes and that is missing or no
     longer matches the hash its stage's lineage record holds."""
+    from flows.stage import published_is_prepared
     from flows.stages import STAGES_BY_NAME
     from moe.data.sources import check_source
 
@@ -90,26 +91,8 @@ def preflight(cfg: Config, stages: list[str] | tuple[str, ...]) -> None:
                     f"first (moe-pipeline stage {producer}, or dvc repro)"
                 )
             _verify_against_lineage(path, producer, stage)
-    _published_is_prepared(cfg, stages)
-
-
-def _published_is_prepared(cfg: Config, stages: list[str] | tuple[str, ...]) -> None:
-    """The stages that read the published data read what `prepare` made: a run that prepares
-    again without publishing would train and score on the data published before, and one
-    that runs neither must find the prepared data on disk as it was published."""
-    from flows.stage import read_published
-    from flows.stages import STAGES_BY_NAME
-
     readers = [s for s in stages if any(p == "publish" for _, p in STAGES_BY_NAME[s].reads(cfg))]
-    if not readers or "publish" in stages:
-        return
-    if "prepare" in stages:
-        raise InputError(
-            f"--stages runs prepare but not publish, and {', '.join(readers)} read the"
-            " published data: they would train or score on the data published before this"
-            " prepare. Add publish to --stages (prepare publish ...), or run every stage"
-        )
-    read_published(cfg)
+    published_is_prepared(cfg, readers, stages)
 
 
 def _verify_against_lineage(path: Path, producer: str, stage: str) -> None:

@@ -88,6 +88,24 @@ def read_published(cfg: Config) -> dict[str, Any]:
     return receipt
 
 
+def published_is_prepared(
+    cfg: Config, readers: list[str], stages: list[str] | tuple[str, ...]
+) -> None:
+    """`readers` (of `stages`, one run) read the published data, which must be what
+    `prepare` made: a run that prepares again without publishing would train and score on
+    the data published before, and one that runs neither must find the prepared data on
+    disk as it was published."""
+    if not readers or "publish" in stages:
+        return
+    if "prepare" in stages:
+        raise InputError(
+            f"--stages runs prepare but not publish, and {', '.join(readers)} read the"
+            " published data: they would train or score on the data published before this"
+            " prepare. Add publish to --stages (prepare publish ...), or run every stage"
+        )
+    read_published(cfg)
+
+
 def published(cfg: Config) -> dict[str, Path]:
     read_published(cfg)  # a missing receipt says which stage to run, a stale one says so
     return {"receipt": PUBLISHED / "receipt.json"}

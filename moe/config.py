@@ -776,7 +776,7 @@ class EarlyStopConfig:
 
 @dataclass
 class LoraTargets:
-    """Which projections carry adapters (moe/model/lora.py). All on by default: the QLoRA
+    """Which projections carry adapters (moe/adapters/lora.py). All on by default: the QLoRA
     paper and LLaMA-Factory's `all` found adapters on every linear layer needed to match full
     finetuning; attention only (the original LoRA paper) learns less per step."""
 

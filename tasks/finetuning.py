@@ -13,6 +13,7 @@ import torch.distributed as dist
 from prefect import task
 from prefect.cache_policies import NONE
 
+from moe.adapters.method import apply_method
 from moe.config import FinetuneConfig
 from moe.data.tokenizer import Specials, encode_ids, load_tokenizer, specials
 from moe.data.tokens import BatchSampler, MixedBatches, SFTBatches, SFTExample, TokenStore
@@ -20,7 +21,6 @@ from moe.errors import InputError
 from moe.hf.model_dir import model_dir_skeleton
 from moe.sql.prompts import prompt_text, response_text
 from moe.sql.records import load_pairs
-from moe.train.method import apply_method
 from moe.train.stop import Budget
 from moe.train.trainer import Trainer, TrainResult
 from tasks.checkpoints import checkpoint_store
@@ -100,7 +100,7 @@ def _finetune(
     # Under torchrun each rank reads only its shards of the start model (never whole).
     sharded = dist.is_initialized()
     model = model_dir_skeleton(init_dir) if sharded else load_model(init_dir)
-    # LoRA / QLoRA: the base frozen and adapters added; the router policy (moe/train/method.py)
+    # LoRA / QLoRA: the base frozen and adapters added; the router policy (moe/adapters/method.py)
     plan = apply_method(model, f, stage)
     if f.max_len > model.cfg.seq_len:
         raise InputError(

@@ -16,12 +16,12 @@ import torch.distributed as dist
 from prefect import task
 from prefect.cache_policies import NONE
 
+from moe.adapters.method import apply_method
 from moe.data.tokens import BatchSampler, TokenStore
 from moe.errors import InputError
 from moe.hashing import weights_files_digest
 from moe.hf.model_init import build_init_model, init_model_skeleton
 from moe.model.transformer import MoETransformer
-from moe.train.method import apply_method
 from moe.train.stop import Budget
 from moe.train.trainer import Trainer, TrainResult
 from moe.train.validation import Validation

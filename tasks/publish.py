@@ -16,13 +16,13 @@ from typing import Any
 
 from safetensors.torch import load_file
 
+from moe.adapters.peft import unsupported, write_peft_folder
 from moe.data.tokenizer import Specials, load_tokenizer, specials
 from moe.errors import InputError
 from moe.hashing import sha256_file, weights_files_digest
 from moe.hf.exporter import ExportPlan, export_hf, export_plan
 from moe.hf.families.registry import FAMILIES
 from moe.hf.model_dir import load_model_dir, read_model_spec
-from moe.hf.peft_adapter import unsupported, write_peft_folder
 from moe.hf.tokenizer_files import copy_tokenizer, native_tokenizer_config
 from moe.model.transformer import MoETransformer
 

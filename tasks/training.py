@@ -10,7 +10,6 @@ saved, then the process ends by the signal as it would have (`saving_on_sigterm`
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -22,15 +21,16 @@ from pathlib import Path
 import torch
 from prefect.tasks import exponential_backoff
 
-from moe.checkpoint.tensors import load_model_tensors
-from moe.hf.model_dir import load_model_dir, save_adapter_dir, save_model_dir
-from moe.model.lora import (
+from moe.adapters.files import adapter_spec, save_adapter_dir
+from moe.adapters.lora import (
     add_adapters,
     dequantize_base,
     has_adapters,
     merge_adapters,
     set_router_policy,
 )
+from moe.checkpoint.tensors import load_model_tensors
+from moe.hf.model_dir import load_model_dir, save_model_dir
 from moe.model.transformer import MoETransformer
 from moe.train import distributed as D
 from moe.train.resilience import AttemptJournal
@@ -99,18 +99,6 @@ def write_metrics_csv(out_dir: Path) -> Path:
         w.writeheader()
         w.writerows(r for r in rows if "loss" in r)
     return dest
-
-
-def adapter_spec(trainer: Trainer, init: Path | None) -> dict:
-    """adapter.json's body: the method and its settings, the router policy, the base."""
-    c = trainer.cfg
-    return {
-        "method": c.method,
-        "lora": dataclasses.asdict(c.lora),
-        "router": c.router_policy(),
-        "base_sha256": trainer.checkpointer.base_sha256,
-        "base": str(init) if init else None,
-    }
 
 
 @contextlib.contextmanager
@@ -208,7 +196,9 @@ def fit_and_save(
             offload_checkpoints(cfg, trainer.checkpointer.store.root, run_key)
     model = model.to("cpu")
     if adapted:  # the adapters alone beside the model, then the model with them merged
-        save_adapter_dir(model, out_dir, adapter_spec(trainer, init))
+        save_adapter_dir(
+            model, out_dir, adapter_spec(trainer.cfg, trainer.checkpointer.base_sha256, init)
+        )
         dequantize_base(model)  # QLoRA: the merge adds to the weights the adapters trained on
         merge_adapters(model)
     else:  # a full run where an adapter run wrote before: its adapters no longer apply

@@ -1,4 +1,4 @@
-"""LoRA and QLoRA (moe/model/lora.py, moe/model/quant.py, moe/train/method.py), held against
+"""LoRA and QLoRA (moe/adapters/lora.py, moe/adapters/nf4.py, moe/adapters/method.py), held against
 PEFT itself: tiny transformers models (Qwen3-MoE with a dense layer, Llama) with PEFT's own
 LoRA and ours carrying the same adapter weights give the same logits and the same adapter
 gradients. Nothing is downloaded."""
@@ -16,17 +16,8 @@ import pytest
 import torch
 import transformers
 
-from moe.checkpoint.store import CheckpointStore
-from moe.config import FinetuneConfig, LoraConfig, LoraTargets, ModelConfig, MoEConfig
-from moe.data.tokens import BatchSampler, TokenStore
-from moe.errors import InputError
-from moe.hashing import sha256_file
-from moe.hf.families.registry import FAMILIES
-from moe.hf.importer import import_model, load_hf_model
-from moe.hf.model_dir import load_model_dir, save_adapter_dir, save_model_dir
-from moe.hf.peft_adapter import peft_tensors
-from moe.model.experts import reference_moe
-from moe.model.lora import (
+from moe.adapters.files import save_adapter_dir
+from moe.adapters.lora import (
     adapter_names,
     add_adapters,
     dequantize_base,
@@ -34,7 +25,18 @@ from moe.model.lora import (
     quantize_base,
     set_router_policy,
 )
-from moe.model.quant import dequantize, is_nf4
+from moe.adapters.method import apply_method
+from moe.adapters.nf4 import dequantize, is_nf4
+from moe.adapters.peft import peft_tensors
+from moe.checkpoint.store import CheckpointStore
+from moe.config import FinetuneConfig, LoraConfig, LoraTargets, ModelConfig, MoEConfig
+from moe.data.tokens import BatchSampler, TokenStore
+from moe.errors import InputError
+from moe.hashing import sha256_file
+from moe.hf.families.registry import FAMILIES
+from moe.hf.importer import import_model, load_hf_model
+from moe.hf.model_dir import load_model_dir, save_model_dir
+from moe.model.experts import reference_moe
 from moe.model.transformer import MoETransformer
 from moe.train.memory import (
     activation_bytes,
@@ -43,7 +45,6 @@ from moe.train.memory import (
     state_bytes,
     storage_bytes,
 )
-from moe.train.method import apply_method
 from moe.train.trainer import Trainer
 from tasks.publish import export_model_dir
 from tests.conftest import ROOT
@@ -112,7 +113,7 @@ def test_our_lora_computes_what_peft_computes(model_type: str, tmp_path: Path) -
     ours, arch = load_hf_model(tmp_path / "hf", MOE, seq_len=64, dtype=torch.float32)
     moe_adapters = model_type != "llama"
     # (PEFT on transformers 5 cannot name a dense or shared MLP inside an MoE model:
-    # moe/hf/peft_adapter.py lists those adapters as not expressible)
+    # moe/adapters/peft.py lists those adapters as not expressible)
     targets = LoraTargets(mlp=False, shared_expert=False, experts=moe_adapters)
     add_adapters(ours, LoraConfig(rank=4, alpha=8.0, targets=targets), seed=0)
     _randomize_adapters(ours, seed=1)
@@ -759,8 +760,8 @@ def test_a_bf16_frozen_base_computes_as_the_rounded_base_and_merges_exactly(
     back to fp32 and the merge adds in fp32, so merged = fp32(bf16(W)) + delta exactly. Only
     a single-process bf16 GPU stage takes it (CUDA's presence is patched in: no GPU here);
     a CPU stage keeps its base as loaded, bit for bit."""
-    from moe.model.lora import LoRALinear, hold_base_in
-    from moe.train.method import frozen_dtype
+    from moe.adapters.lora import LoRALinear, hold_base_in
+    from moe.adapters.method import frozen_dtype
 
     lcfg = LoraConfig(rank=4, alpha=8.0)
     held, rounded = _tiny(), _tiny()
@@ -812,7 +813,7 @@ def test_an_expert_layers_kernels_do_not_grow_with_its_experts() -> None:
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from moe.model.lora import ExpertLoRA
+    from moe.adapters.lora import ExpertLoRA
     from moe.model.transformer import MoEAux, MoELayer
 
     class Ops(TorchDispatchMode):
@@ -853,7 +854,7 @@ def test_the_plan_under_bf16_autocast_is_never_below_the_peak(shape: tuple[int, 
     Adapters are over-estimated (their frozen products keep less for the backward than the
     count, which is held to full finetuning): at most 40% here. Counting every tensor at 2
     bytes, as the plan did, was 0.67x to 0.85x the peak (a pool that "fits" ran out)."""
-    from moe.model.lora import hold_base_in
+    from moe.adapters.lora import hold_base_in
 
     width, layers, experts = shape
     cfg = ModelConfig(n_layer=layers, d_model=width, n_head=4, seq_len=64, dense_hidden=2 * width)

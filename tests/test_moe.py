@@ -159,8 +159,8 @@ def test_under_autocast_every_grouped_product_computes_in_its_dtype() -> None:
     and their adapters, must see bf16 operands."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from moe.adapters.lora import ExpertLoRA
     from moe.config import LoraConfig
-    from moe.model.lora import ExpertLoRA
 
     class Dtypes(TorchDispatchMode):
         def __init__(self) -> None:

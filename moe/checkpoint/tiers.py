@@ -23,7 +23,7 @@ from moe.checkpoint.manifest import Manifest
 TIERS = ("L0", "L1", "L2")
 
 # Expert weights: 3-D parameters under `<layer>.experts.`, experts along dim 0; their LoRA
-# adapters (`<layer>.experts.lora.`, moe/model/lora.py) too, so they share their expert's tier.
+# adapters (`<layer>.experts.lora.`, moe/adapters/lora.py) too, so they share their expert's tier.
 _EXPERT_PARAM = re.compile(r"^(?P<layer>.+)\.experts\.(?:lora\.)?[A-Za-z0-9_]+$")
 
 

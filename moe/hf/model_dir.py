@@ -19,11 +19,9 @@ from moe.errors import InputError
 from moe.hf.safetensors_io import DTYPES
 from moe.model.buffers import init_buffers
 from moe.model.growth import resize_model
-from moe.model.lora import LoRALinear
 from moe.model.transformer import MoETransformer
 
 FORMAT = "moe-pipeline-model/1"
-ADAPTER_FORMAT = "moe-pipeline-adapter/1"
 
 
 def save_model_dir(
@@ -85,20 +83,3 @@ def load_model_dir(model_dir: Path, dtype: torch.dtype | None = None) -> MoETran
         init_buffers(model)
         load_model_tensors(model, {k: f.get_tensor(k) for k in f.keys()})
     return model
-
-
-def save_adapter_dir(model: MoETransformer, out_dir: Path, spec: dict[str, Any]) -> Path:
-    """adapter.safetensors (what trained: the adapters, and any base weight the stage let
-    learn, such as trained router gates) and adapter.json (how they were made, the base's
-    digest, each adapted projection's output segments), beside a stage's merged model: what
-    `model export` turns into a PEFT folder."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        n: p.detach().to("cpu").contiguous() for n, p in model.named_parameters() if p.requires_grad
-    }
-    save_file(tensors, str(out_dir / "adapter.safetensors"))
-    segments = {n: list(m.segments) for n, m in model.named_modules() if isinstance(m, LoRALinear)}
-    body = {"format": ADAPTER_FORMAT, **spec, "segments": segments}
-    (out_dir / "adapter.json").write_text(json.dumps(body, indent=1))
-    return out_dir / "adapter.safetensors"

@@ -20,7 +20,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moe.config import MoEConfig
-from moe.model.quant import dequantize, is_nf4
 from moe.model.routing import count_per_expert
 
 
@@ -161,34 +160,7 @@ def grouped_mm(
     return torch.cat([c @ w_EDF[e] for e, c in enumerate(chunks)], dim=0)
 
 
-class _NF4GroupedMM(torch.autograd.Function):
-    """grouped_mm over a frozen NF4 weight (QLoRA, moe/model/quant.py): dequantised for the
-    product and again for the input's gradient, never kept in between."""
-
-    @staticmethod
-    def forward(ctx, x_AD, w, offs_E, counts_E, shape):  # type: ignore[override]
-        ctx.w, ctx.shape = w, shape
-        ctx.save_for_backward(offs_E, counts_E)
-        return grouped_mm(x_AD, dequantize(w, shape), offs_E, counts_E)
-
-    @staticmethod
-    def backward(ctx, g_AF):  # type: ignore[override]
-        offs_E, counts_E = ctx.saved_tensors
-        w_EFD = dequantize(ctx.w, ctx.shape).transpose(1, 2).contiguous()
-        return grouped_mm(g_AF.contiguous(), w_EFD, offs_E, counts_E), None, None, None, None
-
-
-def _frozen_mm(
-    x_AD: torch.Tensor, w: torch.Tensor, offs_E: torch.Tensor, counts_E: torch.Tensor
-) -> torch.Tensor:
-    """grouped_mm, or its NF4 form when the expert weight is quantised ((E*D, F) stored)."""
-    if not is_nf4(w):
-        return grouped_mm(x_AD, w, offs_E, counts_E)
-    shape = (counts_E.numel(), w.shape[0] // counts_E.numel(), w.shape[1])
-    return _NF4GroupedMM.apply(x_AD, w, offs_E, counts_E, shape)
-
-
-def _rows_of(b_EX: torch.Tensor, counts_E: torch.Tensor, x_AD: torch.Tensor) -> torch.Tensor:
+def rows_of(b_EX: torch.Tensor, counts_E: torch.Tensor, x_AD: torch.Tensor) -> torch.Tensor:
     """Each expert's bias row repeated for its rows (sorted by expert): (A, X), no host sync."""
     b_EX = b_EX.to(x_AD.dtype)
     return b_EX.repeat_interleave(counts_E, dim=0, output_size=x_AD.shape[0])
@@ -204,32 +176,27 @@ def expert_swiglu(
     b2_ED: torch.Tensor | None = None,
     act: Activation = SWIGLU,
 ) -> torch.Tensor:
-    """The experts' SwiGLU on rows sorted by expert, with their adapters when present:
-    h = x w13 + s x A13 B13, y = swiglu(h) w2 + s swiglu(h) A2 B2, each product grouped over
-    the experts. `lora` is a moe/model/lora.py ExpertLoRA (or None). With biases (gpt-oss)
-    each row's expert's b13 is added to h and b2 to y; `act` may be the clamped SwiGLU."""
+    """The experts' SwiGLU on rows sorted by expert: h = x w13, y = swiglu(h) w2, each
+    product grouped over the experts. With biases (gpt-oss) each row's expert's b13 is added
+    to h and b2 to y; `act` may be the clamped SwiGLU. `lora`: the experts' adapters
+    (moe/adapters/lora.py ExpertLoRA), which then compute the layer with theirs, over a
+    base that may be NF4 (QLoRA)."""
+    if lora is not None:
+        return lora.swiglu(x_AD, w13_EDG, w2_EFD, counts_E, b13_EG, b2_ED, act)
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-    h_AG = _frozen_mm(x_AD, w13_EDG, offs_E, counts_E)
+    h_AG = grouped_mm(x_AD, w13_EDG, offs_E, counts_E)
     if b13_EG is not None:
-        h_AG = h_AG + _rows_of(b13_EG, counts_E, x_AD)
-    if lora is not None:
-        a13, b13, a2, b2 = lora.local()
-        low_Ar = grouped_mm(lora.dropout(x_AD), a13, offs_E, counts_E)
-        h_AG = h_AG + grouped_mm(low_Ar, b13, offs_E, counts_E) * lora.scale
-    g_AF = act(h_AG)
-    y_AD = _frozen_mm(g_AF, w2_EFD, offs_E, counts_E)
+        h_AG = h_AG + rows_of(b13_EG, counts_E, x_AD)
+    y_AD = grouped_mm(act(h_AG), w2_EFD, offs_E, counts_E)
     if b2_ED is not None:
-        y_AD = y_AD + _rows_of(b2_ED, counts_E, x_AD)
-    if lora is not None:
-        low = grouped_mm(lora.dropout(g_AF), a2, offs_E, counts_E)
-        y_AD = y_AD + grouped_mm(low, b2, offs_E, counts_E) * lora.scale
+        y_AD = y_AD + rows_of(b2_ED, counts_E, x_AD)
     return y_AD
 
 
 class GroupedExperts(nn.Module):
     """SwiGLU experts. The gate and up projections are one (E, D, 2F) weight, so one grouped
     GEMM computes both (HF and torchtitan store them the same way). `lora`: the experts'
-    adapters when a stage trains with LoRA (moe/model/lora.py ExpertLoRA). With `bias`
+    adapters when a stage trains with LoRA (moe/adapters/lora.py ExpertLoRA). With `bias`
     (gpt-oss) a bias per expert on the gate/up (E, 2F) and down (E, D) projections; `act`
     is the activation (the clamped SwiGLU for gpt-oss)."""
 

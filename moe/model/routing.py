@@ -103,7 +103,7 @@ class Router(nn.Module):
     # Sharded training: the process group whose routed counts the aux loss's f_E sums, so
     # the loss balances the global batch (Qiu et al. 2025), as one process computes it.
     balance_group: Any = None
-    # What a stage lets the router move (moe/model/lora.py set_router_policy): "trained"
+    # What a stage lets the router move (moe/adapters/lora.py set_router_policy): "trained"
     # (the gate learns, the routing state moves), "frozen" (nothing), "bias-only" (the
     # aux-free bias and utilisation average move; the gate and its recalibration do not).
     policy: str = "trained"

@@ -141,7 +141,7 @@ class ExpertParallelExperts(GroupedExperts):
         if full.b13_EG is not None:
             self.b13_EG = _expert_shard(full.b13_EG, meshes)
             self.b2_ED = _expert_shard(full.b2_ED, meshes)
-        if full.lora is not None:  # the adapters follow their experts (moe/model/lora.py)
+        if full.lora is not None:  # the adapters follow their experts (moe/adapters/lora.py)
             self.lora = full.lora
             for name, p in list(full.lora.named_parameters()):
                 setattr(self.lora, name, _expert_shard(p, meshes))
@@ -363,7 +363,7 @@ def init_like_one_process(model: MoETransformer) -> None:
             torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
         elif isinstance(m, torch.nn.Embedding):
             torch.nn.Embedding(m.num_embeddings, m.embedding_dim)
-    adapters = getattr(model, "adapter_init", {})  # LoRA: as drawn (moe/model/lora.py)
+    adapters = getattr(model, "adapter_init", {})  # LoRA: as drawn (moe/adapters/lora.py)
     for name, p in model.named_parameters():
         if name in adapters:
             load_full(p, adapters[name])
@@ -378,7 +378,7 @@ def load_safetensors(model: torch.nn.Module, path: str | os.PathLike) -> None:
     """Each rank reads its part of every tensor straight from a safetensors file (memory
     mapped: only the rows of its shards are read), so the model never exists whole in one
     process. Tied weights are read once; every parameter must be in the file, except the
-    adapters of a LoRA stage, which take the values they were drawn with (moe/model/lora.py
+    adapters of a LoRA stage, which take the values they were drawn with (moe/adapters/lora.py
     `adapter_init`)."""
     from safetensors import safe_open
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

@@ -16,7 +16,7 @@ on the meta device: nothing is allocated or drawn), and the measured peak it is 
   weights' copies are cached for the whole forward, the frozen ones' are saved by their
   product), the largest weight's bf16 gradient before it joins the fp32 one (full), and
   QLoRA's largest weight while torchao dequantises it for its product; LoRA
-  holds its adapted frozen weights in bf16 there (moe/train/method.py frozen_dtype). Under
+  holds its adapted frozen weights in bf16 there (moe/adapters/method.py frozen_dtype). Under
   FSDP2 the gathered weights are bf16 already and nothing is copied.
 
 Sharded over the stage's processes (FSDP2 for dense weights, expert parallelism for the
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from moe.adapters.lora import adapter_counts
 from moe.config import LoraConfig, ModelConfig, MoEConfig
 from moe.model.experts import EXPERT_BIASES
-from moe.model.lora import adapter_counts
 from moe.model.transformer import MoETransformer
 
 HEADROOM = 0.9  # of a GPU's memory for weights, trainable state and activations

@@ -135,7 +135,7 @@ class Trainer:
         sharded first and each rank fills its shards only, from `weights` (a safetensors
         file in the model's names) or, without it, with the initialisation one process
         would draw after the same seed. `base_sha256`: the frozen base's digest when the
-        model trains adapters (moe/train/method.py); checkpoints then hold what trains.
+        model trains adapters (moe/adapters/method.py); checkpoints then hold what trains.
         `interrupted`: asked after each step whether to stop now (a SIGTERM's notice that
         the machine is going away, tasks/training.py); then the step is saved at once and
         fit() returns with stop_reason INTERRUPTED. Every rank must pass one or none.

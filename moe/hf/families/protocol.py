@@ -183,7 +183,7 @@ class Family(ABC):
 
     def gate_up_to_hf(self, t: torch.Tensor) -> torch.Tensor:
         """A fused gate/up tensor's last dimension (2F: our [gate | up]) in the checkpoint's
-        order (a LoRA B of the experts, moe/hf/peft_adapter.py)."""
+        order (a LoRA B of the experts, moe/adapters/peft.py)."""
         return t
 
     def zero_biases(self, c: ModelConfig) -> bool:

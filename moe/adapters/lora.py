@@ -23,10 +23,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moe.adapters.nf4 import dequantize, frozen_grouped_mm, frozen_linear, is_nf4, quantize
 from moe.config import LoraConfig
 from moe.model.attention import CausalSelfAttention, LatentAttention
-from moe.model.experts import GroupedExperts
-from moe.model.quant import dequantize, frozen_linear, is_nf4, quantize
+from moe.model.experts import Activation, GroupedExperts, grouped_mm, rows_of
 from moe.model.transformer import MoELayer, SwiGLU
 
 ROUTER_POLICIES = ("trained", "frozen", "bias-only")
@@ -136,6 +136,33 @@ class ExpertLoRA(nn.Module):
         """(a13, b13, a2, b2) as this process holds them (its experts under EP)."""
         ts = (self.a13, self.b13, self.a2, self.b2)
         return tuple(t.to_local() if hasattr(t, "to_local") else t for t in ts)
+
+    def swiglu(
+        self,
+        x_AD: torch.Tensor,
+        w13_EDG: torch.Tensor,
+        w2_EFD: torch.Tensor,
+        counts_E: torch.Tensor,
+        b13_EG: torch.Tensor | None,
+        b2_ED: torch.Tensor | None,
+        act: Activation,
+    ) -> torch.Tensor:
+        """The experts' SwiGLU with these adapters (moe/model/experts.py expert_swiglu):
+        h = x w13 + s x A13 B13, y = swiglu(h) w2 + s swiglu(h) A2 B2, every product grouped
+        over the experts (the kernels do not grow with their number); w13 and w2 may be NF4."""
+        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+        a13, b13, a2, b2 = self.local()
+        h_AG = frozen_grouped_mm(x_AD, w13_EDG, offs_E, counts_E)
+        if b13_EG is not None:
+            h_AG = h_AG + rows_of(b13_EG, counts_E, x_AD)
+        low_Ar = grouped_mm(self.dropout(x_AD), a13, offs_E, counts_E)
+        h_AG = h_AG + grouped_mm(low_Ar, b13, offs_E, counts_E) * self.scale
+        g_AF = act(h_AG)
+        y_AD = frozen_grouped_mm(g_AF, w2_EFD, offs_E, counts_E)
+        if b2_ED is not None:
+            y_AD = y_AD + rows_of(b2_ED, counts_E, x_AD)
+        low = grouped_mm(self.dropout(g_AF), a2, offs_E, counts_E)
+        return y_AD + grouped_mm(low, b2, offs_E, counts_E) * self.scale
 
     @torch.no_grad()
     def delta_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

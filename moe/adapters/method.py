@@ -1,9 +1,9 @@
 """What a stage trains (`method: full | lora | qlora`) and what its routers may move.
 
 `apply_method` turns a model loaded for a stage into the model that stage trains: unchanged
-for full finetuning; for LoRA, the base frozen and adapters added (moe/model/lora.py); for
+for full finetuning; for LoRA, the base frozen and adapters added (moe/adapters/lora.py); for
 QLoRA, the same over a base whose large matrices are stored in 4-bit NF4
-(moe/model/quant.py). The router policy applies to every method.
+(moe/adapters/nf4.py). The router policy applies to every method.
 """
 
 from __future__ import annotations
@@ -13,16 +13,15 @@ import logging
 import torch
 import torch.distributed as dist
 
-from moe.config import OptimConfig
-from moe.model.lora import (
+from moe.adapters.lora import (
     AdapterPlan,
     add_adapters,
     hold_base_in,
     quantize_base,
     set_router_policy,
 )
+from moe.config import OptimConfig
 from moe.model.transformer import MoETransformer
-from moe.train.ranks import autocast_dtype, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +58,10 @@ def frozen_dtype(cfg: OptimConfig) -> torch.dtype | None:
     """The dtype LoRA holds its frozen base in: bf16 where the stage computes under bf16
     autocast on a GPU in one process (the sharded engine gathers one dtype per unit and keeps
     fp32 weights); None (as loaded, fp32) elsewhere, so CPU runs stay bit-identical."""
-    if cfg.method != "lora" or dist.is_initialized():
+    if cfg.method != "lora" or dist.is_initialized() or not torch.cuda.is_available():
         return None
-    device = resolve_device(cfg.device)
-    amp = autocast_dtype(device, cfg.dtype)
-    return amp if device.type == "cuda" and amp == torch.bfloat16 else None
+    on_gpu = cfg.device == "auto" or cfg.device.startswith("cuda")  # as moe/train/ranks.py
+    return torch.bfloat16 if on_gpu and cfg.dtype in ("auto", "bfloat16") else None
 
 
 def trainable_bytes(model: torch.nn.Module) -> int:

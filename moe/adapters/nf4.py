@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moe.model.experts import grouped_mm
+
 SCALER_BLOCK = 256  # torchao's (and the QLoRA paper's) block of the double quantisation
 # torchao costs ~4 s to import here: it is imported when a base is quantised, and until then
 # no tensor can be NF4.
@@ -84,3 +86,30 @@ def frozen_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -
     """F.linear over a weight that may be NF4."""
     y = _NF4Linear.apply(x, w) if is_nf4(w) else F.linear(x, w.to(x.dtype))
     return y if bias is None else y + bias.to(y.dtype)
+
+
+class _NF4GroupedMM(torch.autograd.Function):
+    """grouped_mm over a frozen NF4 expert weight: dequantised for the product and again for
+    the input's gradient, never kept in between."""
+
+    @staticmethod
+    def forward(ctx, x_AD, w, offs_E, counts_E, shape):  # type: ignore[override]
+        ctx.w, ctx.shape = w, shape
+        ctx.save_for_backward(offs_E, counts_E)
+        return grouped_mm(x_AD, dequantize(w, shape), offs_E, counts_E)
+
+    @staticmethod
+    def backward(ctx, g_AF):  # type: ignore[override]
+        offs_E, counts_E = ctx.saved_tensors
+        w_EFD = dequantize(ctx.w, ctx.shape).transpose(1, 2).contiguous()
+        return grouped_mm(g_AF.contiguous(), w_EFD, offs_E, counts_E), None, None, None, None
+
+
+def frozen_grouped_mm(
+    x_AD: torch.Tensor, w: torch.Tensor, offs_E: torch.Tensor, counts_E: torch.Tensor
+) -> torch.Tensor:
+    """The experts' grouped product over a frozen weight that may be NF4 ((E*D, F) stored)."""
+    if not is_nf4(w):
+        return grouped_mm(x_AD, w, offs_E, counts_E)
+    shape = (counts_E.numel(), w.shape[0] // counts_E.numel(), w.shape[1])
+    return _NF4GroupedMM.apply(x_AD, w, offs_E, counts_E, shape)
