@@ -47,7 +47,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 step cuda_tests 240 "$PY" -m pytest -q -p no:randomly tests/test_cuda.py
 step train_fsdp2 300 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 \
   bench/gpu_train.py --steps 300
-step gpu_peer 420 "$PY" bench/gpu_peer.py --shape gpu --steps 5 --rounds 3
+step gpu_peer 480 "$PY" bench/gpu_peer.py --shape gpu --steps 5 --rounds 3 --compile
 step moe_layer 180 "$PY" bench/moe_layer.py --device cuda --tokens 32768 --d-model 1024 \
   --hidden 1024 --experts 64 --top-k 4
 

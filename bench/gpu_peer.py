@@ -89,8 +89,9 @@ class Batches:
         return x[:, :-1], x[:, 1:], None
 
 
-def finetune_cfg(method: str, device: str) -> FinetuneConfig:
+def finetune_cfg(method: str, device: str, compiled: bool = False) -> FinetuneConfig:
     return FinetuneConfig(
+        compile=compiled,
         max_steps=1 << 30,
         batch_size=1,  # the batch source decides the rows
         lr=1e-4,
@@ -108,8 +109,10 @@ class Ours:
     """One method through the stage's code: apply_method, then Trainer.fit in rounds of
     `steps` (stop_after), each round one metrics row."""
 
-    def __init__(self, imported: Path, method: str, device: str, s: dict, ckpt: Path) -> None:
-        self.cfg = finetune_cfg(method, device)
+    def __init__(
+        self, imported: Path, method: str, device: str, s: dict, ckpt: Path, compiled: bool
+    ) -> None:
+        self.cfg = finetune_cfg(method, device, compiled)
         model = load_model_dir(imported, dtype=torch.float32)
         self.flops = model.flops_per_token() * (1.0 if method == "full" else 4 / 6)
         apply_method(model, self.cfg, method)
@@ -225,6 +228,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds after warm-up")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak")
     ap.add_argument("--methods", nargs="+", default=[*OURS, "peft"])
+    ap.add_argument(
+        "--compile", action="store_true", help="also each of ours with compile: true (+c)"
+    )
     args = ap.parse_args()
     s = SHAPES[args.shape]
     device = torch.device(
@@ -240,8 +246,10 @@ def main() -> None:
         for m in args.methods:
             if m == "peft":
                 arms[m] = Peer(tmp_p / "hf", device, s)
-            else:
-                arms[m] = Ours(tmp_p / "imported", m, device.type, s, tmp_p / f"ck-{m}")
+                continue
+            arms[m] = Ours(tmp_p / "imported", m, device.type, s, tmp_p / f"ck-{m}", False)
+            if args.compile:
+                arms[f"{m}+c"] = Ours(tmp_p / "imported", m, device.type, s, tmp_p / f"c-{m}", True)
         speeds: dict[str, list[float]] = {m: [] for m in arms}
         peaks: dict[str, int] = dict.fromkeys(arms, 0)
         for r in range(1 + args.rounds):  # round 0: warm-up (kernels, allocator, state)
@@ -268,7 +276,7 @@ def main() -> None:
             if cuda:
                 row["peak_gb"] = round(peaks[m] / 1e9, 3)
             if isinstance(arm, Ours):
-                plan = plan_peak(tmp_p / "imported", m, s, width)
+                plan = plan_peak(tmp_p / "imported", arm.cfg.method, s, width)
                 row["plan_gb"] = round(plan / 1e9, 3)
                 if cuda and peaks[m]:
                     row["plan_over_peak"] = round(plan / peaks[m], 3)
@@ -276,8 +284,8 @@ def main() -> None:
             out[m] = row
         if "peft" in out:
             ref = out["peft"]
-            for m in OURS:
-                if m in out:
+            for m in arms:
+                if m != "peft":
                     out[m]["speed_vs_peft"] = round(out[m]["tokens_per_s"] / ref["tokens_per_s"], 3)
                     if cuda:
                         out[m]["peak_vs_peft"] = round(out[m]["peak_gb"] / ref["peak_gb"], 3)

@@ -848,6 +848,11 @@ class OptimConfig:
     # Recompute each block's activations in the backward instead of keeping them: less
     # memory for longer sequences or larger batches, about a third more compute.
     activation_checkpoint: bool = False
+    # Compile each block with torch.compile (regional compilation, as torchtitan): the blocks
+    # share one compiled program, compiled in seconds rather than the whole model's minutes;
+    # fused kernels for what runs between the products. Worth it on a GPU; on a CPU the
+    # compile costs more than it saves in a short stage.
+    compile: bool = False
     # Machines this stage spans, each with the processes above (world size = nodes x
     # processes). Above 1 the stage's flow run launches a Kubernetes Indexed Job of that many
     # pods (tasks/multinode.py, the `multinode` section); data, the start model and the

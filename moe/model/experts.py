@@ -127,6 +127,13 @@ def _aligned(x_AD: torch.Tensor, w_EDF: torch.Tensor) -> tuple[torch.Tensor, tor
     return x_AD, w_EDF, F_
 
 
+@torch.compiler.disable
+def _grouped_mm_uncompiled(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """F.grouped_mm outside torch.compile: its compiled form (the meta kernel) takes bf16 only,
+    while the CPU's kernel also takes fp32 (`compile: true` then breaks the graph here)."""
+    return F.grouped_mm(x, w, offs=offs)
+
+
 def grouped_mm(
     x_AD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, counts_E: torch.Tensor
 ) -> torch.Tensor:
@@ -146,7 +153,8 @@ def grouped_mm(
     reason = _fallback_reason(x_AD)
     if reason is None:
         x_AD, w_EDF, width = _aligned(x_AD, w_EDF)
-        y_AF = _ContiguousGrad.apply(F.grouped_mm(x_AD, w_EDF, offs=offs_E))
+        product = F.grouped_mm if x_AD.dtype == torch.bfloat16 else _grouped_mm_uncompiled
+        y_AF = _ContiguousGrad.apply(product(x_AD, w_EDF, offs=offs_E))
         return y_AF if y_AF.shape[-1] == width else y_AF[..., :width]
     if reason not in _WARNED:
         _WARNED.add(reason)

@@ -54,6 +54,9 @@ class Ranks:
         meta device then fills its shards only, from `weights` (a safetensors file in the
         model's names) or with the initialisation one process would draw after the same
         seed. A plain run trains the module as it is."""
+        if getattr(cfg, "compile", False):  # before sharding, as torchtitan orders them
+            for block in model.blocks:
+                block.compile()
         if dist.is_initialized():
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", torch.cuda.current_device())
