@@ -440,6 +440,7 @@ COMMANDS = (
             arg("--db", required=True, help="the database to ask: a sqlite file or a server's URL"),
             arg("--data", type=Path, default=None, help="the prepared data (its tokenizer)"),
             arg("--rows", type=int, default=20, help="rows to print (default 20)"),
+            arg("--candidates", type=int, default=0, help="answers to vote over (1: greedy)"),
             *PARAMS,
         ),
     ),

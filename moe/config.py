@@ -969,6 +969,11 @@ class EvaluateConfig:
     # Test-suite accuracy: a right answer must also be right on this many differently filled
     # copies of its database (moe/sql/testsuite.py; 0 = execution accuracy alone).
     test_suite: int = knob(3, ge=0, le=20)
+    # Execution-guided self-consistency (moe/sql/consistency.py): the greedy answer and
+    # candidates - 1 sampled at `temperature`, each run on the question's database, the
+    # answer most of them agree on. 1 = greedy decoding alone.
+    candidates: int = knob(1, ge=1, le=32)
+    temperature: float = knob(0.8, gt=0, le=2)  # of the sampled candidates
     val_batches: int = knob(16, ge=1)  # batches of held-out text per perplexity
     batch_size: int = knob(64, ge=1)  # questions decoded together
     # auto: the GPU when the evaluating machine has one, else the CPU

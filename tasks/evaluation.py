@@ -88,6 +88,9 @@ def evaluate_sql(cfg: Config, data_dir: Path, model_dir: Path) -> dict[str, Any]
                 prefix=sp.prefix,
                 test_suite=cfg.evaluate.test_suite,
                 chat=sp.chat,
+                candidates=cfg.evaluate.candidates,
+                temperature=cfg.evaluate.temperature,
+                seed=cfg.data.seed,
             )
             done += len(pairs)
             log.info(

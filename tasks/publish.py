@@ -233,16 +233,21 @@ def ask(
     schema_values: int = 0,
     prune_schema: bool = True,
     password: str = "",
+    candidates: int = 1,
+    temperature: float = 0.8,
 ) -> dict[str, Any]:
     """The SQL the model writes for `question` over the database `db` (a sqlite file, or a
     server's URL with its password from `password`: data.sql_domain_password; `ask_prompt`
     says what the model reads), the rows that SQL returns on a read-only, time- and
     row-limited connection (moe/sql/databases.py `open_database`), and what pruning left
-    out ("" when nothing)."""
+    out ("" when nothing). With `candidates` > 1, execution-guided self-consistency
+    (moe/sql/consistency.py): the answer most of the greedy and the sampled queries agree
+    on, and how many agreed."""
     import torch
 
+    from moe.sql.consistency import choose
     from moe.sql.databases import open_database
-    from moe.sql.evaluate import stop_ids
+    from moe.sql.evaluate import Candidates, stop_ids
     from tasks.databases import remember_password
 
     remember_password(password)
@@ -254,10 +259,16 @@ def ask(
     try:
         prompt, pruned = _ask_prompt(ro, question, model.cfg.seq_len, tok, sp,
                                      max_new_tokens, schema_values, prune_schema)  # fmt: skip
-        room = model.cfg.seq_len - len(prompt)
-        out = model.generate_batch([prompt], min(max_new_tokens, room), stop_ids(tok, sp.eos))
-        sql = tok.decode(out[0]).strip()
-        return {"sql": sql, "outcome": ro.run(sql), "pruned": pruned}
+        room, stop = model.cfg.seq_len - len(prompt), stop_ids(tok, sp.eos)
+        if candidates > 1:
+            cands = Candidates(model, tok, min(max_new_tokens, room), stop, candidates,
+                               temperature, 0)([prompt])[0]  # fmt: skip
+            c = choose(ro, cands, getattr(ro, "dialect", "sqlite"))
+            got = {"sql": c.sql, "agreed": c.agreed, "ran": c.ran, "candidates": candidates}
+        else:
+            out = model.generate_batch([prompt], min(max_new_tokens, room), stop)
+            got = {"sql": tok.decode(out[0]).strip()}
+        return {**got, "outcome": ro.run(got["sql"]), "pruned": pruned}
     finally:
         ro.close()
 

@@ -220,9 +220,16 @@ def answer(args: argparse.Namespace) -> int:
         cfg.data.sql_schema_values,
         cfg.data.sql_schema_pruning,
         cfg.data.sql_domain_password,  # a server URL's password: where it comes from
+        args.candidates or cfg.evaluate.candidates,
+        cfg.evaluate.temperature,
     )
     if got["pruned"]:
         print(f"-- {got['pruned']}")
+    if "agreed" in got:
+        print(
+            f"-- {got['agreed']} of {got['candidates']} candidates agreed"
+            f" ({got['ran']} ran on the database)"
+        )
     print(got["sql"])
     outcome = got["outcome"]
     if not outcome.ok:

@@ -308,12 +308,21 @@ class MoETransformer(nn.Module):
 
     @torch.no_grad()
     def generate_batch(
-        self, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int] | None = None
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        stop_ids: set[int] | None = None,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        scores: list[float] | None = None,
     ) -> list[list[int]]:
         """Greedy decoding of several prompts at once with a KV cache: one forward pass over
         the left-padded prompts, then one token per row per step. The same tokens as
         `generate` on each prompt alone (tests/test_moe.py); every prompt plus max_new_tokens
-        must fit in model.seq_len (the caller truncates)."""
+        must fit in model.seq_len (the caller truncates). `temperature` > 0 samples each
+        token from softmax(logits / temperature) instead (drawn from `generator`); `scores`,
+        when given, receives each row's log-probability of what it generated (the model's
+        own, at temperature 1), stop token included."""
         if not prompts:
             return []
         device = self.embed.weight.device
@@ -332,6 +341,7 @@ class MoETransformer(nn.Module):
         cache = KVCache(self.cfg, self.embed.weight.dtype, L - lens_B, L + max_new_tokens)
         stop = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=device)
         out: list[list[int]] = [[] for _ in range(B)]
+        logp_B = torch.zeros(B, device=device)
         done_B = torch.zeros(B, dtype=torch.bool, device=device)
         step_in = idx_BS
         for _ in range(max_new_tokens):
@@ -342,13 +352,23 @@ class MoETransformer(nn.Module):
             for i, block in enumerate(self.blocks):
                 x = block(x, self.rope_cos, self.rope_sin, aux, cache, i)
             cache.length += step_in.shape[1]
-            nxt_B = self.lm_head(self.norm(x[:, -1])).float().argmax(-1)
+            logits_BV = self.lm_head(self.norm(x[:, -1])).float()
+            if temperature > 0:
+                probs_BV = (logits_BV / temperature).softmax(-1)
+                nxt_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
+            else:
+                nxt_B = logits_BV.argmax(-1)
+            if scores is not None:
+                chosen_B = logits_BV.log_softmax(-1).gather(1, nxt_B[:, None]).squeeze(1)
+                logp_B += torch.where(done_B, 0.0, chosen_B)
             done_B |= torch.isin(nxt_B, stop)
             for b in (~done_B).nonzero().flatten().tolist():
                 out[b].append(int(nxt_B[b]))
             if bool(done_B.all()):
                 break
             step_in = nxt_B[:, None]
+        if scores is not None:
+            scores.extend(logp_B.tolist())
         return out
 
     @torch.no_grad()

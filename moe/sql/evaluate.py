@@ -12,6 +12,7 @@ import torch
 
 from moe.errors import InputError
 from moe.model.transformer import MoETransformer
+from moe.sql.consistency import choose
 from moe.sql.databases import open_database
 from moe.sql.generator import KINDS
 from moe.sql.hardness import LEVELS, hardness
@@ -42,6 +43,9 @@ def sql_accuracy(
     prefix: list[int] | tuple[int, ...] = (),
     test_suite: int = 0,
     chat: Callable[[str], str] = str,
+    candidates: int = 1,
+    temperature: float = 0.8,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """Greedy-generate SQL for each pair (in batches, with a KV cache) and score it: valid
     (it runs on the pair's database), execution match (the same rows as the reference, as
@@ -56,7 +60,12 @@ def sql_accuracy(
 
     With `test_suite` > 0, also test-suite accuracy: a prediction that matches must match on
     that many differently filled copies of its database too (moe/sql/testsuite.py), built in
-    a temporary folder from the gold queries of `pairs`."""
+    a temporary folder from the gold queries of `pairs`.
+
+    With `candidates` > 1, execution-guided self-consistency (moe/sql/consistency.py): the
+    greedy answer and `candidates - 1` sampled at `temperature` (seeded by `seed`), each run
+    on the pair's database, the answer the most of them agree on; each row says how many
+    agreed. One candidate is the greedy path, unchanged."""
     model.eval()
     stop = stop_ids(tok, eot_id)
     keep = model.cfg.seq_len - max_new_tokens  # room for the prompt beside the answer
@@ -64,6 +73,7 @@ def sql_accuracy(
         raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room in model.seq_len")
     rows: list[dict[str, Any]] = []
     scorer = _Scorer(pairs, db_dir, time_limit_s, row_limit, test_suite)
+    sampler = Candidates(model, tok, max_new_tokens, stop, candidates, temperature, seed)
     try:
         for lo in range(0, len(pairs), batch_size):
             chunk = pairs[lo : lo + batch_size]
@@ -72,14 +82,67 @@ def sql_accuracy(
                 for p in chunk
             ]
             _refuse_long_prompts(prompts, chunk, keep)
-            outs = model.generate_batch(prompts, max_new_tokens, stop)
-            for pair, out in zip(chunk, outs, strict=True):
-                rows.append(scorer.score(pair, tok.decode(out).split("\n")[0].strip()))
+            if candidates > 1:
+                for pair, cands in zip(chunk, sampler(prompts), strict=True):
+                    choice = choose(scorer.db(pair), cands, scorer.dialect(pair))
+                    row = scorer.score(pair, choice.sql)
+                    rows.append({**row, "agreed": choice.agreed, "ran": choice.ran})
+            else:
+                outs = model.generate_batch(prompts, max_new_tokens, stop)
+                for pair, out in zip(chunk, outs, strict=True):
+                    rows.append(scorer.score(pair, _answer(tok, out)))
             if progress:
                 progress(len(rows))
     finally:
         scorer.close()
-    return _report(rows, max_new_tokens, test_suite)
+    report = _report(rows, max_new_tokens, test_suite)
+    if candidates > 1:
+        report["decoding"] |= {
+            "method": "execution-guided self-consistency",
+            "candidates": candidates,
+            "sampled": f"{candidates - 1} at temperature {temperature:g}, beside the greedy one",
+            "agreement": sum(r["agreed"] for r in rows) / max(1, len(rows)) / candidates,
+        }
+    return report
+
+
+def _answer(tok: Any, out: list[int]) -> str:
+    """The query of a generated answer: its first line."""
+    return tok.decode(out).split("\n")[0].strip()
+
+
+class Candidates:
+    """Each prompt's candidate queries with the model's log-probability of each: the greedy
+    answer, then `n - 1` sampled (one batch for all of a chunk's samples)."""
+
+    def __init__(
+        self, model: Any, tok: Any, max_new: int, stop: set[int], n: int, temp: float, seed: int
+    ) -> None:
+        self.model, self.tok, self.max_new, self.stop = model, tok, max_new, stop
+        self.n, self.temp = n, temp
+        self.gen = torch.Generator(model.embed.weight.device).manual_seed(seed)
+
+    def __call__(self, prompts: list[list[int]]) -> list[list[tuple[str, float]]]:
+        greedy_scores: list[float] = []
+        greedy = self.model.generate_batch(prompts, self.max_new, self.stop, scores=greedy_scores)
+        k = self.n - 1
+        scores: list[float] = []
+        sampled = self.model.generate_batch(
+            [p for p in prompts for _ in range(k)],
+            self.max_new,
+            self.stop,
+            temperature=self.temp,
+            generator=self.gen,
+            scores=scores,
+        )
+        out = []
+        for i, (g, s) in enumerate(zip(greedy, greedy_scores, strict=True)):
+            rows = range(i * k, (i + 1) * k)
+            out.append(
+                [(_answer(self.tok, g), s)]
+                + [(_answer(self.tok, sampled[j]), scores[j]) for j in rows]
+            )
+        return out
 
 
 class _Scorer:
@@ -111,6 +174,13 @@ class _Scorer:
         if path not in self.dbs:
             self.dbs[path] = open_database(path, self.time_limit_s, self.row_limit)
         return self.dbs[path]
+
+    def db(self, pair: SqlPair) -> ReadOnlyDb:
+        """The sandbox of the pair's database."""
+        return self._open(self.db_dir / pair.db)
+
+    def dialect(self, pair: SqlPair) -> str:
+        return getattr(self.db(pair), "dialect", "sqlite")
 
     def score(self, pair: SqlPair, predicted: str) -> dict[str, Any]:
         row = _score_one(self._open(self.db_dir / pair.db), pair, predicted)

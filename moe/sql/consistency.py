@@ -1,0 +1,63 @@
+"""Execution-guided decoding with self-consistency: of several candidate queries for one
+question, the answer most of them agree on.
+
+Each candidate runs in the sandbox of the database it is for (a sqlite copy or a server,
+read-only, time- and row-limited); those that fail, time out or hit the row limit are
+dropped (CodeS's execution guidance). The rest are grouped by their result (Spider's
+comparison, `same_result`: rows as a multiset, in order where both queries order), and the
+largest group wins (self-consistency, as SLM-SQL votes); a tie goes to the group holding the
+candidate the model scored highest, and the answer is that group's highest-scored query.
+With no candidate that runs, the highest-scored one is the answer, as greedy decoding would
+give.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from moe.sql.sandbox import orders, same_result
+
+
+@dataclass(frozen=True)
+class Choice:
+    sql: str  # the answer
+    agreed: int  # candidates whose result is the answer's (1 with one candidate)
+    ran: int  # candidates that ran within the limits
+    candidates: int
+
+
+def choose(db: Any, candidates: list[tuple[str, float]], dialect: str = "sqlite") -> Choice:
+    """The answer of `candidates` ((query, the model's log-probability of it)) on `db` (a
+    sandbox with `run`)."""
+    ranked = sorted(candidates, key=lambda c: -c[1])  # the model's best first
+    groups: list[tuple[list[Any], bool, list[str]]] = []  # (rows, ordered, queries)
+    seen: dict[str, int | None] = {}  # a query text already run -> its group
+    ran = 0
+    for sql, _ in ranked:
+        if sql in seen:  # the same text again (sampling repeats itself): the same result
+            g = seen[sql]
+            if g is not None:
+                groups[g][2].append(sql)
+                ran += 1
+            continue
+        got = db.run(sql)
+        if not got.ok:
+            seen[sql] = None
+            continue
+        ran += 1
+        rows, ordered = got.rows or [], orders(sql, dialect)
+        for i, (g_rows, g_ordered, members) in enumerate(groups):
+            if same_result(rows, g_rows, ordered=ordered and g_ordered):
+                members.append(sql)
+                seen[sql] = i
+                break
+        else:
+            seen[sql] = len(groups)
+            groups.append((rows, ordered, [sql]))
+    if not groups:
+        return Choice(ranked[0][0] if ranked else "", 0, 0, len(candidates))
+    # the largest group; among equals the first formed, whose first member scored highest
+    best = max(range(len(groups)), key=lambda i: (len(groups[i][2]), -i))
+    members = groups[best][2]
+    return Choice(members[0], len(members), ran, len(candidates))
