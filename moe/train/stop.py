@@ -30,8 +30,13 @@ class Divergence:
         first = self.first if self.first is not None else torch.full_like(bad, -1, dtype=torch.long)
         self.first = torch.where(bad & (first < 0), step, first)
 
+    def first_step(self) -> int | None:
+        """The first diverged step, read from the device (None: none)."""
+        step = int(self.first) if self.first is not None else -1
+        return step if step >= 0 else None
+
     def check(self) -> None:
-        if self.first is not None and (step := int(self.first)) >= 0:
+        if (step := self.first_step()) is not None:
             raise FloatingPointError(
                 f"non-finite gradient norm at step {step}: lower the learning rate or raise grad_clip"
             )

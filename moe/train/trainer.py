@@ -425,7 +425,8 @@ def _saving_on_notice(trainer: Trainer, run: _Run) -> Iterator[None]:
         set_rng_state(*rng)
         progress.tokens = tokens
         trainer.stop.record(trainer.step, INTERRUPTED, progress.elapsed_s)
-        if trainer.step not in (0, run.saved):
+        # a diverged step is never saved: the run resumes from the newest checkpoint before it
+        if trainer.step not in (0, run.saved) and run.diverged.first_step() is None:
             trainer.checkpointer.save(run.val_loss)
             trainer.checkpointer.store.flush()
             if trainer.journal is not None:  # the next attempt's account starts from here
