@@ -76,7 +76,9 @@ def read_published(cfg: Config) -> dict[str, Any]:
     prepared data (a GPU pool that only downloads) reads the receipt as it is."""
     receipt = read_receipt()
     prepared = Path(cfg.data.out_dir)
-    if (prepared / "meta.json").is_file():
+    # the whole prepared data, not the few files a hand-off brings a GPU worker (meta.json,
+    # params.yaml, lineage.json: dispatch: deployments)
+    if (prepared / "meta.json").is_file() and (prepared / "tokenizer.json").is_file():
         on_disk = dataset_version(prepared)
         if on_disk != receipt["version"]:
             raise InputError(

@@ -125,7 +125,8 @@ def refusal(
     given = min(sec.nproc or pool.gpus, pool.gpus) * sec.nodes
     return (
         f"{stage} ({sec.method}) holds {state.total / 1e9:.1f} GB of weights and trainable "
-        f"state, and {(state.per_gpu(1) - state.total) / 1e9:.2f} GB of activations on one GPU:"
+        f"state, and {(state.per_gpu(1) - state.total - state.one_process) / 1e9:.2f} GB of"
+        f" activations ({state.one_process / 1e9:+.2f} GB under autocast) on one GPU:"
         " "
         f"{mine.gpus_needed} GPU(s) of {pool.gpu_memory_gib:g} GiB on {pool_name}, which "
         f"gives it {given}. Would fit: pools {', '.join(other_pools) or 'none'} as it is; "

@@ -237,6 +237,7 @@ def _prepared_and_published(root: Path) -> Path:
     prepared = root / "data" / "prepared"
     prepared.mkdir(parents=True)
     (prepared / "meta.json").write_text('{"vocab_size": 64}')
+    (prepared / "tokenizer.json").write_text("{}")
     (prepared / "sql_domain_test.jsonl").write_text('{"question": "old"}\n')
     receipt = {"name": "demo", "version": dataset_version(prepared)}
     (root / "data" / "published").mkdir(parents=True)
@@ -280,3 +281,8 @@ def test_a_stage_never_reads_a_publish_that_the_prepared_data_has_left_behind(
         assert read_published(load_config("params.yaml", []))["version"] == dataset_version(
             prepared
         )
+        # a GPU worker under dispatch: deployments holds only what prepare hands off (meta,
+        # params, lineage): it reads the receipt as it is
+        (prepared / "tokenizer.json").unlink()
+        (prepared / "sql_domain_test.jsonl").write_text('{"question": "elsewhere"}\n')
+        assert read_published(load_config("params.yaml", []))["name"] == "demo"

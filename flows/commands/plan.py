@@ -28,8 +28,8 @@ def plan(args: argparse.Namespace) -> int:
             print(
                 f"  {mark} {method:5s} {state.trainable / 1e6:10.2f}M trainable"
                 f"  {state.weights / 1e9:8.2f} GB weights + {state.trainable_state / 1e9:8.2f}"
-                f" GB trainable state + {(state.per_gpu(1) - state.total) / 1e9:6.2f} GB"
-                " activations (one GPU)"
+                f" GB trainable state + {(state.per_gpu(1) - state.total - state.one_process) / 1e9:6.2f}"
+                f" GB activations {state.one_process / 1e9:+6.2f} GB under autocast (one GPU)"
             )
             for f in fit.pool_fits(state, sec, cfg.pools.definitions):
                 print(

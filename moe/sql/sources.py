@@ -133,10 +133,11 @@ _CUT = re.compile(
 
 
 def tied_at_the_cut(db: Any, sql: str) -> bool:
-    """Whether a query's `ORDER BY key LIMIT k` cuts through a tie: the k-th and the next
-    row share the key, so which of them the answer holds is the engine's choice, not the
-    question's (sqlite keeps insertion order, PostgreSQL another: "which has the fewest"
-    had three right answers and one gold). Such a pair is not kept."""
+    """Whether a query's `ORDER BY key LIMIT k` leaves a tie to the engine: the k-th and the
+    next row share the key (which of them the answer holds), or two of the first k do (their
+    order, which an ordered comparison reads). sqlite keeps insertion order, PostgreSQL
+    another: "which has the fewest" had three right answers and one gold. Such a pair is not
+    kept."""
     m = _CUT.match(sql.strip())
     if not m:
         return False
@@ -146,8 +147,9 @@ def tied_at_the_cut(db: Any, sql: str) -> bool:
         f"{m['nulls'] or ''} LIMIT {k + 1}"
     )
     got = db.run(probe)
-    rows = got.rows if got.ok else None
-    return rows is not None and len(rows) > k and rows[k - 1] == rows[k]
+    keys = got.rows if got.ok else None
+    # at the cut (which rows are in), or inside it (their order, which the comparison reads)
+    return keys is not None and any(keys[i] == keys[i + 1] for i in range(min(k, len(keys) - 1)))
 
 
 # --------------------------------------------------------------------------- splitting

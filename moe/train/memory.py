@@ -96,6 +96,17 @@ def _product_weights(model: MoETransformer) -> int:
     return sum(p.numel() for p in model.parameters() if p.ndim >= 2 and id(p) not in skip)
 
 
+def largest_adapted(model: MoETransformer, lora: LoraConfig) -> int:
+    """The largest dense projection `lora` adapts (the attention's, when its experts are not
+    adapted): the largest weight QLoRA stores in NF4 there."""
+    sizes = [
+        m.weight.numel()
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and lora.targets.attention and ".attn." in f".{name}."
+    ]
+    return max(sizes, default=0)
+
+
 def _expert_biases(experts: torch.nn.Module) -> list[torch.Tensor]:
     return [b for b in (getattr(experts, n, None) for n in EXPERT_BIASES) if b is not None]
 
@@ -131,11 +142,13 @@ def state_bytes(
         # the adapters' bf16 copies; the frozen fp32 products outside the adapted ones (the
         # head, untargeted projections); LoRA's adapted base in bf16 (2 bytes less each);
         # QLoRA's largest NF4 weight dequantised to fp32 and cast to bf16 for its product
-        one = 2.0 * (trainable + products - adapted)
+        # (a trained head is among the products once; a trained embedding is a lookup)
+        one = 2.0 * (adapters + products - adapted)
         if method == "lora":
             one -= 2.0 * adapted
-        else:  # the experts' gate/up weight is the largest NF4 weight of a layer
+        else:  # the largest NF4 weight: an expert layer's gate/up, or a targeted projection
             nf4 = [layer.experts.w13_EDG.numel() for layer in model.moe_layers]
+            nf4 = nf4 if lora.targets.experts else [largest_adapted(model, lora)]
             one += NF4_DEQUANT_PEAK * max(nf4, default=0)
     return StateBytes(
         params + adapters,

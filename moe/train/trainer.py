@@ -213,7 +213,7 @@ class Trainer:
                 lr = self._set_lr()
                 loss, counts = self._forward_backward(run)
             grad_norm = self._optimizer_step(run, counts)
-            self._account_time(t_step)
+            _account_time(self, t_step)
             # no device read above: rows, saves and stops read it (moe/train/syncs.py)
             run.steps += 1
             run.last_loss = loss
@@ -316,10 +316,6 @@ class Trainer:
             _grow(self, run, growth)
         return grad_norm
 
-    def _account_time(self, t_step: float) -> None:
-        progress = self.state.progress
-        progress.elapsed_s = self.ranks.agree_max(progress.elapsed_s + self.clock() - t_step)
-
     def _log_window(self, run: _Run, lr: float, grad_norm: torch.Tensor) -> None:
         """One metrics row for the steps since the last one (and a log line)."""
         run.diverged.check()
@@ -406,6 +402,15 @@ class Trainer:
         if val_loss is None and stop_reason != INTERRUPTED:  # no validation on short notice
             val_loss = self.evaluate()
         return _report(self, run, stop_reason, path, val_loss, resilience)
+
+
+def _account_time(trainer: Trainer, t_step: float) -> None:
+    """Add this step's time: at a metrics row after the GPU's backlog (it runs behind)."""
+    step, cfg, ranks = trainer.step, trainer.cfg, trainer.ranks
+    if (step % cfg.log_every == 0 or step == cfg.max_steps) and ranks.device.type == "cuda":
+        torch.cuda.synchronize(ranks.device)
+    progress = trainer.state.progress
+    progress.elapsed_s = ranks.agree_max(progress.elapsed_s + trainer.clock() - t_step)
 
 
 @contextlib.contextmanager
