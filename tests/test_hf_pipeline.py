@@ -227,6 +227,12 @@ def test_ask_prints_the_sql_and_what_it_returns(
         *(" | ".join(str(v) for v in row) for row in rows),
         f"-- {len(rows)} row(s)",
     ], r.stdout
+    # execution-guided self-consistency: the taught answer, and how many candidates agreed
+    voted = cli(root, env, "ask", str(tmp_path / "asked"), pair["question"], "--db", str(db),
+                "--candidates", "4")  # fmt: skip
+    first, *rest = voted.stdout.splitlines()
+    assert re.fullmatch(r"-- [1-4] of 4 candidates agreed \([1-4] ran on the database\)", first)
+    assert rest == r.stdout.splitlines(), voted.stdout
     missing = cli(root, env, "ask", "models/finetune_domain", "q", "--db", "nope.sqlite", ok=False)
     assert missing.returncode == 2 and "nope.sqlite" in missing.stderr
 
