@@ -854,42 +854,10 @@ def test_the_plan_under_bf16_autocast_is_never_below_the_peak(shape: tuple[int, 
     Adapters are over-estimated (their frozen products keep less for the backward than the
     count, which is held to full finetuning): at most 40% here. Counting every tensor at 2
     bytes, as the plan did, was 0.67x to 0.85x the peak (a pool that "fits" ran out)."""
-    from moe.adapters.lora import hold_base_in
+    from bench.plan_amp import case  # the benchmark's own step and count
 
-    width, layers, experts = shape
-    cfg = ModelConfig(n_layer=layers, d_model=width, n_head=4, seq_len=64, dense_hidden=2 * width)
-    mcfg = MoEConfig(num_experts=experts, top_k=2, expert_hidden=width)
-    vocab, rows, seq = 512, 8, 64
-    x = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
     for method in ("full", "lora", "qlora"):
-        lcfg = LoraConfig(rank=8, alpha=16.0)
-        torch.manual_seed(0)
-        model = MoETransformer(cfg, mcfg, vocab)
-        if method != "full":
-            add_adapters(model, lcfg, seed=0)
-        if method == "qlora":
-            quantize_base(model, 64)
-        if method == "lora":  # as apply_method does on a GPU
-            hold_base_in(model, torch.bfloat16)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-
-        def step(model: MoETransformer = model, opt: torch.optim.Optimizer = opt) -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                _, loss, aux = model(x, x, logits=False)
-                total = loss + aux.balance_loss
-            total.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        step()
-        held = [*model.parameters(), *model.buffers()]
-        held += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
-        measured = measure_peak(held, step)
-        planned = peak_bytes(
-            state_bytes(cfg, mcfg, vocab, method, lcfg, amp=True),
-            activation_bytes(cfg, mcfg, vocab, rows, seq, 1.0, 2, amp=True),
-        )
-        ratio = planned / measured
+        ratio = case(*shape, method)["plan_over_measured"]
         assert 1.0 <= ratio <= (1.10 if method == "full" else 1.40), (method, shape, ratio)
 
 
