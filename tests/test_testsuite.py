@@ -181,3 +181,17 @@ def test_a_question_whose_answer_is_a_tie_is_not_kept(tmp_path: Path, small_db: 
         check.close()
     finally:
         dbs.close()
+
+
+def test_every_accuracy_comes_with_its_95_percent_interval() -> None:
+    """Wilson's interval, as statistics tables give it: 0.217 of 60 (13 right) is
+    0.131-0.336 (by hand: centre 0.2337, half-width 0.1025); all right or none stays inside
+    [0, 1]; the report carries it."""
+    from moe.sql.evaluate import _score, wilson
+
+    assert wilson(13, 60) == [0.1312, 0.3362]
+    assert wilson(0, 25)[0] == 0.0 and wilson(0, 25)[1] == pytest.approx(0.1332, abs=1e-4)
+    assert wilson(25, 25)[1] == 1.0 and wilson(25, 25)[0] == pytest.approx(0.8668, abs=1e-4)
+    rows = [{"execution_match": m, "valid": True, "exact": False, "status": "ok"} for m in
+            [True] * 13 + [False] * 47]  # fmt: skip
+    assert _score(rows)["execution_accuracy_ci95"] == [0.1312, 0.3362]

@@ -3,6 +3,7 @@ read-only beside the gold query and scored as Spider (and BIRD) score it."""
 
 from __future__ import annotations
 
+import math
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -240,13 +241,27 @@ def _refuse_long_prompts(prompts: list[list[int]], chunk: list[SqlPair], keep: i
         )
 
 
+def wilson(hits: int, n: int, z: float = 1.96) -> list[float]:
+    """The 95% interval of a rate of `hits` in `n` (Wilson's score interval: right near 0
+    and 1 and for small n, where the normal approximation is not)."""
+    if n == 0:
+        return [0.0, 1.0]
+    p, z2 = hits / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return [round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4)]
+
+
 def _score(rs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The figures of a set of scored rows (`_score_one`)."""
+    """The figures of a set of scored rows (`_score_one`), with the 95% interval of the
+    execution accuracy over these questions."""
     n = max(len(rs), 1)
+    hits = sum(r["execution_match"] for r in rs)
     return {
         "examples": len(rs),
         "valid_sql": sum(r["valid"] for r in rs) / n,
-        "execution_accuracy": sum(r["execution_match"] for r in rs) / n,
+        "execution_accuracy": hits / n,
+        "execution_accuracy_ci95": wilson(hits, len(rs)),
         "exact_match": sum(r["exact"] for r in rs) / n,
         **(
             {"test_suite_accuracy": sum(r["test_suite_match"] for r in rs) / n}
