@@ -34,6 +34,7 @@ import argparse
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,13 @@ from moe.checkpoint.store import CheckpointStore
 from moe.config import FinetuneConfig, LoraConfig, MoEConfig
 from moe.hf.importer import import_model
 from moe.hf.model_dir import load_model_dir, model_dir_skeleton
-from moe.train.memory import activation_bytes, peak_bytes, state_bytes, storage_bytes
+from moe.train.memory import (
+    activation_bytes,
+    held_tensors,
+    peak_bytes,
+    state_bytes,
+    storage_bytes,
+)
 from moe.train.syncs import HostSyncs
 from moe.train.trainer import Trainer
 
@@ -130,12 +137,7 @@ class Ours:
         )
 
     def held(self) -> int:
-        t = self.trainer
-        tensors = [*t.model.parameters(), *t.model.buffers()]
-        tensors += [
-            v for st in t.optimizer.state.values() for v in st.values() if torch.is_tensor(v)
-        ]
-        return sum(n for x in tensors for _, n in storage_bytes(x))
+        return held_bytes(self.trainer.model, self.trainer.optimizer)
 
     def run(self, steps: int) -> float:
         """Tokens/s of `steps` steps: the trainer's own row over them (the row reads the
@@ -185,14 +187,10 @@ class Peer:
         self.step_no = 0
 
     def held(self) -> int:
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        tensors += [v for st in self.opt.state.values() for v in st.values() if torch.is_tensor(v)]
-        return sum(n for x in tensors for _, n in storage_bytes(x))
+        return held_bytes(self.model, self.opt)
 
     def run(self, steps: int) -> float:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
-        import time
-
         sync()
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -208,6 +206,11 @@ class Peer:
         float(loss)
         sync()
         return steps * x.numel() / (time.perf_counter() - t0)
+
+
+def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of what an arm holds between its rounds (its weights, buffers, optimizer state)."""
+    return sum(n for t in held_tensors(model, optimizer) for _, n in storage_bytes(t))
 
 
 def plan_peak(imported: Path, method: str, s: dict, width: int) -> float:

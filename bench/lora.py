@@ -31,7 +31,7 @@ from moe.checkpoint.store import CheckpointStore
 from moe.config import FinetuneConfig, LoraConfig, MoEConfig
 from moe.hf.importer import import_model
 from moe.hf.model_dir import load_model_dir
-from moe.train.memory import measure_peak
+from moe.train.memory import held_tensors, measure_peak
 from moe.train.trainer import Trainer
 from tasks.config import Config
 
@@ -104,9 +104,7 @@ def peak_memory(t: Trainer) -> dict[str, int]:
     """Peak live bytes over one training step, after a first (the optimizer state exists):
     weights, trainable state and activations together (moe/train/memory.py measure_peak)."""
     one_step(t, 0)
-    held = [*t.model.parameters(), *t.model.buffers()]
-    held += [v for st in t.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
-    return {"peak": measure_peak(held, lambda: one_step(t, 1))}
+    return {"peak": measure_peak(held_tensors(t.model, t.optimizer), lambda: one_step(t, 1))}
 
 
 def checkpoint_bytes(t: Trainer, folder: Path) -> int:

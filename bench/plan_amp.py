@@ -20,7 +20,13 @@ import torch
 from moe.adapters.lora import add_adapters, hold_base_in, quantize_base
 from moe.config import LoraConfig, ModelConfig, MoEConfig
 from moe.model.transformer import MoETransformer
-from moe.train.memory import activation_bytes, measure_peak, peak_bytes, state_bytes
+from moe.train.memory import (
+    activation_bytes,
+    held_tensors,
+    measure_peak,
+    peak_bytes,
+    state_bytes,
+)
 
 SIZES = ((64, 2, 4), (128, 4, 8), (256, 2, 16))  # width, layers, experts
 VOCAB, ROWS, SEQ = 512, 8, 64
@@ -50,9 +56,7 @@ def case(width: int, layers: int, experts: int, method: str) -> dict[str, float]
         opt.zero_grad(set_to_none=True)
 
     step()  # the optimizer's state exists
-    held = [*model.parameters(), *model.buffers()]
-    held += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
-    measured = measure_peak(held, step)
+    measured = measure_peak(held_tensors(model, opt), step)
     amp = peak_bytes(
         state_bytes(cfg, mcfg, VOCAB, method, lcfg, amp=True),
         activation_bytes(cfg, mcfg, VOCAB, ROWS, SEQ, 1.0, 2, amp=True),

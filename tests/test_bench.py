@@ -12,20 +12,26 @@ import pytest
 from tests.conftest import ROOT
 
 
+def _report(script: str, *args: str, **env: str) -> dict:
+    """Run a benchmark in a process of its own; the JSON object it prints last."""
+    proc = subprocess.run(
+        [sys.executable, f"bench/{script}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", **env},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_the_gpu_peer_benchmark_runs_every_arm_on_the_cpu() -> None:
     """bench/gpu_peer.py at its tiny shape on the CPU: our three methods through the stage's
     training code and transformers + PEFT, each with a speed, the plan's figure, and no host
     sync in a steady step."""
-    proc = subprocess.run(
-        [sys.executable, "bench/gpu_peer.py", "--shape", "tiny", "--steps", "2", "--rounds", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    args = ("--shape", "tiny", "--steps", "2", "--rounds", "1")
+    out = _report("gpu_peer.py", *args, HF_HUB_OFFLINE="1")
     assert out["device"] == "cpu"
     for m in ("full", "lora", "qlora"):
         assert out[m]["tokens_per_s"] > 0 and out[m]["plan_gb"] > 0
@@ -61,15 +67,6 @@ def test_every_benchmark_imports_and_parses_its_arguments(
 def test_the_sharded_memory_benchmark_runs_without_the_history_of_old_modules() -> None:
     """bench/memory.py --quick measures against the analytic one-shard figure: it no longer
     needs `git show` of a module path a later move removed."""
-    proc = subprocess.run(
-        [sys.executable, "bench/memory.py", "--quick", "--steps", "2", "--rounds", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _report("memory.py", "--quick", "--steps", "2", "--rounds", "1", OMP_NUM_THREADS="1")
     assert out["one_shard"] == 0.5 and out["per_rank_state_ratio"] <= 0.6
     assert 0 < out["save_host_ratio"] < 1

@@ -257,6 +257,13 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
+def held_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """What a training process holds between steps: the model's parameters and buffers and
+    the optimizer's state (what `measure_peak` counts from the start)."""
+    held = [*model.parameters(), *model.buffers()]
+    return held + [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+
+
 def measure_peak(held: list[torch.Tensor], step: Callable[[], None]) -> int:
     """The peak live tensor bytes while `step` runs on the CPU, counting `held` (the model,
     the optimizer state) from the start. torch's MemTracker refuses frozen parameters."""
