@@ -41,11 +41,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moe.adapters.config import LoraConfig
 from moe.adapters.method import apply_method
 from moe.checkpoint.store import CheckpointStore
-from moe.config import FinetuneConfig, LoraConfig, MoEConfig
 from moe.hf.importer import import_model
 from moe.hf.model_dir import load_model_dir, model_dir_skeleton
+from moe.model.config import MoEConfig
+from moe.train.config import FinetuneConfig
 from moe.train.memory import (
     activation_bytes,
     held_tensors,

@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 from moe.checkpoint.store import CheckpointStore
-from moe.config import ModelConfig, MoEConfig, PretrainConfig
+from moe.model.config import ModelConfig, MoEConfig
 from moe.model.transformer import MoETransformer
 from moe.train import distributed as D
+from moe.train.config import PretrainConfig
 from moe.train.trainer import Trainer
 
 VOCAB = 32768

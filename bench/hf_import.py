@@ -80,7 +80,7 @@ class AnonPeak:
 def child(kind: str, src: str, work: str) -> None:
     import torch
 
-    from moe.config import MoEConfig
+    from moe.model.config import MoEConfig
 
     before = rss_mb()
     anon_before = anon_mb()
@@ -152,8 +152,8 @@ def main() -> None:
     import transformers
     from tokenizers import Tokenizer, models
 
-    from moe.config import MoEConfig
     from moe.hf.importer import load_hf_model
+    from moe.model.config import MoEConfig
 
     tmp = Path(tempfile.mkdtemp(prefix="hf_bench_"))
     src = tmp / "qwen3_moe"

@@ -25,12 +25,14 @@ from pathlib import Path
 
 import torch
 
+from moe.adapters.config import LoraConfig
 from moe.adapters.lora import expert_rank
 from moe.adapters.method import apply_method, trainable_bytes
 from moe.checkpoint.store import CheckpointStore
-from moe.config import FinetuneConfig, LoraConfig, MoEConfig
 from moe.hf.importer import import_model
 from moe.hf.model_dir import load_model_dir
+from moe.model.config import MoEConfig
+from moe.train.config import FinetuneConfig
 from moe.train.memory import held_tensors, measure_peak
 from moe.train.trainer import Trainer
 from tasks.config import Config

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
+from moe.adapters.config import LoraConfig
 from moe.adapters.method import apply_method
 from moe.checkpoint.store import CheckpointStore
-from moe.config import FinetuneConfig, LoraConfig
 from moe.data.tokenizer import load_tokenizer, specials
 from moe.data.tokens import SFTBatches
+from moe.train.config import FinetuneConfig
 from moe.train.trainer import Trainer
 from tasks.finetuning import sft_examples
 from tasks.training import load_model

@@ -48,7 +48,7 @@ REPLACED = "ae9b444"  # the last commit with the replicated engine (then moe/dis
 
 
 def _config(quick: bool):
-    from moe.config import ModelConfig, MoEConfig
+    from moe.model.config import ModelConfig, MoEConfig
 
     d = 192 if quick else 256
     return (

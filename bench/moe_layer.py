@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from moe.config import MoEConfig
+from moe.model.config import MoEConfig
 from moe.model.transformer import MoEAux, MoELayer, SwiGLU
 
 

@@ -17,8 +17,9 @@ import json
 
 import torch
 
+from moe.adapters.config import LoraConfig
 from moe.adapters.lora import add_adapters, hold_base_in, quantize_base
-from moe.config import LoraConfig, ModelConfig, MoEConfig
+from moe.model.config import ModelConfig, MoEConfig
 from moe.model.transformer import MoETransformer
 from moe.train.memory import (
     activation_bytes,

@@ -47,7 +47,7 @@ tasks.offline_defaults()
 import sqlglot  # noqa: E402
 from sqlglot import exp  # noqa: E402
 
-from moe.config import DataConfig  # noqa: E402
+from moe.data.config import DataConfig  # noqa: E402
 from moe.data.tokenizer import train_tokenizer  # noqa: E402
 from moe.sql.evaluate import suite_match  # noqa: E402
 from moe.sql.fitting import Limits  # noqa: E402

@@ -36,7 +36,7 @@ import tasks  # noqa: E402
 
 tasks.offline_defaults()
 
-from moe.config import DataConfig  # noqa: E402
+from moe.data.config import DataConfig  # noqa: E402
 from moe.sql.fitting import Limits  # noqa: E402
 from moe.sql.records import load_pairs  # noqa: E402
 from moe.sql.sets import build_sql_sets  # noqa: E402

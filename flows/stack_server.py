@@ -91,7 +91,8 @@ def deploy_if_changed(root: Path, state: dict[str, Any], say: Any) -> None:
     """Deploy when the server is new or what the deployments are made of changed:
     prefect.yaml, and params.yaml with the config's declarations (the run form's fields and
     defaults, the descriptions); a restart of a worker needs none."""
-    made_of = ("prefect.yaml", "params.yaml", "dvc.yaml", "moe/config.py", "tasks/config.py")
+    made_of = ["prefect.yaml", "params.yaml", "dvc.yaml", "moe/config.py", "tasks/config.py"]
+    made_of += sorted(str(p.relative_to(root)) for p in root.glob("moe/*/config.py"))
     spec = hashlib.sha256(
         b"".join((root / f).read_bytes() for f in made_of if (root / f).is_file())
     ).hexdigest()

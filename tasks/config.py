@@ -26,24 +26,13 @@ from typing import Any, Literal
 
 import yaml
 
-from moe.config import (
-    FROM_SET,
-    CheckpointConfig,
-    ConfigError,
-    DataConfig,
-    EvaluateConfig,
-    FinetuneConfig,
-    ModelConfig,
-    MoEConfig,
-    OptimConfig,
-    PretrainConfig,
-    Problems,
-    TokenizerConfig,
-    build,
-    knob,
-    validate,
-)
+from moe.checkpoint.config import CheckpointConfig
+from moe.config import FROM_SET, ConfigError, Problems, build, knob, validate
+from moe.data.config import DataConfig, TokenizerConfig
 from moe.errors import InputError
+from moe.model.config import ModelConfig, MoEConfig
+from moe.sql.config import EvaluateConfig
+from moe.train.config import FinetuneConfig, OptimConfig, PretrainConfig
 from tasks import fit
 
 # The stages in pipeline order, each with the pool it runs on by default: preparing and

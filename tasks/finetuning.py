@@ -14,13 +14,13 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from moe.adapters.method import apply_method
-from moe.config import FinetuneConfig
 from moe.data.tokenizer import Specials, encode_ids, load_tokenizer, specials
 from moe.data.tokens import BatchSampler, MixedBatches, SFTBatches, SFTExample, TokenStore
 from moe.errors import InputError
 from moe.hf.model_dir import model_dir_skeleton
 from moe.sql.prompts import prompt_text, response_text
 from moe.sql.records import load_pairs
+from moe.train.config import FinetuneConfig
 from moe.train.stop import Budget
 from moe.train.trainer import Trainer, TrainResult
 from tasks.checkpoints import checkpoint_store

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe.config import ModelConfig, MoEConfig, OptimConfig
+from moe.model.config import ModelConfig, MoEConfig
+from moe.train.config import OptimConfig
 from moe.train.memory import StateBytes, activation_bytes, state_bytes
 
 METHODS = ("full", "lora", "qlora")

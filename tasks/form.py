@@ -1,6 +1,6 @@
 """The configuration as a typed Prefect parameter: the form the Prefect UI renders.
 
-A pydantic model is derived from the config's dataclasses (tasks/config.py, moe/config.py),
+A pydantic model is derived from the config's dataclasses (tasks/config.py, moe/<part>/config.py),
 never written a second time: one nested model per section, each field with its type, its
 default (the project's params.yaml, else the embedded default), its declared range or
 pattern (`knob`) as JSON-schema constraints, its choices (`Literal`; the stages' pools are a

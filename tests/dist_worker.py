@@ -30,12 +30,14 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
+from moe.adapters.config import LoraConfig
 from moe.adapters.method import apply_method
 from moe.checkpoint.store import CheckpointStore
 from moe.checkpoint.tensors import model_tensors
-from moe.config import LoraConfig, ModelConfig, MoEConfig, PretrainConfig
+from moe.model.config import ModelConfig, MoEConfig
 from moe.model.transformer import MoETransformer
 from moe.train import distributed as D
+from moe.train.config import PretrainConfig
 from moe.train.trainer import Trainer, TrainResult
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 64

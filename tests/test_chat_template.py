@@ -96,8 +96,8 @@ def test_prepare_carries_the_template_and_finetuning_asks_in_it(
 def test_ask_asks_in_the_template_as_finetuning_does(tmp_path: Path, tok_dir: Path) -> None:
     import sqlite3
 
-    from moe.config import ModelConfig, MoEConfig
     from moe.hf.model_dir import save_model_dir
+    from moe.model.config import ModelConfig, MoEConfig
     from moe.model.transformer import MoETransformer
     from tasks.publish import ask_prompt
 

@@ -11,7 +11,7 @@ import boto3
 import pytest
 import torch
 
-from moe.config import CheckpointConfig
+from moe.checkpoint.config import CheckpointConfig
 from tasks.checkpoints import checkpoint_store, offload_checkpoints
 from tasks.config import Config, StorageConfig
 from tests.test_checkpoint import LOAD, NAMES, _assert_equal_state, _state

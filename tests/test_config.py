@@ -1,4 +1,4 @@
-"""Contract of moe/config.py and `moe-pipeline params check`: one source of configuration;
+"""Contract of the configuration (moe/config.py, moe/<part>/config.py) and `moe-pipeline params check`: one source of configuration;
 every bad key, type or value is named with its path, exits 2, and touches nothing."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe.config import ModelConfig, MoEConfig
+from moe.model.config import ModelConfig, MoEConfig
 from moe.model.transformer import MoETransformer
 from moe.sql.consistency import choose
 from moe.sql.sandbox import ReadOnlyDb

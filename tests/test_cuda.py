@@ -47,7 +47,7 @@ def test_bf16_training_on_cuda_learns_checkpoints_and_resumes(tmp_path: Path) ->
 
 @cuda
 def test_the_model_on_cuda_equals_itself_on_cpu() -> None:
-    from moe.config import ModelConfig, MoEConfig
+    from moe.model.config import ModelConfig, MoEConfig
     from moe.model.transformer import MoETransformer
 
     torch.manual_seed(0)

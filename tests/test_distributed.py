@@ -15,7 +15,8 @@ from safetensors.torch import load as load_file_bytes
 from safetensors.torch import load_file
 
 from moe.checkpoint.store import CheckpointStore
-from moe.config import ModelConfig, MoEConfig, PretrainConfig
+from moe.model.config import ModelConfig, MoEConfig
+from moe.train.config import PretrainConfig
 from tasks.config import Config
 from tests import dist_worker as W
 from tests.conftest import ROOT

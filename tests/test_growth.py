@@ -16,7 +16,7 @@ from moe.checkpoint.tensors import (
     model_tensors,
     unflatten_optimizer,
 )
-from moe.config import GrowthConfig, ModelConfig, MoEConfig
+from moe.model.config import GrowthConfig, ModelConfig, MoEConfig
 from moe.model.growth import (
     GrowthManager,
     LayerState,
@@ -174,8 +174,8 @@ def test_training_with_growth_resumes_bit_identically(tmp_path: Path) -> None:
     growth resumes from a checkpoint with more experts than the config says, bit-identically."""
     import json
 
-    from moe.config import PretrainConfig
     from moe.data.tokens import BatchSampler, TokenStore
+    from moe.train.config import PretrainConfig
     from moe.train.trainer import Trainer
     from tests.test_train import VOCAB, _data
 

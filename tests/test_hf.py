@@ -17,11 +17,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from moe.config import ModelConfig, MoEConfig
 from moe.errors import InputError
 from moe.hf.exporter import export_hf, export_plan
 from moe.hf.importer import import_model, load_hf_model
 from moe.hf.model_dir import load_model_dir
+from moe.model.config import ModelConfig, MoEConfig
 from moe.model.experts import EXPERT_BIASES
 from moe.model.transformer import MoETransformer
 
@@ -1153,7 +1153,8 @@ def test_what_the_new_routing_and_attention_cannot_combine_with_is_refused() -> 
     """Latent attention has no q/k norm, biases or partial rotation of ours; growth changes
     the expert count the groups divide; GLM's partial_rotary_factor must say our rotary_dim
     as transformers reads it back (int(head_dim * factor))."""
-    from moe.config import GrowthConfig, Problems, validate
+    from moe.config import Problems, validate
+    from moe.model.config import GrowthConfig
 
     def problems(section: Any) -> str:
         p = Problems()

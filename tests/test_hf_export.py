@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from moe.config import MoEConfig
 from moe.hf.importer import import_model
 from moe.hf.model_dir import load_model_dir
+from moe.model.config import MoEConfig
 from tests.hf_fixture import make_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -229,9 +229,9 @@ def test_an_imported_moe_trained_a_few_steps_exports_as_its_own_family(
     and GLM-4.5's correction bias), trained by the library's Trainer, saved as a stage saves,
     exported: the family it came from, loaded with every key in place."""
     from moe.checkpoint.store import CheckpointStore
-    from moe.config import PretrainConfig
     from moe.data.tokens import BatchSampler, TokenStore
     from moe.hf.model_init import build_init_model
+    from moe.train.config import PretrainConfig
     from moe.train.trainer import Trainer
     from tasks.config import load_config
     from tasks.publish import export_model_dir

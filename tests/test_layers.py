@@ -152,7 +152,7 @@ def test_moe_imports_its_own_modules_at_the_top() -> None:
 
 # Declaration modules (typed config sections, data literals) may be longer: what they hold
 # is read one entry at a time.
-DECLARATIONS = {"moe/config.py", "tasks/config.py", "moe/sql/themes.py"}
+DECLARATIONS = {"tasks/config.py", "moe/sql/themes.py"}
 
 
 def test_no_file_class_or_function_outgrows_a_reading() -> None:
@@ -220,5 +220,8 @@ def test_pretraining_runs_nothing_of_sql_export_evaluation_or_finetuning() -> No
     reached = _reach(graph, "tasks.pretraining") | _reach(graph, "flows.bodies.pretrain")
     banned = ("moe.sql", "moe.hf.exporter", "moe.adapters.peft", "tasks.finetuning")
     banned += ("tasks.evaluation", "tasks.publish", "flows.bodies.finetune")
-    assert sorted(m for m in reached if m.startswith(banned)) == []
+    # The params tree composes every section, so each section's declaration is read by every
+    # stage (the evaluate section's too: moe/sql/config.py); none of the code it configures is.
+    declared = {"moe.sql.config"}
+    assert sorted(m for m in reached - declared if m.startswith(banned)) == []
     assert "moe.train.trainer" in reached  # the walk sees what it runs

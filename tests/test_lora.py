@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 
+from moe.adapters.config import LoraConfig, LoraTargets
 from moe.adapters.files import save_adapter_dir
 from moe.adapters.lora import (
     adapter_names,
@@ -29,15 +30,16 @@ from moe.adapters.method import apply_method
 from moe.adapters.nf4 import dequantize, is_nf4
 from moe.adapters.peft import peft_tensors
 from moe.checkpoint.store import CheckpointStore
-from moe.config import FinetuneConfig, LoraConfig, LoraTargets, ModelConfig, MoEConfig
 from moe.data.tokens import BatchSampler, TokenStore
 from moe.errors import InputError
 from moe.hashing import sha256_file
 from moe.hf.families.registry import FAMILIES
 from moe.hf.importer import import_model, load_hf_model
 from moe.hf.model_dir import load_model_dir, save_model_dir
+from moe.model.config import ModelConfig, MoEConfig
 from moe.model.experts import reference_moe
 from moe.model.transformer import MoETransformer
+from moe.train.config import FinetuneConfig
 from moe.train.memory import (
     activation_bytes,
     measure_peak,

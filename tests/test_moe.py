@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe.config import ModelConfig, MoEConfig
+from moe.model.config import ModelConfig, MoEConfig
 from moe.model.experts import GroupedExperts, reference_moe
 from moe.model.routing import Router, capacity_mask
 from moe.model.transformer import MoETransformer
@@ -159,8 +159,8 @@ def test_under_autocast_every_grouped_product_computes_in_its_dtype() -> None:
     and their adapters, must see bf16 operands."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from moe.adapters.config import LoraConfig
     from moe.adapters.lora import ExpertLoRA
-    from moe.config import LoraConfig
 
     class Dtypes(TorchDispatchMode):
         def __init__(self) -> None:

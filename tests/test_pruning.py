@@ -158,8 +158,8 @@ def test_ask_prunes_a_schema_that_leaves_the_answer_no_room(
 ) -> None:
     import torch
 
-    from moe.config import ModelConfig, MoEConfig
     from moe.hf.model_dir import save_model_dir
+    from moe.model.config import ModelConfig, MoEConfig
     from moe.model.transformer import MoETransformer
     from tasks.publish import ask
 

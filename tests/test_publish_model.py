@@ -12,9 +12,9 @@ import boto3
 import pytest
 import torch
 
-from moe.config import ModelConfig, MoEConfig
 from moe.data.tokenizer import train_tokenizer
 from moe.hf.model_dir import save_model_dir
+from moe.model.config import ModelConfig, MoEConfig
 from moe.model.transformer import MoETransformer
 from tasks.publish import export_final, publish_model
 from tests.test_storage import FakeHfApi, _cfg

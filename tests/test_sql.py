@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe.config import DataConfig
+from moe.data.config import DataConfig
 from moe.data.tokenizer import train_tokenizer
 from moe.data.tokens import SFTBatches, SFTExample
 from moe.errors import InputError

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moe.config import EvaluateConfig
+from moe.sql.config import EvaluateConfig
 from tests.conftest import ROOT
 from tests.test_e2e import _copy_repo
 

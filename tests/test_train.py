@@ -12,9 +12,10 @@ import torch
 
 from moe.checkpoint.store import CheckpointStore
 from moe.checkpoint.tensors import model_tensors, weights_digest
-from moe.config import ModelConfig, MoEConfig, PretrainConfig
 from moe.data.tokens import BatchSampler, TokenStore, token_dtype, write_token_store
+from moe.model.config import ModelConfig, MoEConfig
 from moe.model.transformer import MoETransformer
+from moe.train.config import PretrainConfig
 from moe.train.optim import lr_at
 from moe.train.stop import Budget
 from moe.train.trainer import Trainer
@@ -262,7 +263,7 @@ def test_schedules() -> None:
 
 # ----------------------------------------------------------------- early stopping
 
-from moe.config import EarlyStopConfig  # noqa: E402
+from moe.train.config import EarlyStopConfig  # noqa: E402
 from moe.train.early_stop import EarlyStopper  # noqa: E402
 
 

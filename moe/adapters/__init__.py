@@ -9,6 +9,6 @@
 - `files.py`: the adapters beside a stage's merged model, with the base's digest;
 - `peft.py`: the PEFT folder `model export` writes, and what PEFT cannot carry.
 
-The configuration is `moe.config.LoraConfig` (`<stage>.lora`). Nothing is imported here:
+The configuration is `moe.adapters.config.LoraConfig` (`<stage>.lora`). Nothing is imported here:
 the model's own modules stand below this package, and a module of it is imported by name.
 """

@@ -11,14 +11,14 @@ from typing import Any
 
 from safetensors.torch import save_file
 
+from moe.adapters.config import Adapted
 from moe.adapters.lora import LoRALinear
-from moe.config import OptimConfig
 from moe.model.transformer import MoETransformer
 
 ADAPTER_FORMAT = "moe-pipeline-adapter/1"
 
 
-def adapter_spec(cfg: OptimConfig, base_sha256: str | None, init: Path | None) -> dict[str, Any]:
+def adapter_spec(cfg: Adapted, base_sha256: str | None, init: Path | None) -> dict[str, Any]:
     """adapter.json's body: the method and its settings, the router policy, the base."""
     return {
         "method": cfg.method,

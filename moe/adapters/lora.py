@@ -23,8 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moe.adapters.config import LoraConfig
 from moe.adapters.nf4 import dequantize, frozen_grouped_mm, frozen_linear, is_nf4, quantize
-from moe.config import LoraConfig
 from moe.model.attention import CausalSelfAttention, LatentAttention
 from moe.model.experts import Activation, GroupedExperts, grouped_mm, rows_of
 from moe.model.transformer import MoELayer, SwiGLU

@@ -13,6 +13,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from moe.adapters.config import Adapted
 from moe.adapters.lora import (
     AdapterPlan,
     add_adapters,
@@ -20,13 +21,12 @@ from moe.adapters.lora import (
     quantize_base,
     set_router_policy,
 )
-from moe.config import OptimConfig
 from moe.model.transformer import MoETransformer
 
 log = logging.getLogger(__name__)
 
 
-def apply_method(model: MoETransformer, cfg: OptimConfig, stage: str) -> AdapterPlan | None:
+def apply_method(model: MoETransformer, cfg: Adapted, stage: str) -> AdapterPlan | None:
     """Adapters (and NF4 for qlora) per `cfg.method`, then the router policy. Returns where
     the adapters went, or None for full finetuning."""
     plan = None
@@ -54,7 +54,7 @@ def apply_method(model: MoETransformer, cfg: OptimConfig, stage: str) -> Adapter
     return plan
 
 
-def frozen_dtype(cfg: OptimConfig) -> torch.dtype | None:
+def frozen_dtype(cfg: Adapted) -> torch.dtype | None:
     """The dtype LoRA holds its frozen base in: bf16 where the stage computes under bf16
     autocast on a GPU in one process (the sharded engine gathers one dtype per unit and keeps
     fp32 weights); None (as loaded, fp32) elsewhere, so CPU runs stay bit-identical."""

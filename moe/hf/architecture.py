@@ -11,11 +11,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moe.config import YARN_KEYS, GrowthConfig, ModelConfig, MoEConfig, Problems, validate
+from moe.config import Problems, validate
 from moe.errors import InputError
 from moe.hf.errors import refuse
 from moe.hf.families.protocol import Family, MoEShape
 from moe.hf.families.registry import FAMILIES
+from moe.model.config import YARN_KEYS, GrowthConfig, ModelConfig, MoEConfig
 
 # Config fields every architecture may carry without changing the forward pass.
 HARMLESS = {
@@ -276,7 +277,7 @@ def _check_consistent(
     path: Path, hf: dict[str, Any], model: ModelConfig, moe: MoEConfig, family: Family
 ) -> None:
     """Fields that contradict each other, refused by their config.json names before any
-    tensor is read; then every range our sections declare (moe/config.py)."""
+    tensor is read; then every range our sections declare (moe/model/config.py)."""
     H, KV = model.n_head, model.kv_heads
     if not family.upcycled and moe.top_k > moe.num_experts:
         raise refuse(

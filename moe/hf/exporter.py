@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from moe.config import ModelConfig
 from moe.errors import InputError
 from moe.hf.families.protocol import Family, LayerNames
 from moe.hf.families.registry import FAMILIES, exporters
 from moe.hf.safetensors_io import write_shards
 from moe.hf.tokenizer_files import copy_tokenizer
 from moe.model.attention import LatentAttention
+from moe.model.config import ModelConfig
 from moe.model.transformer import Block, MoELayer, MoETransformer
 
 

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from moe.config import ModelConfig, MoEConfig
 from moe.hf.architecture import Architecture, read_architecture
 from moe.hf.errors import refuse
 from moe.hf.families.protocol import Family, LayerNames
@@ -28,6 +27,7 @@ from moe.hf.model_dir import write_model_spec
 from moe.hf.safetensors_io import Shards, StreamingSafetensors, shard_files
 from moe.hf.tokenizer_files import check_tokenizer, copy_tokenizer
 from moe.model.buffers import init_buffers
+from moe.model.config import ModelConfig, MoEConfig
 from moe.model.transformer import Block, MoELayer, MoETransformer
 
 # --------------------------------------------------------------------------- tensor names

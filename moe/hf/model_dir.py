@@ -14,10 +14,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe.checkpoint.tensors import load_model_tensors, model_tensors
-from moe.config import GrowthConfig, ModelConfig, MoEConfig
 from moe.errors import InputError
 from moe.hf.safetensors_io import DTYPES
 from moe.model.buffers import init_buffers
+from moe.model.config import GrowthConfig, ModelConfig, MoEConfig
 from moe.model.growth import resize_model
 from moe.model.transformer import MoETransformer
 

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from moe.checkpoint.tensors import load_model_tensors
-from moe.config import ModelConfig, MoEConfig
 from moe.errors import InputError
 from moe.hf.architecture import EXPERT_ARCHITECTURE, read_architecture, read_config
 from moe.hf.families.registry import FAMILIES
@@ -25,6 +24,7 @@ from moe.hf.importer import load_hf_model, stream_hf_weights
 from moe.hf.model_dir import read_model_spec
 from moe.hf.tokenizer_files import check_tokenizer
 from moe.model.buffers import init_buffers
+from moe.model.config import ModelConfig, MoEConfig
 from moe.model.transformer import MoETransformer
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moe.config import ModelConfig
+from moe.model.config import ModelConfig
 from moe.model.masking import attention, window_masks
 from moe.model.rope import rope_frequencies, softmax_scale
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moe.config import MoEConfig
+from moe.model.config import MoEConfig
 from moe.model.routing import count_per_expert
 
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moe.config import GrowthConfig
+from moe.model.config import GrowthConfig
 from moe.model.transformer import MoELayer, MoETransformer
 
 NEW_EXPERT_OFFSET = -1e4  # exp(-1e4) == 0 in fp32: zero combine weight at birth

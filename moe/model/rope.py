@@ -4,7 +4,7 @@ Language Models"), as Hugging Face checkpoints configure it (gpt-oss, DeepSeek-V
 `yarn_parameters` is transformers' `_compute_yarn_parameters` (modeling_rope_utils.py) in
 the same operations, so that the rotary tables are the same floats without transformers
 being needed at run time (tests/test_hf.py holds the two equal). It imports nothing of ours;
-the keys ModelConfig.rope_scaling may hold are checked in moe/config.py (YARN_KEYS).
+the keys ModelConfig.rope_scaling may hold are checked in moe/model/config.py (YARN_KEYS).
 
 - Each frequency band is interpolated (divided by `factor`), kept (extrapolated) or blended
   linearly between the two, by how many rotations it makes over the original context

@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moe.config import MoEConfig
+from moe.model.config import MoEConfig
 
 # A step far past any warm-up: what the router assumes when nobody told it the step.
 AFTER_WARMUP = 1 << 40

@@ -19,7 +19,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from moe.config import ModelConfig, MoEConfig
 from moe.model.attention import (
     CausalSelfAttention,
     KVCache,
@@ -27,6 +26,7 @@ from moe.model.attention import (
     RMSNorm,
     rotary_tables,
 )
+from moe.model.config import ModelConfig, MoEConfig
 from moe.model.experts import EXPERT_BIASES, GroupedExperts
 from moe.model.routing import Router, recompute_context, recomputing
 

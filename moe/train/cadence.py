@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from moe.config import OptimConfig
+from moe.train.config import OptimConfig
 from moe.train.ranks import Ranks
 from moe.train.resilience import IntervalChoice, choose_interval
 

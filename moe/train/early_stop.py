@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from moe.config import EarlyStopConfig
+from moe.train.config import EarlyStopConfig
 
 
 def _slope(xs: list[float], ys: list[float]) -> float:

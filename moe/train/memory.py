@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from moe.adapters.config import LoraConfig
 from moe.adapters.lora import adapter_counts
-from moe.config import LoraConfig, ModelConfig, MoEConfig
+from moe.model.config import ModelConfig, MoEConfig
 from moe.model.experts import EXPERT_BIASES
 from moe.model.transformer import MoETransformer
 

@@ -8,8 +8,8 @@ from typing import Literal
 
 import torch
 
-from moe.config import OptimConfig
 from moe.model.transformer import MoETransformer
+from moe.train.config import OptimConfig
 
 
 def build_optimizer(

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe.config import OptimConfig
 from moe.model.buffers import init_buffers
 from moe.model.transformer import MoETransformer
 from moe.train import distributed as D
+from moe.train.config import OptimConfig
 
 
 def resolve_device(name: str, setting: str = "pretrain.device") -> torch.device:

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from moe.config import OptimConfig
 from moe.model.stats import ExpertLoad
+from moe.train.config import OptimConfig
 from moe.train.early_stop import EarlyStopper
 
 log = logging.getLogger(__name__)

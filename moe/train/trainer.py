@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch.distributed.tensor.experimental import implicit_replication
 
 from moe.checkpoint.store import CheckpointStore
-from moe.config import OptimConfig
 from moe.model.growth import GrowthManager
 from moe.model.routing import AFTER_WARMUP
 from moe.model.stats import ExpertLoad, summarize
@@ -38,6 +37,7 @@ from moe.model.transformer import MoETransformer
 from moe.train import distributed as D
 from moe.train.cadence import SaveCadence
 from moe.train.checkpointer import Checkpointer, Progress, TrainState
+from moe.train.config import OptimConfig
 from moe.train.early_stop import EarlyStopper
 from moe.train.metrics import MetricsLog, Window
 from moe.train.optim import LrSchedule, build_optimizer

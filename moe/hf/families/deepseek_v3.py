@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from moe.config import ModelConfig, MoEConfig
 from moe.hf.families.protocol import Family, MoEShape, first_dense, interleave_rows
+from moe.model.config import ModelConfig, MoEConfig
 
 # Fields of DeepSeek's own config.json (its remote code) that transformers' config also takes.
 DEEPSEEK_FIELDS = frozenset(

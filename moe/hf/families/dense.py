@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe.config import MoEConfig
 from moe.errors import InputError
 from moe.hf.families.protocol import Family, MoEShape
+from moe.model.config import MoEConfig
 
 
 class DenseUpcycled(Family):

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from moe.config import ModelConfig, MoEConfig
 from moe.hf.families.protocol import Family, MoEShape, interleave_rows
+from moe.model.config import ModelConfig, MoEConfig
 
 
 def moe_layer_range(c: ModelConfig) -> tuple[int, int] | None:

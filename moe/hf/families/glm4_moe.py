@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from moe.config import ModelConfig, MoEConfig
 from moe.hf.families.deepseek_v3 import (
     DEEPSEEK_FIELDS,
     sigmoid_fields,
@@ -23,6 +22,7 @@ from moe.hf.families.deepseek_v3 import (
     sigmoid_refusals,
 )
 from moe.hf.families.protocol import Family, MoEShape
+from moe.model.config import ModelConfig, MoEConfig
 
 # What transformers' Glm4MoeConfig takes when config.json leaves a field out
 # (tests/test_hf.py holds these to its class).

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from moe.config import ModelConfig, MoEConfig
 from moe.hf.errors import refuse
 from moe.hf.families.protocol import FEATURES, Family, LayerNames, MoEShape, all_moe
 from moe.hf.safetensors_io import Shards
+from moe.model.config import ModelConfig, MoEConfig
 from moe.model.experts import GroupedExperts
 
 LAYER_TYPES = ("sliding_attention", "full_attention")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe.config import ModelConfig, MoEConfig
 from moe.hf.families.protocol import Family, MoEShape, all_moe, sparse_moe_shape
+from moe.model.config import ModelConfig, MoEConfig
 
 
 class Olmoe(Family):

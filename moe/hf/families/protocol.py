@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from moe.config import ModelConfig, MoEConfig
 from moe.hf.safetensors_io import Shards
+from moe.model.config import ModelConfig, MoEConfig
 from moe.model.experts import GroupedExperts
 
 

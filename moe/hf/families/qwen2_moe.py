@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe.config import ModelConfig, MoEConfig
 from moe.hf.families.protocol import Family, MoEShape, sparse_moe_shape
 from moe.hf.families.qwen3_moe import qwen_sparse_fields
+from moe.model.config import ModelConfig, MoEConfig
 
 
 class Qwen2Moe(Family):
