@@ -7,7 +7,7 @@ several seeds each, mean and spread.
 For each seed, a scratch project under --work runs prepare, publish and pretrain with
 `pretrain.seed` (and the finetune seeds) set to it, through `moe-pipeline run`, exactly as the
 demo does. Then each arm finetunes from that pretrained model (or from a random one) with the
-same code the finetune stages run (tasks/training.py) and is scored on the held-out sets:
+same code the finetune stages run (moe/recipes/finetune.py) and is scored on the held-out sets:
 
   two_stage     the default: generic SQL pairs (finetune_sql.max_steps), then the domain
                 pairs (finetune_domain.max_steps)
@@ -66,8 +66,8 @@ def pretrain(seed: int, work: Path, overrides: list[str]) -> Path:
 
 
 def run_arm(arm: str, seed: int, project: Path, overrides: list[str]) -> dict[str, float]:
+    from moe.hf.model_dir import load_model_dir, save_stage_model
     from tasks.finetuning import finetune_model
-    from tasks.training import load_model, save_model
 
     base = load_config(None, overrides)
     steps = base.finetune_sql.max_steps + base.finetune_domain.max_steps
@@ -87,11 +87,11 @@ def run_arm(arm: str, seed: int, project: Path, overrides: list[str]) -> dict[st
     if arm == "random_init":
         import torch
 
-        model = load_model(init)
+        model = load_model_dir(init, torch.float32)
         torch.manual_seed(seed)
         model.reset_parameters()
         init = out / "random_init"
-        save_model(model, init)
+        save_stage_model(model, init)
     t0 = time.perf_counter()
 
     def finetune(stage: str, pairs: str, start: Path) -> Path:

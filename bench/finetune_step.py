@@ -15,11 +15,13 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+
 from moe.data.tokenizer import load_tokenizer, specials
 from moe.data.tokens import BatchSampler, MixedBatches, SFTBatches, TokenStore
+from moe.hf.model_dir import load_model_dir
+from moe.recipes.finetune import sft_examples
 from tasks.config import load_config
-from tasks.finetuning import sft_examples
-from tasks.training import load_model
 
 
 def main() -> None:
@@ -36,7 +38,7 @@ def main() -> None:
         SFTBatches(examples, f.batch_size, f.max_len, f.seed, sp.pad, set(), 1.0),
         BatchSampler(TokenStore(d, f.replay_split), rows, f.max_len, f.seed + 1),
     )
-    model = load_model(Path("models/pretrain"))
+    model = load_model_dir(Path("models/pretrain"), torch.float32)
     times: dict[bool, list[float]] = {True: [], False: []}
     counted = []
     for step in range(4 + args.batches):

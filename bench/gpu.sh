@@ -8,7 +8,9 @@
 #   4. bench/gpu_peer.py (issue 52): our full / lora / qlora through the stage's training
 #      code against transformers + PEFT LoRA on the same 0.89B Qwen3-MoE, interleaved:
 #      tokens/s, peak memory beside the plan's figure, MFU, host syncs per step;
-#   5. bench/moe_vs_dense.py at a scale where the literature sees the MoE's gain per token
+#   5. the recipes (`python -m moe.recipes`, issue 54) without Prefect: pretrain, its resume,
+#      finetune_sql, on the carried data/prepared;
+#   6. bench/moe_vs_dense.py at a scale where the literature sees the MoE's gain per token
 #      (two seeds, 2000 steps of 64 x 512 tokens: 65M tokens a run), after `prepare`.
 # Each step has its own time limit and log under $OUT (the device tool brings $OUT back);
 # one failing step does not stop the others. The figures go into bench/RESULTS.md, marked as
@@ -18,7 +20,7 @@
 # not zstandard, torchao or Prefect: carry zstandard and torchao as wheels and install them
 # into the interpreter itself (`python3 -m pip install --no-index --no-deps WHEELS`: the
 # torchrun tests set PYTHONPATH to the project alone, so a --target folder is lost).
-# Steps 1-4 need only the `moe` package (and peft for step 4); step 5 needs the pipeline's
+# Steps 1-5 need only the `moe` package (and peft for step 4); step 6 needs the pipeline's
 # `prepare` stage and is skipped, saying so, where its imports are missing.
 #
 #   device: bash bench/gpu.sh        (PY=python3 there; OUT is set by the device tool)
@@ -50,6 +52,19 @@ step train_fsdp2 300 "$PY" -m torch.distributed.run --standalone --nproc_per_nod
 step gpu_peer 480 "$PY" bench/gpu_peer.py --shape gpu --steps 5 --rounds 3 --compile
 step moe_layer 180 "$PY" bench/moe_layer.py --device cuda --tokens 32768 --d-model 1024 \
   --hidden 1024 --experts 64 --top-k 4
+# The stages' own training where Prefect is not installed (issue 54): pretrain then
+# finetune_sql through `python -m moe.recipes` on the demo's prepared data (carried:
+# data/prepared, 7 MB), on the GPU in bf16; a second pretrain run resumes from its checkpoint.
+if [ -f data/prepared/meta.json ]; then
+  R=(--set pretrain.device=cuda --set finetune_sql.device=cuda --set pretrain.max_steps=200)
+  step recipes_pretrain 180 "$PY" -m moe.recipes pretrain "${R[@]}" --out "$OUT/recipes/pretrain"
+  step recipes_resume 60 "$PY" -m moe.recipes pretrain "${R[@]}" --out "$OUT/recipes/pretrain"
+  step recipes_finetune 180 "$PY" -m moe.recipes finetune --stage finetune_sql "${R[@]}" \
+    --init "$OUT/recipes/pretrain" --out "$OUT/recipes/finetune_sql"
+  rm -rf "$OUT/recipes"  # the logs are what comes back
+else
+  echo "=== recipes: skipped (no data/prepared: carry it, after make demo)"
+fi
 
 if "$PY" -c "import prefect, zstandard" 2>/dev/null; then
   "$PY" - <<'EOF' >"$OUT/params-gpu.yaml"

@@ -21,10 +21,10 @@ from moe.adapters.method import apply_method
 from moe.checkpoint.store import CheckpointStore
 from moe.data.tokenizer import load_tokenizer, specials
 from moe.data.tokens import SFTBatches
+from moe.hf.model_dir import load_model_dir
+from moe.recipes.finetune import sft_examples
 from moe.train.config import FinetuneConfig
 from moe.train.trainer import Trainer
-from tasks.finetuning import sft_examples
-from tasks.training import load_model
 
 RUNS = {  # name: (method, lr)
     "full 2e-3": ("full", 2e-3),
@@ -58,7 +58,7 @@ def run(base: Path, data: Path, method: str, lr: float, seed: int, steps: int) -
         log_every=10_000,
     )
     torch.manual_seed(seed)
-    model = load_model(base)
+    model = load_model_dir(base, torch.float32)
     held = SFTBatches(test, 16, cfg.max_len, 0, sp.pad, set(), 1.0)
     n_eval = max(1, len(test) // 16)
     before = held_out_loss(model, held, n_eval)

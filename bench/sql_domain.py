@@ -97,13 +97,13 @@ def timing(project: Path, sets: list[str]) -> dict[str, float]:
     import torch
 
     from moe.data.tokenizer import EOT, load_tokenizer
+    from moe.hf.model_dir import load_model_dir
     from moe.sql.evaluate import sql_accuracy
     from moe.sql.fitting import Limits
     from moe.sql.records import load_pairs
     from moe.sql.sandbox import ReadOnlyDb
     from moe.sql.sets import build_sql_sets
     from tasks.config import load_config
-    from tasks.training import load_model
 
     torch.manual_seed(0)
     cfg = load_config(project / "params.yaml", sets)
@@ -130,7 +130,7 @@ def timing(project: Path, sets: list[str]) -> dict[str, float]:
             ),
         )
         pairs = load_pairs(Path(tmp) / "domain_test.jsonl")
-        model = load_model(project / "models/finetune_domain")
+        model = load_model_dir(project / "models/finetune_domain", torch.float32)
         t0 = time.perf_counter()
         scored = sql_accuracy(
             model,

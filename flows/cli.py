@@ -18,7 +18,8 @@ from typing import Any
 import flows  # noqa: F401 - offline defaults before Prefect is imported
 from flows.commands import EXIT_CONFIG, outputs, plan, server
 from moe.errors import InputError
-from tasks.config import STAGES, Config, load_config
+from tasks.config import Config, load_config
+from tasks.pools import STAGES
 
 Handler = Callable[[argparse.Namespace], int]
 Arg = tuple[tuple[str, ...], dict[str, Any]]  # add_argument's positional and keyword arguments

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.config import STAGES, Config
+from tasks.config import Config
 from tasks.events import BUDGET_ALERT
+from tasks.pools import STAGES
 
 ALERT = "moe-pipeline: notify on the budget alert"
 

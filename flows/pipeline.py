@@ -20,8 +20,9 @@ from prefect.runtime import flow_run
 from flows.stage import REPORTS
 from flows.stages import STAGE_FLOWS, Params
 from moe.errors import InputError
-from tasks.config import STAGES, Config, load_config
+from tasks.config import Config, load_config
 from tasks.form import StageName, as_params
+from tasks.pools import STAGES
 from tasks.presentation import publish_pipeline_report
 
 log = logging.getLogger("flows.pipeline")  # by name: a deployment loads this file as a script

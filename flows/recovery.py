@@ -35,8 +35,9 @@ from prefect import flow
 
 import tasks
 from tasks import events
-from tasks.config import STAGES, RecoveryConfig, load_config
+from tasks.config import RecoveryConfig, load_config
 from tasks.events import emit
+from tasks.pools import STAGES
 
 log = logging.getLogger("flows.recovery")  # by name: a deployment loads this file as a script
 tasks.offline_defaults()  # as a script it is loaded without the flows package

@@ -12,10 +12,11 @@ record with its cost, publish the summary artifact, hand the outputs off.
 Each stage's body and declaration live in its own module of flows/bodies/ (the vocabulary
 they share: flows/stage.py), so a stage's code is a file DVC can list as that stage's dep.
 
-Adding a stage: one `Stage(...)` in STAGE_LIST and its body; then its name and default pool
-in `tasks.config.DEFAULT_STAGE_POOLS` (the params check reads it), a `dvc.yaml` stage and a
-`prefect.yaml` deployment. This module refuses to load while that table disagrees, and
-tests/test_deployments.py checks dvc.yaml and prefect.yaml against STAGE_LIST.
+Adding a stage: its name and default pool in `tasks/pools.py` DEFAULT_STAGE_POOLS (the one
+stage list, in pipeline order), its declaration and body in flows/bodies/ (named here), a
+`dvc.yaml` stage and a `prefect.yaml` deployment. This module refuses to load while a listed
+stage has no declaration, and tests/test_deployments.py checks dvc.yaml and prefect.yaml
+against the list.
 
 Stages hand data to each other through the object store (publish uploads, training stages
 download and verify) and through model folders; each writes `lineage.json` beside its
@@ -43,11 +44,12 @@ from flows.bodies.publish import PUBLISH
 from flows.stage import REPORTS, Done, Stage, log
 from moe.errors import InputError
 from tasks import quiet_input_errors
-from tasks.config import STAGES, Config, load_config
+from tasks.config import Config, load_config
 from tasks.events import STAGE_COMPLETED, emit
 from tasks.form import as_params, config_model
 from tasks.handoff import pull_inputs, push_outputs
 from tasks.lineage import StageRecord, dvc_stage, up_to_date
+from tasks.pools import STAGES
 from tasks.presentation import publish_artifacts
 
 quiet_input_errors()  # bad input that reaches a flow: one line in its log, no traceback
@@ -55,14 +57,16 @@ quiet_input_errors()  # bad input that reaches a flow: one line in its log, no t
 tasks.offline_defaults()
 __all__ = ["REPORTS", "Done", "Stage", "StageRecord"]  # what a stage declared here uses
 
-STAGE_LIST: list[Stage] = [
-    PREPARE,
-    PUBLISH,
-    PRETRAIN,
-    FINETUNE_SQL,
-    FINETUNE_DOMAIN,
-    EVALUATE,
-]
+# Each stage's declaration (its body module's), in the one stage list's order (tasks/pools.py).
+_DECLARED = {
+    s.name: s for s in (PREPARE, PUBLISH, PRETRAIN, FINETUNE_SQL, FINETUNE_DOMAIN, EVALUATE)
+}
+if set(_DECLARED) != set(STAGES):
+    raise RuntimeError(
+        f"flows/stages.py declares the stages {sorted(_DECLARED)}; tasks/pools.py "
+        f"DEFAULT_STAGE_POOLS lists {sorted(STAGES)}: declare each listed stage once"
+    )
+STAGE_LIST: list[Stage] = [_DECLARED[name] for name in STAGES]
 STAGES_BY_NAME = {s.name: s for s in STAGE_LIST}
 
 
@@ -254,11 +258,6 @@ def _stage_flow(stage: Stage) -> Any:
     )(run)
 
 
-if [s.name for s in STAGE_LIST] != list(STAGES):
-    raise RuntimeError(
-        f"flows/stages.py STAGE_LIST {[s.name for s in STAGE_LIST]} and "
-        f"tasks.config.DEFAULT_STAGE_POOLS {list(STAGES)} must name the same stages in the same order"
-    )
 if [s.name for s in STAGE_LIST if s.trains] != list(Config.training_stages()):
     raise RuntimeError(
         f"flows/stages.py: the stages that train {[s.name for s in STAGE_LIST if s.trains]} must be"

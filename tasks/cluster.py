@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from moe.errors import InputError
-from tasks.config import Config, PoolSpec
+from tasks.config import Config
+from tasks.pools import PoolSpec
 
 log = logging.getLogger(__name__)
 

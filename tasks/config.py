@@ -1,10 +1,10 @@
 """The pipeline's configuration: `params.yaml` (or flow parameters) + `--set` -> `Config`.
 
-`Config` holds every section. The library's (data, tokenizer, model, moe, pretrain,
-finetune_sql, finetune_domain, evaluate, checkpoint) are declared in moe/config.py beside the
-code they configure; the orchestration's are declared here: where data and checkpoints are
-stored, the machine pools and which stage runs on which, cost rates and the budget,
-recovery of lost machines, multi-node launches and W&B. So is the stage list.
+`Config` is the recipes' params tree (moe/recipes/params.py: data, tokenizer, model, moe,
+pretrain, finetune_sql, finetune_domain, evaluate, checkpoint, each section declared beside
+the code it configures) with how the pipeline runs them, declared here: where data and
+checkpoints are stored, cost rates and the budget, recovery of lost machines, multi-node
+launches and W&B; the machine pools and the stage list are tasks/pools.py's.
 
 One source of every knob: the dataclass defaults are the embedded default and `params.yaml`
 repeats them so that DVC tracks each key. Unknown keys, wrong types and invalid values are
@@ -14,44 +14,16 @@ what is allowed and the file line; a key given twice and YAML aliases are refuse
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import functools
-import hashlib
-import json
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from moe.checkpoint.config import CheckpointConfig
-from moe.config import FROM_SET, ConfigError, Problems, build, knob, validate
-from moe.data.config import DataConfig, TokenizerConfig
-from moe.errors import InputError
-from moe.model.config import ModelConfig, MoEConfig
-from moe.sql.config import EvaluateConfig
-from moe.train.config import FinetuneConfig, OptimConfig, PretrainConfig
+from moe.config import ConfigError, Problems, knob
+from moe.recipes.params import Params, build_params, read_params
 from tasks import fit
-
-# The stages in pipeline order, each with the pool it runs on by default: preparing and
-# publishing data on a cheap CPU box, pretraining on the fastest GPU (the most FLOPs), the
-# finetunes on cheaper GPUs as the work shrinks (docs/DESIGN.md, "Stages and pools").
-# flows/stages.py declares each stage's work and refuses to load while it disagrees.
-DEFAULT_STAGE_POOLS: dict[str, str] = {
-    "prepare": "cpu",
-    "publish": "cpu",
-    "pretrain": "gpu-h100",
-    "finetune_sql": "gpu-a100",
-    "finetune_domain": "gpu-4090",
-    "evaluate": "gpu-4090",
-}
-STAGES: tuple[str, ...] = tuple(DEFAULT_STAGE_POOLS)
-
-# Sections renamed since a release: a params file that still uses the old name is told what
-# to rename (the check goes on under the new name, so every other problem is reported too).
-RENAMED_SECTIONS = {"train": "pretrain"}
+from tasks.pools import PoolsConfig, PoolSpec
 
 
 @dataclass
@@ -110,126 +82,6 @@ class StorageConfig:
             "dataset_name",
             self.dataset_name,
             "must be a non-empty name without '/'",
-        )
-
-
-@dataclass
-class PoolSpec:
-    price_per_hour: float = knob(0.0, ge=0)  # USD per hour of one on-demand machine of this pool
-    gpu: str = ""  # e.g. "H100"; empty = CPU only
-    # The Prefect work pool's worker type.
-    type: Literal["process", "docker", "kubernetes"] = "process"
-    # Spot / preemptible machines: cheaper, and they vanish. `pricing` says which the pool
-    # rents (the bill uses that price); the mean time between interruptions drives
-    # checkpoint.every: auto (0 = none expected, as on-demand machines are priced here).
-    pricing: Literal["on_demand", "spot"] = "on_demand"
-    spot_price_per_hour: float = knob(0.0, ge=0)  # USD per hour of one spot machine
-    # Mean hours between spot interruptions (checkpoint.every: auto).
-    mean_hours_between_interruptions: float = knob(
-        0.0, ge=0, note=" (0 = no interruptions expected)"
-    )
-    # One machine of the pool, as its job template requests it (flows/pools.py renders the
-    # Docker and Kubernetes templates with these): GPUs, CPUs, memory, shared memory for
-    # torch's data and NCCL, the GPU product label Kubernetes selects nodes by, the image.
-    gpus: int = knob(0, ge=0)  # GPUs of one machine
-    # Memory of one of its GPUs (what a stage's weights, trainable state and activations must
-    # fit: bench/lora.py projects them per method); 0 = not declared.
-    gpu_memory_gib: float = knob(0.0, ge=0, note=" (0 = not declared)")
-    cpu: float = knob(4.0, gt=0)  # CPUs of one machine
-    memory_gib: int = knob(16, ge=1)  # memory of one machine
-    shm_gib: int = 2  # shared memory (/dev/shm) of one machine
-    gpu_product: str = ""  # e.g. NVIDIA-H100-80GB-HBM3 (label nvidia.com/gpu.product)
-    image: str = ""  # "" = moe-pipeline:gpu for a GPU pool, moe-pipeline:cpu otherwise
-
-    @property
-    def rate(self) -> float:
-        """What one hour of this pool costs as rented (spot or on-demand)."""
-        return self.spot_price_per_hour if self.pricing == "spot" else self.price_per_hour
-
-    @property
-    def mtbi_s(self) -> float:
-        return self.mean_hours_between_interruptions * 3600
-
-    def check(self, p: Problems) -> None:
-        p.require(
-            self.pricing != "spot" or self.spot_price_per_hour > 0,
-            "spot_price_per_hour",
-            self.spot_price_per_hour,
-            "must be set (> 0) when pricing is spot",
-        )
-        p.require(
-            (self.gpus > 0) == bool(self.gpu),
-            "gpus",
-            self.gpus,
-            f"must be > 0 exactly when gpu is set (gpu: {self.gpu!r})",
-        )
-        p.require(
-            0 < self.shm_gib < self.memory_gib,
-            "shm_gib",
-            self.shm_gib,
-            f"must be > 0 and below memory_gib ({self.memory_gib}): /dev/shm counts against it",
-        )
-
-
-def _default_pools() -> dict[str, PoolSpec]:
-    # Prices: Modal-style serverless rates (A100 $1.10/h, H100 $3.20/h); a cheap CPU box and a
-    # community RTX 4090 at typical rental prices. Spot prices: roughly 40% below on-demand,
-    # a typical discount (they move with the market: set yours). Every pool rents on-demand
-    # by default and declares no interruptions; a spot pool sets pricing: spot and its
-    # mean_hours_between_interruptions (what your provider's interruption history says).
-    # Machines: one GPU each (pretrain.nproc 1), the CPUs and memory a one-GPU slice of such a
-    # node typically has.
-    def gpu(
-        price: float, name: str, spot: float, product: str, cpu: float, mem: int, vram: float
-    ) -> PoolSpec:
-        return PoolSpec(
-            price_per_hour=price,
-            gpu=name,
-            spot_price_per_hour=spot,
-            gpus=1,
-            gpu_memory_gib=vram,
-            cpu=float(cpu),
-            memory_gib=mem,
-            shm_gib=8,
-            gpu_product=product,
-        )
-
-    return {
-        "cpu": PoolSpec(price_per_hour=0.10, spot_price_per_hour=0.04),
-        "gpu-4090": gpu(0.45, "RTX 4090", 0.27, "NVIDIA-GeForce-RTX-4090", 8, 32, 24),
-        "gpu-a100": gpu(1.10, "A100", 0.66, "NVIDIA-A100-SXM4-80GB", 12, 96, 80),
-        "gpu-h100": gpu(3.20, "H100", 1.92, "NVIDIA-H100-80GB-HBM3", 16, 128, 80),
-    }
-
-
-@dataclass
-class PoolsConfig:
-    # The machine pools by name: price, GPUs and job template of each.
-    definitions: dict[str, PoolSpec] = field(default_factory=_default_pools)
-    # The pool each stage runs on.
-    stages: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_STAGE_POOLS))
-
-    def check(self, p: Problems) -> None:
-        for stage, pool in self.stages.items():
-            p.require(
-                stage in STAGES,
-                f"stages.{stage}",
-                stage,
-                f"is not a stage; stages are {', '.join(STAGES)}",
-            )
-            p.require(
-                pool in self.definitions or pool == "auto",
-                f"stages.{stage}",
-                pool,
-                f"is not a pool defined under pools.definitions ({', '.join(sorted(self.definitions))})"
-                " nor auto",
-            )
-        missing = [s for s in STAGES if s not in self.stages]
-        p.require(
-            not missing,
-            "stages",
-            sorted(self.stages),
-            f"must name a pool for every stage; missing: {', '.join(missing)}",
         )
 
 
@@ -326,27 +178,9 @@ class WandbConfig:
 
 
 @dataclass
-class Config:
-    # The corpus and the SQL pair sets (prepare).
-    data: DataConfig = field(default_factory=DataConfig)
-    # The tokenizer prepare trains or reuses.
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    # The architecture, or the Hugging Face model to start from.
-    model: ModelConfig = field(default_factory=ModelConfig)
-    moe: MoEConfig = field(default_factory=MoEConfig)  # Experts, routing and load balancing.
-    # Pretraining: warm-up, then cosine decay to min_lr; validation and early stopping.
-    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
-    # Finetuning on the generic SQL pairs.
-    finetune_sql: FinetuneConfig = field(default_factory=FinetuneConfig)
-    # Finetuning on the target domain's pairs.
-    finetune_domain: FinetuneConfig = field(
-        default_factory=lambda: FinetuneConfig(
-            max_steps=600, lr=2e-3, warmup_steps=5, checkpoint_every=50, replay_ratio=0.5
-        )
-    )
-    # Evaluation, export and publication of the final model.
-    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # Tiered checkpoints.
+class Config(Params):
+    """The recipes' sections (moe/recipes/params.py) and how the pipeline runs them."""
+
     # The object store between stages and machines.
     storage: StorageConfig = field(default_factory=StorageConfig)
     # Machine pools, their prices, and which stage runs where.
@@ -357,13 +191,6 @@ class Config:
     # Stages that span machines (Kubernetes Jobs).
     multinode: MultinodeConfig = field(default_factory=MultinodeConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)  # Weights & Biases tracking.
-
-    @staticmethod
-    @functools.cache
-    def training_stages() -> tuple[str, ...]:
-        """The stages that train: those whose section is an OptimConfig, in pipeline order."""
-        hints = typing.get_type_hints(Config)
-        return tuple(s for s in STAGES if s in hints and issubclass(hints[s], OptimConfig))
 
     def pool_of(self, stage: str) -> tuple[str, PoolSpec | None]:
         """The pool (name, spec) a stage runs on (None if undefined)."""
@@ -387,173 +214,24 @@ class Config:
         """Training processes of a stage over all its machines: nodes x processes."""
         return getattr(self, stage).nodes * self.processes(stage)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def fingerprint(self, *sections: str) -> str:
-        """sha256 of the named sections (all when none), stable across key order."""
-        d = self.to_dict()
-        picked = {k: d[k] for k in (sections or d)}
-        return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()
-
-    def dump(self, path: Path) -> None:
-        """Save the resolved configuration (beside every output)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-
 
 # --------------------------------------------------------------------------- loading
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, stricter where a params file can go wrong silently or hang:
-    a key given twice in one mapping is an error naming both lines (PyYAML keeps the last),
-    and anchors/aliases are refused at the first alias (a few lines of nested aliases expand
-    exponentially: the "billion laughs")."""
-
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise yaml.constructor.ConstructorError(
-                None,
-                None,
-                f"alias *{event.anchor} is not allowed in a params file: write the value out "
-                "in full (anchors and aliases are refused, they can expand without bound)",
-                event.start_mark,
-            )
-        return super().compose_node(parent, index)
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            if isinstance(key, (str, int, float, bool)) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None,
-                    None,
-                    f"key {key!r} is given twice in one mapping (lines {seen[key]} and {line}): "
-                    "keep one",
-                    key_node.start_mark,
-                )
-            if isinstance(key, (str, int, float, bool)):
-                seen[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
-def _read_yaml(path: Path, source: str) -> tuple[Any, str]:
-    """The parsed file and its text; every way a file can be unreadable is a ConfigError."""
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ConfigError([f"cannot read the file: {e.strerror or e}"], source) from e
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise ConfigError(
-            [
-                f"not UTF-8 text: byte 0x{data[e.start]:02x} at line {line} (byte offset "
-                f"{e.start}); save the file as UTF-8"
-            ],
-            source,
-        ) from e
-    try:
-        return yaml.load(text, Loader=_StrictLoader), text  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as e:
-        where = str(e).replace('"<unicode string>"', str(path))
-        raise ConfigError([f"not valid YAML: {where}"], source) from e
-
-
-def _yaml_lines(text: str) -> dict[str, int]:
-    """Map each dotted key path of a YAML mapping to its 1-based line number."""
-    lines: dict[str, int] = {}
-
-    def walk(node: yaml.Node, prefix: str) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                path = f"{prefix}.{k.value}" if prefix else str(k.value)
-                lines[path] = k.start_mark.line + 1
-                walk(v, path)
-
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
-        return lines
-    if root is not None:
-        walk(root, "")
-    return lines
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """`pretrain.lr=3e-4` -> (["pretrain", "lr"], 3e-4). The value is parsed as YAML."""
-    if "=" not in item:
-        raise ConfigError(
-            [f"--set {item!r}: expected KEY=VALUE, e.g. --set pretrain.lr=3e-4"], "--set"
-        )
-    key, _, text = item.partition("=")
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(
-            [f"--set {item!r}: the key must be a dotted path like pretrain.lr"], "--set"
-        )
-    try:
-        value = yaml.load(text, Loader=_StrictLoader) if text.strip() else ""  # noqa: S506
-    except yaml.YAMLError as e:
-        raise ConfigError([f"--set {item!r}: the value is not valid YAML ({e})"], "--set") from e
-    return key.split("."), value
-
-
-def _apply_override(raw: dict[str, Any], path: list[str], value: Any) -> None:
-    node = raw
-    for part in path[:-1]:
-        nxt = node.get(part)
-        if not isinstance(nxt, dict):
-            nxt = {}
-            node[part] = nxt
-        node = nxt
-    node[path[-1]] = value
-
-
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out
 
 
 def from_dict(
     raw: dict[str, Any],
     lines: dict[str, int] | None = None,
     source: str = "params",
-    resolve_init: bool = True,
+    resolve: bool = True,
     check_fit: bool = True,
 ) -> Config:
     """Build and validate a Config from a nested mapping (missing keys take their defaults):
-    every section's own checks, then those across sections; every problem at once.
-
-    With model.init set (and `resolve_init`), the model's architecture replaces the model
-    section's shape fields and its tokenizer becomes tokenizer.path (moe/hf/model_init.py
-    `init_architecture`). A resolved configuration sent to another machine is not resolved
-    again: that machine need not hold the imported folder."""
+    the recipes' sections and their checks (moe/recipes/params.py `build_params`), then what
+    the stages need of their pools, machines and store; every problem at once."""
     p = Problems(lines, source)
-    raw = _renamed(dict(raw), p)
-    # Layer what the user wrote over the defaults, so that `--set pools.stages.pretrain=cpu`
-    # changes one entry of a mapping instead of replacing the whole mapping.
-    cfg = build(Config, _deep_merge(Config().to_dict(), raw), p)
-    if resolve_init and cfg.model.init and not p.items:
-        from moe.hf.model_init import init_architecture
+    from moe.hf.model_init import resolve_init  # torch: only where a model is imported
 
-        try:
-            cfg.model, cfg.moe = init_architecture(cfg.model, cfg.moe)
-            if not cfg.tokenizer.path:
-                cfg.tokenizer.path = str(Path(cfg.model.init) / "tokenizer.json")
-        except InputError as e:
-            p.add("model.init", cfg.model.init, str(e))
-    validate(cfg, p)
+    cfg = build_params(Config, raw, p, resolve_init if resolve else None)
     shapes_valid = not p.items  # the model can be built (on the meta device) to measure
     if shapes_valid:
         _resolve_auto_pools(cfg, p)
@@ -574,47 +252,17 @@ def from_dict(
     return cfg
 
 
-def _renamed(raw: dict[str, Any], p: Problems) -> dict[str, Any]:
-    """A section under its old name is a problem that says what to rename; its values are
-    checked under the new name (with their lines), so nothing else goes unreported."""
-    for old, new in RENAMED_SECTIONS.items():
-        if old not in raw:
-            continue
-        # The key to name: the section's own line in a file, else the first --set under it.
-        under = [k for k in p.lines if k.startswith(f"{old}.")]
-        p.note(
-            old if old in p.lines or not under else under[0],
-            f"this section is now named {new}, after its stage: rename `{old}:` to `{new}:` "
-            f"(and --set {old}.KEY to --set {new}.KEY)",
-        )
-        section = raw.pop(old)
-        # Beside a section under the new name (a --set train.X on today's params.yaml), the
-        # old one's values are laid over it, as the user meant them.
-        raw[new] = _deep_merge(raw[new], section) if isinstance(raw.get(new), dict) else section
-        for k in [k for k in p.lines if k == old or k.startswith(f"{old}.")]:
-            p.lines[new + k[len(old) :]] = p.lines[k]
-    return raw
-
-
 def _check_training_stage(cfg: Config, stage: str, p: Problems) -> None:
     """What a training stage's section must agree on with the model, the data, its pool and
     the store: its processes split the experts and the batch, its machines reach the store."""
     sec = getattr(cfg, stage)
-    if isinstance(sec, FinetuneConfig):
-        p.require(
-            sec.replay_ratio == 0 or sec.replay_split == "train" or cfg.data.replay_fraction > 0,
-            f"{stage}.replay_ratio",
-            sec.replay_ratio,
-            "needs a replay split: set data.replay_fraction > 0, replay_split to train, or "
-            "replay_ratio to 0",
-        )
-        p.require(
-            sec.max_len <= cfg.model.seq_len,
-            f"{stage}.max_len",
-            sec.max_len,
-            f"must be <= model.seq_len ({cfg.model.seq_len})",
-        )
-    _check_method(cfg, stage, sec, p)
+    p.require(
+        sec.method != "qlora" or cfg.world(stage) == 1,
+        f"{stage}.method",
+        sec.method,
+        "runs in one process (the NF4 base is not sharded): set nproc 1 and nodes 1, or use "
+        "lora (sharded with FSDP2 + EP)",
+    )
     if sec.nodes < 1 or sec.nproc < 0:
         return  # refused by the section's own ranges; the splits below need a count
     n = cfg.processes(stage)
@@ -712,41 +360,6 @@ def _check_fit(cfg: Config, stage: str, p: Problems) -> None:
             p.add(f"pools.stages.{stage}", pool, why)
 
 
-def _check_method(cfg: Config, stage: str, sec: Any, p: Problems) -> None:
-    """LoRA and QLoRA adapt a model that exists: pretraining takes them only from model.init
-    (continued pretraining); QLoRA runs in one process (its NF4 base is not sharded)."""
-    if sec.method == "full":
-        return
-    p.require(
-        stage != "pretrain" or bool(cfg.model.init),
-        f"{stage}.method",
-        sec.method,
-        "adapts a pretrained model: set model.init to one (continued pretraining), or "
-        "train from scratch with method: full",
-    )
-    p.require(
-        stage != "pretrain" or not cfg.moe.growth.enabled,
-        f"{stage}.method",
-        sec.method,
-        "adapters keep the experts as they are: turn moe.growth.enabled off, or use full",
-    )
-    t = sec.lora.targets
-    trains = t.attention or t.mlp or t.shared_expert or t.experts or sec.lora.train_embeddings
-    p.require(
-        trains or sec.lora.train_head or sec.router_policy() == "trained",
-        f"{stage}.lora.targets",
-        dataclasses.asdict(t),
-        "nothing would train: turn a target on (or train_embeddings, train_head, router)",
-    )
-    p.require(
-        sec.method != "qlora" or cfg.world(stage) == 1,
-        f"{stage}.method",
-        sec.method,
-        "runs in one process (the NF4 base is not sharded): set nproc 1 and nodes 1, or use "
-        "lora (sharded with FSDP2 + EP)",
-    )
-
-
 def load_config(
     path: str | Path | None = None,
     overrides: list[str] | tuple[str, ...] = (),
@@ -761,42 +374,8 @@ def load_config(
     pipeline to a stage on another machine) takes the place of the file.
     Raises ConfigError naming every bad key; touches nothing on disk.
     """
-    raw: dict[str, Any] = {}
-    lines: dict[str, int] = {}
-    source = "embedded default"
-    if params is not None:
-        if not isinstance(params, dict):
-            raise ConfigError(
-                [f"params must be a mapping of sections, got {type(params).__name__}"],
-                "the params parameter (the run form)",
-            )
-        raw, source, path = copy.deepcopy(params), "the params parameter (the run form)", None
-    elif path is None and Path("params.yaml").is_file():
-        path = "params.yaml"
-    if path is not None:
-        path = Path(path)
-        source = str(path)
-        if not path.is_file():
-            raise ConfigError(
-                [
-                    f"file not found: {path} (give an existing params file, or none for the embedded default)"
-                ],
-                source,
-            )
-        loaded, text = _read_yaml(path, source)
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(
-                [f"the top level must be a mapping of sections, got {type(loaded).__name__}"],
-                source,
-            )
-        raw, lines = loaded, _yaml_lines(text)
-    for item in overrides:
-        keys, value = parse_override(item)
-        _apply_override(raw, keys, value)
-        lines[".".join(keys)] = FROM_SET
-    return from_dict(raw, lines, source, resolve_init=params is None, check_fit=check_fit)
+    raw, lines, source = read_params(path, overrides, params)
+    return from_dict(raw, lines, source, resolve=params is None, check_fit=check_fit)
 
 
 def default_yaml() -> str:

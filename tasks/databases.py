@@ -25,6 +25,7 @@ from typing import Any
 from moe.errors import InputError
 from moe.sql import server
 from moe.sql.databases import open_database
+from moe.sql.domain import DomainDatabase
 from moe.sql.schema import changes
 from moe.sql.server import LINK_SUFFIX, ServerLink
 from tasks.redact import remember
@@ -75,21 +76,13 @@ def preflight(d: Any) -> None:
     `unsafe_privileges`), since the model's SQL runs as that login: a bad one is an
     InputError saying what is wrong. Nothing for a sqlite file (its checks are
     moe/sql/sandbox.py `open_checked`'s)."""
-    if not server.is_url(d.sql_domain_database):
+    domain = DomainDatabase.of(d)
+    if domain.kind != "server":
         return
     remember_password(d.sql_domain_password)
-    link = ServerLink(d.sql_domain_database, d.sql_domain_password, d.sql_domain_schema)
-    with server.ServerDb(link, d.sql_time_limit_s, d.sql_row_limit) as db:
-        unsafe = db.unsafe_privileges()
-        if unsafe:
-            raise InputError(
-                f"data.sql_domain_database = {db.label}: the model's SQL runs as this login, and"
-                f" it may do more than read ({'; '.join(unsafe)}). Log in as a role that may"
-                " only read, e.g. CREATE ROLE moe_reader LOGIN PASSWORD '...'; GRANT CONNECT"
-                f" ON DATABASE <db> TO moe_reader; GRANT USAGE ON SCHEMA {db.namespace} TO"
-                f" moe_reader; GRANT SELECT ON ALL TABLES IN SCHEMA {db.namespace} TO"
-                " moe_reader (README: Your database where it lives)"
-            )
+    why = domain.unsafe_login(d.sql_time_limit_s, d.sql_row_limit)
+    if why is not None:
+        raise InputError(why)
 
 
 _checked: dict[tuple[Path, float], dict[str, Any]] = {}  # one check per prepared link

@@ -21,7 +21,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from moe.config import field_docs
-from tasks.config import STAGES, Config, PoolsConfig, PoolSpec
+from tasks.config import Config
+from tasks.pools import STAGES, PoolsConfig, PoolSpec
 
 StageName = Literal[STAGES]  # type: ignore[valid-type]  # the stage names, in order
 

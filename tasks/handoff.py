@@ -23,7 +23,8 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from moe.errors import InputError
-from tasks.config import STAGES, Config
+from tasks.config import Config
+from tasks.pools import STAGES
 from tasks.storage import RETRIES, _check_key, open_store, pull_files, push_files
 
 log = logging.getLogger(__name__)

@@ -87,7 +87,7 @@ RANKS_GRACE_S = 120.0  # how long the ranks get to save the step they are in
 
 def _stop_ranks(proc: subprocess.Popen[bytes]) -> None:
     """torchrun passes a SIGTERM on to the ranks, which save the step they are in and end
-    (tasks/training.py saving_on_sigterm); killed after RANKS_GRACE_S or a second interrupt.
+    (moe/recipes/context.py saving_on_sigterm); killed after RANKS_GRACE_S or a second interrupt.
     (subprocess.run would SIGKILL torchrun at once and leave the ranks training, orphaned.)"""
     if proc.poll() is not None:
         return

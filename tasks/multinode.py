@@ -196,8 +196,9 @@ def run_on_cluster(
     """Launch `stage` as an Indexed Job of `nodes` pods, follow it to the end, and bring its
     result, model, metrics and checkpoints into out_dir. A failed Job raises (the task's
     retry launches a new one, which resumes from the mirrored checkpoints)."""
+    from moe.recipes.fit import training_fingerprint
     from tasks.events import row_events
-    from tasks.runs import replay_metrics, training_fingerprint
+    from tasks.runs import replay_metrics
 
     m = cfg.multinode
     cluster = cluster or open_cluster()

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tasks.config import STAGES
 from tasks.model_scores import model_lines
+from tasks.pools import STAGES
 from tasks.redact import scrub
 
 log = logging.getLogger(__name__)

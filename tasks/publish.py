@@ -14,12 +14,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file
-
-from moe.adapters.peft import unsupported, write_peft_folder
+from moe.adapters.peft import read_adapter_dir, write_peft_folder
 from moe.data.tokenizer import Specials, load_tokenizer, specials
 from moe.errors import InputError
-from moe.hashing import sha256_file, weights_files_digest
+from moe.hashing import sha256_file
 from moe.hf.exporter import ExportPlan, export_hf, export_plan
 from moe.hf.families.registry import FAMILIES
 from moe.hf.model_dir import load_model_dir, read_model_spec
@@ -196,22 +194,8 @@ def _export_adapter(
     model_dir: Path, out: Path, data_dir: Path, plan: ExportPlan, source: dict[str, Any]
 ) -> list[str]:
     """The PEFT folder of a LoRA stage, or why there is none (the merged model is in `out`)."""
-    spec = _read(model_dir / "adapter.json")
-    tensors = load_file(str(model_dir / "adapter.safetensors"))
-    why = unsupported(spec, tensors)
+    spec, tensors, why = read_adapter_dir(model_dir)
     base_dir = Path(spec.get("base") or "")
-    if (base_dir / "config.json").is_file() and not (base_dir / "model.json").is_file():
-        why.append(
-            f"the adapters were trained on {base_dir} itself (continued pretraining from "
-            "model.init): a PEFT folder is written for the finetune stages"
-        )
-    elif not (base_dir / "model.safetensors").is_file():
-        why.append(f"its base {base_dir} is not here")
-    elif spec.get("base_sha256") not in (
-        sha256_file(base_dir / "model.safetensors"),
-        weights_files_digest(base_dir),  # a continued-pretraining base of ours
-    ):
-        why.append(f"its base {base_dir} changed since (sha256 {spec.get('base_sha256')})")
     if why:
         return ["no PEFT adapter folder: " + "; ".join(why) + f"; the merged model is {out}"]
     base = load_model_dir(base_dir)
@@ -350,7 +334,6 @@ def publish_model(cfg: Any, folder: Path, name: str) -> dict[str, Any]:
 
     VERSION is the first 16 hex digits of the folder's content hash: the same model always
     lands at the same address, a changed one never overwrites an old one."""
-    from moe.hashing import sha256_file
     from tasks.lineage import content_hash
     from tasks.storage import HfObjectStore, open_store, pull_files, push_files, put_text
 

@@ -105,7 +105,7 @@ def build_wide(path: Path, themes: int = 4) -> Path:
     small context does not hold, so that prepare prunes it per question."""
     import random
 
-    from moe.sql.sources import build_database
+    from moe.sql.themed import build_database
     from moe.sql.themes import GENERIC_THEMES
 
     build(path)

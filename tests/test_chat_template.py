@@ -63,9 +63,9 @@ def test_the_prompt_is_the_templates_user_turn_as_transformers_renders_it(
 def test_prepare_carries_the_template_and_finetuning_asks_in_it(
     tmp_path: Path, tok_dir: Path
 ) -> None:
+    from moe.recipes.finetune import sft_examples
     from tasks.config import Config
     from tasks.data import build_tokenizer
-    from tasks.finetuning import sft_examples
 
     (tok_dir / "chat_template.jinja").write_text(SMOL)
     try:

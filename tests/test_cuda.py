@@ -67,8 +67,8 @@ def test_the_model_on_cuda_equals_itself_on_cpu() -> None:
     torch.cuda.device_count() < 2, reason="NCCL data + expert parallel needs two GPUs"
 )
 def test_pretrain_under_torchrun_on_two_gpus_uses_nccl(tmp_path: Path) -> None:
+    from moe.hf.model_dir import load_model_dir
     from tasks.pretraining import pretrain_model
-    from tasks.training import load_model
     from tests.test_distributed import torchrun_config
 
     data = _data(tmp_path / "data")
@@ -77,7 +77,10 @@ def test_pretrain_under_torchrun_on_two_gpus_uses_nccl(tmp_path: Path) -> None:
     result = pretrain_model.fn(cfg, data, tmp_path / "model", rows.append)
     assert result.steps == 4 and json.dumps(rows)
     assert (result.backend, result.world) == ("nccl", 2)  # not a silent gloo fallback
-    assert load_model(tmp_path / "model").moe_layers[0].experts.w13_EDG.shape[0] == 4
+    assert (
+        load_model_dir(tmp_path / "model", torch.float32).moe_layers[0].experts.w13_EDG.shape[0]
+        == 4
+    )
 
 
 @cuda

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from tasks.config import STAGES, load_config
+from tasks.config import load_config
+from tasks.pools import STAGES
 
 QUEUE = "dispatch-test"  # paused: a worker on the pool never starts these runs
 

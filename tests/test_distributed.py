@@ -380,8 +380,8 @@ def test_pretrain_stage_runs_under_torchrun_and_resumes(tmp_path: Path) -> None:
     """`pretrain.nproc: 2`: the pretrain task launches torchrun (gloo), rank 0 writes the model
     with every expert (it loads at world size 1), the metrics reach log_fn, and a relaunch
     resumes from the checkpoint."""
+    from moe.hf.model_dir import load_model_dir
     from tasks.pretraining import pretrain_model
-    from tasks.training import load_model
     from tests.test_train import _data
 
     data = _data(tmp_path / "data")
@@ -392,7 +392,7 @@ def test_pretrain_stage_runs_under_torchrun_and_resumes(tmp_path: Path) -> None:
     assert result.steps == 4 and result.val_loss is not None
     assert (result.backend, result.world) == ("gloo", 2)  # the CPU process group
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
-    model = load_model(out)  # world size 1
+    model = load_model_dir(out, torch.float32)  # world size 1
     assert model.moe_layers[0].experts.w13_EDG.shape[0] == 4
     # A relaunch with the same params (what a Prefect retry does after a lost worker)
     # resumes from the newest checkpoint the first launch left and trains the rest. Here the

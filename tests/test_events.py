@@ -61,9 +61,10 @@ def _budgeted_training(tmp_path: Path) -> tuple[str, Any]:
     from prefect import flow
     from prefect.runtime import flow_run
 
+    from moe.recipes.fit import fit_and_save
     from moe.train.stop import Budget
     from tasks.config import Config
-    from tasks.training import fit_and_save
+    from tasks.training import stage_context
     from tests.test_resilience import _clocked
     from tests.test_train import _data, _trainer
 
@@ -75,7 +76,9 @@ def _budgeted_training(tmp_path: Path) -> tuple[str, Any]:
         t = _trainer(data, tmp_path / "ckpt", 40)
         _clocked(t, tick=0.5)  # two readings a step: one second a step
         t.stop.budget = Budget(price_per_hour=3600.0, left=10.0, alert=cfg.cost.alert_fraction)
-        return str(flow_run.get_id()), fit_and_save(cfg, t, tmp_path / "out", "pretrain/x")
+        return str(flow_run.get_id()), fit_and_save(
+            t, tmp_path / "out", "pretrain/x", stage_context(cfg, "pretrain", lambda row: None)
+        )
 
     return budgeted()
 
@@ -299,7 +302,8 @@ def test_deployments_configure_fills_the_run_forms_in(
     UI's form opens with), the pipeline's `stages` all of them; other parameters are kept."""
     from prefect.client.orchestration import get_client
 
-    from tasks.config import STAGES, load_config
+    from tasks.config import load_config
+    from tasks.pools import STAGES
     from tests.conftest import ROOT, cli_env, pipeline_cli
 
     with get_client(sync_client=True) as client:

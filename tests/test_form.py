@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from moe.config import ConfigError
-from tasks.config import STAGES, Config, load_config
+from tasks.config import Config, load_config
+from tasks.pools import STAGES
 from tests.conftest import ROOT
 
 

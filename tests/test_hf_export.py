@@ -230,12 +230,12 @@ def test_an_imported_moe_trained_a_few_steps_exports_as_its_own_family(
     exported: the family it came from, loaded with every key in place."""
     from moe.checkpoint.store import CheckpointStore
     from moe.data.tokens import BatchSampler, TokenStore
+    from moe.hf.model_dir import save_stage_model
     from moe.hf.model_init import build_init_model
     from moe.train.config import PretrainConfig
     from moe.train.trainer import Trainer
     from tasks.config import load_config
     from tasks.publish import export_model_dir
-    from tasks.training import save_model
 
     hf_folder(tmp_path / "hf", model_type)
     import_model(tmp_path / "hf", tmp_path / "model", MoEConfig(), seq_len=32)
@@ -275,7 +275,7 @@ def test_an_imported_moe_trained_a_few_steps_exports_as_its_own_family(
     assert trainer.fit().steps == 3
     trained = trainer.model
     assert any(not torch.equal(before[k], v) for k, v in trained.state_dict().items())
-    save_model(trained, tmp_path / "stage")
+    save_stage_model(trained, tmp_path / "stage")
     plan = export_model_dir(tmp_path / "stage", tmp_path / "export", tmp_path / "hf", tmp_path)
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     source = json.loads((tmp_path / "hf" / "config.json").read_text())  # transformers' own

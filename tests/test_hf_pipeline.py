@@ -66,7 +66,7 @@ def test_prepare_uses_the_models_own_tokenizer(ran: tuple[Path, dict[str, str]])
     assert meta["eot_id"] == tok.token_to_id("</s>")  # read from tokenizer_config.json
     # An SFT example: bos once, in front; the tokenizer's post-processor adds none inside.
     from moe.data.tokenizer import specials
-    from tasks.finetuning import sft_examples
+    from moe.recipes.finetune import sft_examples
 
     sp = specials(tok, root / "data/prepared/tokenizer.json")
     ex = sft_examples(root / "data/prepared/sql/domain_train.jsonl", tok, sp)[0]
@@ -186,8 +186,8 @@ def test_ask_prints_the_sql_and_what_it_returns(
     margin; `ask` builds its prompt from the database itself and must ask the same way."""
     from moe.data.tokenizer import load_tokenizer, specials
     from moe.hf.model_dir import load_model_dir, save_model_dir
+    from moe.recipes.finetune import sft_examples
     from moe.sql.evaluate import stop_ids
-    from tasks.finetuning import sft_examples
 
     root, env = ran
     prepared = root / "data/prepared"
@@ -263,7 +263,7 @@ def test_the_pipeline_run_ends_with_its_report_artifact(ran: tuple[Path, dict[st
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.client.schemas.sorting import ArtifactSort
 
-    from tasks.config import STAGES
+    from tasks.pools import STAGES
     from tasks.presentation import PIPELINE_REPORT
 
     root, env = ran
@@ -297,3 +297,31 @@ def test_the_pipeline_run_ends_with_its_report_artifact(ran: tuple[Path, dict[st
     for pool, cost in ledger["by_pool"].items():
         assert f"| {pool} | {cost:.5f} |" in text
     assert f"saved {ledger['saving']:.5f}" in text and "No machine was lost." in text
+
+
+def test_an_imported_model_is_finetuned_and_measured_without_the_pretrain_stage(
+    ran: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """A folder `model import` wrote is a model: the finetune recipe starts from it and the
+    perplexity recipe measures it, with no pretrain pass (and no Prefect: tests/test_recipes.py
+    blocks it); the finetuned folder keeps the import's source record. The Hugging Face folder
+    itself is refused with the command that imports it."""
+    from tests.test_recipes import recipes, without_orchestration
+
+    root, env = ran
+    imported = tmp_path / "imported"
+    cli(root, env, "model", "import", "hf_model", "--out", str(imported))
+    bare = without_orchestration(tmp_path / "site")
+    bare["PYTHONPATH"] = f"{tmp_path / 'site'}:{root}"
+    ppl = recipes(["perplexity", "--model", str(imported)], root, bare)
+    assert ppl.returncode == 0, ppl.stderr[-3000:]
+    assert json.loads(ppl.stdout.strip().splitlines()[-1])["perplexity"] > 1
+    out = tmp_path / "finetuned"
+    args = ["finetune", "--stage", "finetune_sql", "--init", str(imported), "--out", str(out)]
+    run = recipes(args, root, bare)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1])["steps"] == 6
+    source = json.loads((out / "model.json").read_text())["source"]
+    assert source == json.loads((imported / "model.json").read_text())["source"]
+    raw = recipes([*args[:4], str(root / "hf_model"), *args[5:]], root, bare)
+    assert raw.returncode == 2 and "model import" in raw.stderr and "Traceback" not in raw.stderr

@@ -358,7 +358,7 @@ def test_adapters_are_not_restored_onto_another_base(tmp_path: Path) -> None:
 
 def _lora_stage(tmp_path: Path, lcfg: LoraConfig, router: str = "frozen") -> tuple[Path, Path]:
     """An imported Qwen3-MoE (transformers' own, with a tokenizer) and a stage folder as a
-    LoRA stage leaves it (tasks/training.py fit_and_save): adapter.json and
+    LoRA stage leaves it (moe/recipes/fit.py fit_and_save): adapter.json and
     adapter.safetensors, then the merged model. Returns (imported, stage)."""
     hf, imported, stage = tmp_path / "hf", tmp_path / "imported", tmp_path / "stage"
     make_qwen3_moe(hf, make_tokenizer(hf, vocab=300))

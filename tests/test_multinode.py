@@ -20,8 +20,9 @@ from safetensors.torch import load_file
 from moe.config import ConfigError
 from tasks.archive import publish_dataset
 from tasks.cluster import MOUNT, NodeJob, manifests
-from tasks.config import PoolSpec, StorageConfig, load_config
+from tasks.config import StorageConfig, load_config
 from tasks.multinode import mirror_prefix, newest_mirrored_step, run_on_cluster
+from tasks.pools import PoolSpec
 from tasks.storage import open_store
 from tests.conftest import free_port
 from tests.local_cluster import LocalCluster
@@ -284,7 +285,7 @@ def test_a_new_flow_run_follows_the_job_its_predecessor_launched(tmp_path: Path)
     """The flow run's own machine died; its Job did not. The recovered flow run finds that
     Job by its run-key label and follows it instead of launching a second one."""
     from moe.errors import InputError
-    from tasks.runs import training_fingerprint
+    from moe.recipes.fit import training_fingerprint
     from tests.test_train import _data
 
     cfg = torchrun_config("cpu")
@@ -472,7 +473,7 @@ def test_a_cancelled_flow_run_deletes_its_job_and_an_ended_one_keeps_it(
     from prefect.states import Cancelling
 
     from moe.errors import InputError
-    from tasks.runs import training_fingerprint
+    from moe.recipes.fit import training_fingerprint
     from tests.conftest import cli_env
     from tests.test_train import _data
 
@@ -553,7 +554,7 @@ def test_a_cancelled_flow_run_deletes_its_job_and_an_ended_one_keeps_it(
 def test_a_recovered_flow_run_adopts_only_its_own_stages_job(tmp_path: Path) -> None:
     """Another stage's Job (its own run key) trains in the same namespace: a flow run of
     pretrain launches its own Job and leaves that one alone."""
-    from tasks.runs import training_fingerprint
+    from moe.recipes.fit import training_fingerprint
     from tests.test_train import _data
 
     cfg = _launch_config(tmp_path)

@@ -103,8 +103,8 @@ def test_the_training_fingerprint_covers_params_data_and_start_model(tmp_path: P
     """What decides whether a checkpoint is resumed (tasks.runs.training_fingerprint, the
     function both training tasks use): each input that changes the training changes it; the
     process count and other stages' sections do not."""
+    from moe.recipes.fit import training_fingerprint
     from tasks.config import load_config
-    from tasks.runs import training_fingerprint
 
     data, init = tmp_path / "data", tmp_path / "init"
     data.mkdir()

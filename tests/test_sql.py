@@ -805,7 +805,7 @@ def test_sft_refuses_an_example_longer_than_max_len_and_draws_by_weight() -> Non
 
 
 def test_user_pair_weights_reach_the_finetuning_examples(tmp_path: Path, tok) -> None:
-    from tasks.finetuning import sft_examples
+    from moe.recipes.finetune import sft_examples
 
     mine = SqlPair("q1", "SELECT 1", "d.sqlite", "t(a)", weight=3.0, origin="mine.jsonl, line 1")
     generated = SqlPair("q2", "SELECT 2", "d.sqlite", "t(a)", origin="generated")

@@ -25,7 +25,8 @@ import pytest
 import yaml
 
 from flows import stack, stack_processes, stack_server
-from tasks.config import STAGES, load_config
+from tasks.config import load_config
+from tasks.pools import STAGES
 from tests.conftest import ROOT, browse, merge, tiny_params, ui_settings
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]

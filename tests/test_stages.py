@@ -19,7 +19,7 @@ from tests.test_e2e import _copy_repo
 
 pytestmark = pytest.mark.slow
 
-TOY_BODY = '''
+TOY = '''
 def _toy(cfg: Config, record: StageRecord) -> Done:
     """A toy stage: writes a greeting."""
     out = REPORTS / "toy"
@@ -28,34 +28,36 @@ def _toy(cfg: Config, record: StageRecord) -> Done:
     return Done({"greeting": "hello"}, {"hello": out / "hello.txt"})
 
 
-STAGE_LIST: list[Stage] = ['''
+TOY = Stage(
+    "toy",
+    "evaluate",
+    "A toy stage.",
+    out=lambda cfg: REPORTS / "toy",
+    inputs=lambda cfg: {},
+    handoff=lambda cfg: [REPORTS / "toy" / "hello.txt"],
+    body=_toy,
+    done="reports/toy/hello.txt",
+)
 
-TOY_DECLARATION = """    Stage(
-        "toy",
-        "evaluate",
-        "A toy stage.",
-        out=lambda cfg: REPORTS / "toy",
-        inputs=lambda cfg: {},
-        handoff=lambda cfg: [REPORTS / "toy" / "hello.txt"],
-        body=_toy,
-        done="reports/toy/hello.txt",
-    ),
-]
-STAGES_BY_NAME ="""
+'''
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{path}: the test's anchor {old!r} moved"
+    path.write_text(text.replace(old, new, 1))
 
 
 def _add_toy_stage(root: Path) -> None:
+    """What adding a stage takes: its declaration and body (here in flows/stages.py itself),
+    its name and default pool in the one stage list (tasks/pools.py), params and dvc.yaml."""
     stages = root / "flows/stages.py"
-    text = stages.read_text()
-    text = text.replace("\nSTAGE_LIST: list[Stage] = [", TOY_BODY, 1)
-    text = text.replace("]\nSTAGES_BY_NAME =", TOY_DECLARATION, 1)
-    stages.write_text(text)
-    config = root / "tasks/config.py"
-    text = config.read_text()
-    config.write_text(
-        text.replace(
-            '    "evaluate": "gpu-4090",\n', '    "evaluate": "gpu-4090",\n    "toy": "cpu",\n', 1
-        )
+    _edit(stages, "\n# Each stage's declaration", TOY + "\n# Each stage's declaration")
+    _edit(stages, "FINETUNE_DOMAIN, EVALUATE)", "FINETUNE_DOMAIN, EVALUATE, TOY)")
+    _edit(
+        root / "tasks/pools.py",
+        '    "evaluate": "gpu-4090",\n',
+        '    "evaluate": "gpu-4090",\n    "toy": "cpu",\n',
     )
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["pools"]["stages"]["toy"] = "cpu"

@@ -19,6 +19,7 @@ from flows.stage import (
     train_summary,
 )
 from moe.errors import InputError
+from moe.recipes.finetune import FINETUNES
 from tasks.archive import download_dataset
 from tasks.config import Config
 from tasks.finetuning import finetune_model
@@ -84,13 +85,11 @@ def _finetune_stage(name: str, doc: str, pairs_file: str, init: str) -> Stage:
 FINETUNE_SQL = _finetune_stage(
     "finetune_sql",
     "Stage one of finetuning: the generic SQL pairs, from the pretrained model (GPU).",
-    "generic.jsonl",
-    "pretrain",
+    *FINETUNES["finetune_sql"],
 )
 
 FINETUNE_DOMAIN = _finetune_stage(
     "finetune_domain",
     "Stage two of finetuning: the target-domain pairs, from the SQL model (GPU).",
-    "domain_train.jsonl",
-    "finetune_sql",
+    *FINETUNES["finetune_domain"],
 )

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from flows.stage import Done, Stage, files
-from moe.sql.server import is_url
+from moe.sql.domain import DomainDatabase
 from tasks.config import Config
 from tasks.data import build_sql_sets, build_tokenizer, commit_folder, tokenize_corpus
 from tasks.databases import preflight
@@ -19,17 +19,17 @@ def _corpus(cfg: Config) -> dict[str, Path]:
     content-hashed inputs, where they are local files or folders (the stdlib corpus is
     identified by the Python version, a hub dataset by its id, in the params hash): editing
     one in place re-runs prepare."""
-    d = cfg.data
+    d, domain = cfg.data, DomainDatabase.of(cfg.data)
     named = {
         "corpus": d.source if d.source != "stdlib" else "",
         "sql_generic_source": d.sql_generic_source if d.sql_generic_source != "generated" else "",
-        "sql_domain_database": d.sql_domain_database,
+        "sql_domain_database": str(domain.local_input() or ""),
         "sql_domain_pairs": d.sql_domain_pairs,
         "sql_domain_test": d.sql_domain_test,
         "tokenizer": cfg.tokenizer.path,  # model.init's own tokenizer, or one the user named
         # a server domain: its fingerprint (schema and row counts), rewritten by prepare and
         # evaluate (tasks/databases.py), so that a changed database re-runs prepare
-        "domain_database": "domain_database.json" if is_url(d.sql_domain_database) else "",
+        "domain_database": "domain_database.json" if domain.kind == "server" else "",
     }
     out = {}
     for key, value in named.items():

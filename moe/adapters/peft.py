@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
+from moe.hashing import sha256_file, weights_files_digest
 from moe.hf.families.protocol import Family
 from moe.model.transformer import MoETransformer
 
@@ -181,3 +182,30 @@ def write_peft_folder(
     save_file(state, str(out_dir / "adapter_model.safetensors"))
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=1))
     return out_dir
+
+
+def read_adapter_dir(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[str]]:
+    """A stage's adapter.json and adapter.safetensors, and why they cannot be a PEFT folder
+    against their base (nothing: they can): what PEFT cannot express, a base that is the
+    Hugging Face folder itself (continued pretraining), missing here, or changed since."""
+    model_dir = Path(model_dir)
+    try:
+        spec = json.loads((model_dir / "adapter.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return {}, {}, [f"{model_dir / 'adapter.json'} is unreadable ({e})"]
+    tensors = load_file(str(model_dir / "adapter.safetensors"))
+    why = unsupported(spec, tensors)
+    base_dir = Path(spec.get("base") or "")
+    if (base_dir / "config.json").is_file() and not (base_dir / "model.json").is_file():
+        why.append(
+            f"the adapters were trained on {base_dir} itself (continued pretraining from "
+            "model.init): a PEFT folder is written for the finetune stages"
+        )
+    elif not (base_dir / "model.safetensors").is_file():
+        why.append(f"its base {base_dir} is not here")
+    elif spec.get("base_sha256") not in (
+        sha256_file(base_dir / "model.safetensors"),
+        weights_files_digest(base_dir),  # a continued-pretraining base of ours
+    ):
+        why.append(f"its base {base_dir} changed since (sha256 {spec.get('base_sha256')})")
+    return spec, tensors, why

@@ -35,6 +35,30 @@ def save_model_dir(
     return out_dir / "model.safetensors"
 
 
+def save_stage_model(model: MoETransformer, out_dir: Path, start: Path | None = None) -> Path:
+    """A stage's model folder: what the next stage, `model export` and `ask` read. It keeps
+    the source record of the Hugging Face model it descends from: that of the model folder it
+    started from (`start`: an earlier stage's, or one `model import` wrote), else of
+    model.init (its model.json's, or the Hugging Face folder's path and model type)."""
+    init = Path(model.cfg.init) if model.cfg.init else None
+    for folder in (start, init):
+        if folder is not None and (folder / "model.json").is_file():
+            source = json.loads((folder / "model.json").read_text()).get("source")
+            if source:
+                return save_model_dir(model, out_dir, {"source": source})
+    extra = {}
+    if init is not None and not (init / "model.json").is_file():
+        extra = {"source": {"path": model.cfg.init, "model_type": _init_type(init)}}
+    return save_model_dir(model, out_dir, extra)
+
+
+def _init_type(init: Path) -> str:
+    try:
+        return json.loads((init / "config.json").read_text()).get("model_type", "")
+    except (OSError, json.JSONDecodeError):
+        return ""
+
+
 def write_model_spec(model: MoETransformer, out_dir: Path, extra: dict[str, Any] | None) -> None:
     """model.json: what the weights beside it are (the architecture, the expert counts)."""
     spec = {
@@ -51,6 +75,11 @@ def write_model_spec(model: MoETransformer, out_dir: Path, extra: dict[str, Any]
 def read_model_spec(model_dir: Path) -> dict[str, Any]:
     """model.json of a model folder, refused when missing or not JSON."""
     spec_path = Path(model_dir) / "model.json"
+    if not spec_path.is_file() and (Path(model_dir) / "config.json").is_file():
+        raise InputError(
+            f"{model_dir} is a Hugging Face folder, not a model folder: import it first"
+            f" (moe-pipeline model import {model_dir} OUT), or start from it with model.init"
+        )
     if not spec_path.is_file():
         raise InputError(f"{spec_path} is missing: run the stage that writes {model_dir} first")
     try:

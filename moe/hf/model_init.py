@@ -11,12 +11,14 @@ import logging
 import os
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
 from moe.checkpoint.tensors import load_model_tensors
+from moe.config import Problems
 from moe.errors import InputError
 from moe.hf.architecture import EXPERT_ARCHITECTURE, read_architecture, read_config
 from moe.hf.families.registry import FAMILIES
@@ -44,6 +46,18 @@ MOE_SHAPE = (
     "routed_scale",
     *EXPERT_ARCHITECTURE,
 )
+
+
+def resolve_init(params: Any, p: Problems) -> None:
+    """A params tree (moe/recipes/params.py) with model.init: the model's architecture in place
+    of the model and moe sections' shape fields, and its tokenizer as tokenizer.path (unless
+    one is given); what is wrong with the folder goes to `p` under model.init."""
+    try:
+        params.model, params.moe = init_architecture(params.model, params.moe)
+        if not params.tokenizer.path:
+            params.tokenizer.path = str(Path(params.model.init) / "tokenizer.json")
+    except InputError as e:
+        p.add("model.init", params.model.init, str(e))
 
 
 def init_architecture(model: ModelConfig, moe: MoEConfig) -> tuple[ModelConfig, MoEConfig]:

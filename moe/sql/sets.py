@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from moe.errors import InputError
-from moe.hashing import sha256_file
-from moe.sql.databases import Databases, is_link
+from moe.sql.databases import Databases
+from moe.sql.domain import DomainDatabase
 from moe.sql.fitting import Limits, fit_schema
 from moe.sql.generator import KINDS
 from moe.sql.prompts import prompt_text, response_text
@@ -24,8 +24,6 @@ from moe.sql.pruners import pruner_for
 from moe.sql.pruning import Pruned
 from moe.sql.records import Record, SqlPair, settle
 from moe.sql.sandbox import SchemaStyle, copy_database, serialize_schema
-from moe.sql.schema import fingerprint
-from moe.sql.server import ServerLink
 from moe.sql.sources import Split, domain_records, generated_generic, outside_generic
 
 SET_ROLE = {  # which length limit a set's examples must fit
@@ -97,7 +95,7 @@ def build_sql_sets(d: Any, out_dir: Path, limits: Limits) -> SqlSets:
             "domain_test": dtest,
         }
         result = SqlSets({}, bad, sources={"generic": gsrc, **src}, dropped=result_dropped)
-        result.domain = domain_fingerprint(d, dbs_dir, dbs)
+        result.domain = DomainDatabase.of(d).fingerprint(dbs_dir, dbs)
         names = _database_names(raw, dbs_dir)
         texts, too_long, pruned = _fit_schemas(raw, dbs, d, limits, names, result)
         _make_sets(raw, names, texts, too_long, pruned, limits, result)
@@ -125,26 +123,6 @@ def _generic(
         gsrc = d.sql_generic_source
     settle(bad, d.on_bad_record, f"data.sql_generic_source ({gsrc})")
     return g, gsrc
-
-
-def domain_fingerprint(d: Any, dbs_dir: Path, dbs: Databases) -> dict[str, Any]:
-    """What the domain database was at prepare: where it is (a server's URL without a
-    password, a file's path) and its schema-and-row-count fingerprint (moe/sql/schema.py),
-    a file's sha256 too; kept in meta.json, the prepare lineage record and the link of a
-    server database, against which evaluation checks the database it meets."""
-    if not d.sql_domain_database:
-        return {"database": "generated"}
-    link = dbs_dir / "domain.url"
-    path = link if is_link(link) and link.is_file() else dbs_dir / "domain.sqlite"
-    db = dbs.get(path)
-    if path == link:
-        got = {"database": db.label, **fingerprint(db.schema())}
-        saved = ServerLink.read(link)
-        saved.fingerprint = got
-        saved.write(link)
-        return got
-    user = Path(d.sql_domain_database).expanduser()
-    return {"database": str(user), **fingerprint(db.schema()), "file_sha256": sha256_file(user)}
 
 
 def _refuse_empty(g: Split, gsrc: str, dtrain: list[Record], dtest: list[Record]) -> None:

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import random
 import re
-import sqlite3
 from pathlib import Path
 from typing import Any
 
 from moe.errors import InputError
-from moe.sql.databases import LINK_SUFFIX, Databases, check_records
+from moe.sql.databases import Databases, check_records
+from moe.sql.domain import DomainDatabase
 from moe.sql.generator import KINDS, QuestionGenerator, kind_of
 from moe.sql.records import (
     Record,
@@ -41,56 +41,12 @@ from moe.sql.records import (
     read_jsonl,
     settle,
 )
-from moe.sql.sandbox import copy_database, open_checked
-from moe.sql.server import ServerLink, is_url, parse_url, shown
-from moe.sql.themes import DOMAIN_THEME, GENERIC_THEMES, HELD_OUT_THEMES, SYLLABLES, Theme
+from moe.sql.themed import build_database
+from moe.sql.themes import GENERIC_THEMES, HELD_OUT_THEMES
 
 Split = tuple[list[Record], list[Record], list[Record]]  # training, test seen, test held out
 
 # --------------------------------------------------------------------------- databases, pairs
-
-
-def _name(rng: random.Random) -> str:
-    return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
-
-
-def build_database(path: Path, theme: Theme, rng: random.Random, rows: int = 30) -> None:
-    """Create a sqlite database for `theme` with random rows: the embedded default's
-    databases, which the generator then reads like any other."""
-    (pt, pcat, pvals, pnums), (ct, ccat, cvals, cnums) = theme
-    path.unlink(missing_ok=True)
-    con = sqlite3.connect(path)
-    pcols = [
-        "id INTEGER PRIMARY KEY",
-        "name TEXT",
-        f"{pcat} TEXT",
-        *(f"{n} INTEGER" for n, _, _ in pnums),
-    ]
-    ccols = [
-        "id INTEGER PRIMARY KEY",
-        f"{pt}_id INTEGER REFERENCES {pt}(id)",
-        f"{ccat} TEXT",
-        *(f"{n} INTEGER" for n, _, _ in cnums),
-    ]
-    con.execute(f"CREATE TABLE {pt} ({', '.join(pcols)})")
-    con.execute(f"CREATE TABLE {ct} ({', '.join(ccols)})")
-    for i in range(1, rows + 1):
-        con.execute(
-            f"INSERT INTO {pt} VALUES ({', '.join('?' * (3 + len(pnums)))})",
-            (i, _name(rng), rng.choice(pvals), *(rng.randint(lo, hi) for _, lo, hi in pnums)),
-        )
-    for i in range(1, 2 * rows + 1):
-        con.execute(
-            f"INSERT INTO {ct} VALUES ({', '.join('?' * (3 + len(cnums)))})",
-            (
-                i,
-                rng.randint(1, rows),
-                rng.choice(cvals),
-                *(rng.randint(lo, hi) for _, lo, hi in cnums),
-            ),
-        )
-    con.commit()
-    con.close()
 
 
 def generate_records(
@@ -325,7 +281,7 @@ def domain_records(
     and pairs generated from the database for the rest of `data.sql_domain_train_pairs`. The
     test set is only ever the user's pairs when there are any."""
     src: dict[str, str] = {}
-    path = _domain_database(d, dbs_dir, rng, src)
+    path = DomainDatabase.of(d).place(dbs_dir, rng, src)
     user_train, user_test = _user_pairs(d, path, dbs, bad, src)
     held = d.sql_domain_test
     if user_train and not user_test and _is_fraction(held or "0.3"):
@@ -345,29 +301,6 @@ def domain_records(
         generated, test = _split_pool(pool, d.sql_domain_test_pairs, n_gen)
     src["domain_generated_pairs"] = str(len(generated))
     return user_train + generated, test, src
-
-
-def _domain_database(d: Any, dbs_dir: Path, rng: random.Random, src: dict[str, str]) -> Path:
-    """Put the domain's database in `dbs_dir` and say where: a copy of the user's sqlite file,
-    checked first (domain.sqlite), the link to their server database (domain.url: the URL,
-    never a password), or the embedded default's, built from its theme."""
-    if is_url(d.sql_domain_database):
-        url = shown(parse_url(d.sql_domain_database))
-        path = dbs_dir / f"domain{LINK_SUFFIX}"
-        link = ServerLink(url, d.sql_domain_password, d.sql_domain_schema, d.sql_domain_views)
-        link.write(path)
-        src["domain_database"] = url
-        return path
-    path = dbs_dir / "domain.sqlite"
-    if d.sql_domain_database:
-        user_db = Path(d.sql_domain_database).expanduser()
-        open_checked(user_db, "data.sql_domain_database").close()  # says what is wrong
-        copy_database(user_db, path)
-        src["domain_database"] = str(user_db)
-    else:
-        build_database(path, DOMAIN_THEME, rng, rows=40)
-        src["domain_database"] = "generated"
-    return path
 
 
 def _user_pairs(

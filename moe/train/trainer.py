@@ -137,7 +137,7 @@ class Trainer:
         would draw after the same seed. `base_sha256`: the frozen base's digest when the
         model trains adapters (moe/adapters/method.py); checkpoints then hold what trains.
         `interrupted`: asked after each step whether to stop now (a SIGTERM's notice that
-        the machine is going away, tasks/training.py); then the step is saved at once and
+        the machine is going away, moe/recipes/context.py); then the step is saved at once and
         fit() returns with stop_reason INTERRUPTED. Every rank must pass one or none.
         `notice`: exceptions that say the machine is going away (Prefect's TerminationSignal
         from a SIGTERM). One raised in a step's forward or backward, where the weights and

@@ -1,0 +1,121 @@
+"""The recipes (moe/recipes/) run where the GPU is: a machine whose image has torch and
+transformers but not Prefect, DVC or W&B. `python -m moe.recipes` there trains what a stage
+trains, into the same model folder and checkpoints; its params are read as strictly as the
+pipeline's. (tests/test_e2e.py compares its models with the pipeline's, bit for bit.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moe.config import ConfigError
+from moe.recipes.__main__ import load_params
+from moe.recipes.params import Params
+from tasks.config import Config, load_config
+from tests.test_train import _data
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCKED = ("prefect", "dvc", "wandb")
+
+
+def without_orchestration(tmp: Path) -> dict[str, str]:
+    """An environment where `import prefect` (dvc, wandb) fails, as on a bare GPU image:
+    a package of each name, first on the path, that refuses to load."""
+    for name in BLOCKED:
+        (tmp / name).mkdir(parents=True, exist_ok=True)
+        (tmp / name / "__init__.py").write_text(
+            f"raise ImportError('{name} is not installed on this machine')\n"
+        )
+    return {"PYTHONPATH": f"{tmp}:{ROOT}", "PATH": "/usr/bin:/bin", "HOME": str(tmp)}
+
+
+def recipes(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "moe.recipes", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_the_blocker_blocks(tmp_path: Path) -> None:
+    """The environment the tests below run in really lacks Prefect (else they prove nothing)."""
+    env = without_orchestration(tmp_path / "site")
+    for name in BLOCKED:
+        r = subprocess.run(
+            [sys.executable, "-c", f"import {name}"], env=env, capture_output=True, text=True
+        )
+        assert r.returncode == 1 and "is not installed on this machine" in r.stderr, name
+
+
+def test_pretrain_runs_without_prefect_dvc_or_wandb_and_resumes(tmp_path: Path) -> None:
+    """`python -m moe.recipes pretrain` on a machine without the orchestration: the stage's
+    model folder (model.safetensors, model.json, metrics.csv) and checkpoints; run again
+    with more steps, it resumes from its last checkpoint."""
+    data = _data(tmp_path / "data")
+    params = tmp_path / "params.yaml"
+    model = {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 32, "dense_hidden": 64}
+    pre = {"batch_size": 4, "log_every": 2, "checkpoint_every": 4, "eval_every": 4}
+    pre |= {"eval_batches": 1, "warmup_steps": 1, "device": "cpu"}
+    doc = {"model": model, "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32}}
+    # the orchestration's sections are the pipeline's to check: here they are left alone
+    doc |= {"pretrain": pre, "pools": {"stages": {"pretrain": "cpu"}}, "wandb": {"mode": "x"}}
+    doc |= {"finetune_sql": {"max_len": 32}, "finetune_domain": {"max_len": 32}}
+    params.write_text(yaml.safe_dump(doc))
+    env = without_orchestration(tmp_path / "site")
+    args = ["pretrain", "--params", str(params), "--data", str(data), "--out", "out"]
+    first = recipes([*args, "--set", "pretrain.max_steps=4"], tmp_path, env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    result = json.loads(first.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 4 and result["resumed_from"] is None
+    out = tmp_path / "out"
+    assert {"model.safetensors", "model.json", "metrics.csv"} <= {p.name for p in out.iterdir()}
+    assert (out / "checkpoints" / "step_00000004").is_dir()
+    assert json.loads((out / "model.json").read_text())["model"]["d_model"] == 32
+    weights = (out / "model.safetensors").read_bytes()
+    again = recipes([*args, "--set", "pretrain.max_steps=4"], tmp_path, env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    result = json.loads(again.stdout.strip().splitlines()[-1])
+    assert result["resumed_from"] == 4 and result["steps"] == 4  # nothing left to train
+    assert (out / "model.safetensors").read_bytes() == weights
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    env = without_orchestration(tmp_path / "site")
+    (tmp_path / "params.yaml").write_text("moe:\n  top_k: 9\n")
+    r = recipes(["pretrain", "--data", str(tmp_path)], tmp_path, env)
+    assert r.returncode == 2
+    assert "moe.top_k" in r.stderr and "line 2" in r.stderr and "Traceback" not in r.stderr
+    r = recipes(["perplexity", "--model", "m", "--data", str(tmp_path / "none")], ROOT, env)
+    assert r.returncode == 2 and "no prepared data here" in r.stderr
+
+
+def test_the_recipes_read_the_params_as_the_pipeline_does(tmp_path: Path) -> None:
+    """The same file gives the same recipe sections to both readers; the recipes' own checks
+    (across sections) are the pipeline's, each named with its line."""
+    shipped = ROOT / "params.yaml"
+    mine, theirs = load_params(shipped), load_config(shipped)
+    assert isinstance(theirs, Params) and isinstance(theirs, Config)
+    for section in Params.training_stages() + ("model", "moe", "data", "evaluate"):
+        assert getattr(mine, section) == getattr(theirs, section), section
+    assert mine.fingerprint("model", "moe", "pretrain") == theirs.fingerprint(
+        "model", "moe", "pretrain"
+    )
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("finetune_sql:\n  max_len: 4096\n  method: lora\n  lora:\n    rank: 0\n")
+    for read in (load_params, load_config):
+        with pytest.raises(ConfigError) as e:
+            read(bad)
+        assert "finetune_sql.max_len" in str(e.value) and "model.seq_len" in str(e.value)
+        assert "finetune_sql.lora.rank" in str(e.value) and "line 5)" in str(e.value)
+    old = tmp_path / "old.yaml"
+    old.write_text("train:\n  lr: 0.001\n")
+    with pytest.raises(ConfigError, match="now named pretrain"):
+        load_params(old)
