@@ -1,11 +1,14 @@
-"""Execution-guided self-consistency against greedy decoding on a trained model (issue 55).
+"""Execution-guided self-consistency and identifiers held to the schema, against greedy
+decoding, on a trained model (issue 55, items 1 and 2).
 
 Scores a model folder (default: the demo's `models/finetune_domain`) on a prepared test set
 (default: the 200 held-out domain questions of `data/prepared`) with `candidates` 1 (greedy),
 4 and 8 (the greedy answer and N-1 sampled at `--temperature`, each run on the question's
-database, the largest group of equal results), at each of `--seeds` sampling seeds. Prints
-execution and test-suite accuracy, valid SQL, the agreement and the wall time of each, and
-their ratio to greedy's. Rounds interleave the settings (1 4 8 1 4 8 ...); times are medians.
+database, the largest group of equal results), at each of `--seeds` sampling seeds, each
+with the identifiers free and, with `--constrain off on`, held to the question's schema
+(moe/sql/constrain.py). Prints execution and test-suite accuracy, valid SQL, the agreement and
+the wall time of each, and their ratio to greedy's. Rounds interleave the settings (1 4 8 1 4
+8 ...); times are medians. A setting is named by its candidates, `+held` when constrained.
 
 Run: `.venv/bin/python bench/candidates.py [--model DIR] [--data DIR] [--set domain_test]`.
 JSON last.
@@ -37,29 +40,33 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--max-new-tokens", type=int, default=72)
     ap.add_argument("--test-suite", type=int, default=3)
+    ap.add_argument("--constrain", nargs="+", choices=["off", "on"], default=["off"])
+    ap.add_argument("--limit", type=int, default=0, help="the set's first N questions (0: all)")
     a = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model = load_model_dir(a.model, dtype=torch.float32).eval()
     tok = load_tokenizer(a.data / "tokenizer.json")
     sp = specials(tok, a.data / "tokenizer.json")
-    pairs = load_pairs(a.data / "sql" / f"{a.set}.jsonl")
-    runs: dict[int, list[dict]] = {n: [] for n in a.candidates}
+    pairs = load_pairs(a.data / "sql" / f"{a.set}.jsonl")[: a.limit or None]
+    settings = [(n, held == "on") for n in a.candidates for held in a.constrain]
+    runs: dict[str, list[dict]] = {_name(n, held): [] for n, held in settings}
     for seed in a.seeds:
-        for n in a.candidates:  # interleaved
-            if n == 1 and runs[1] and seed != a.seeds[0] and len(runs[1]) >= 2:
+        for n, held in settings:  # interleaved
+            name = _name(n, held)
+            if n == 1 and seed != a.seeds[0] and len(runs[name]) >= 2:
                 continue  # greedy does not depend on the seed: two timings are enough
             t0 = time.perf_counter()
             got = sql_accuracy(
                 model, tok, pairs, a.data / "sql" / "dbs", a.max_new_tokens, sp.eos,
                 prefix=sp.prefix, test_suite=a.test_suite, chat=sp.chat, candidates=n,
-                temperature=a.temperature, seed=seed,
+                temperature=a.temperature, seed=seed, constrain=held,
             )  # fmt: skip
             wall = time.perf_counter() - t0
-            runs[n].append({"seed": seed, "wall_s": wall, **{k: got[k] for k in (
+            runs[name].append({"seed": seed, "wall_s": wall, **{k: got[k] for k in (
                 "execution_accuracy", "test_suite_accuracy", "valid_sql")},
                 "agreement": got["decoding"].get("agreement", 1.0)})  # fmt: skip
-            print(f"candidates {n} seed {seed}: {runs[n][-1]}", flush=True)
-    greedy_s = statistics.median(r["wall_s"] for r in runs[1]) if 1 in runs else None
+            print(f"{name} seed {seed}: {runs[name][-1]}", flush=True)
+    greedy_s = statistics.median(r["wall_s"] for r in runs["1"]) if "1" in runs else None
     out = {}
     for n, rs in runs.items():
         ex = [r["execution_accuracy"] for r in rs]
@@ -75,8 +82,12 @@ def main() -> None:
         if greedy_s:
             row["time_vs_greedy"] = round(row["wall_s"] / greedy_s, 2)
         out[n] = row
-        print(f"candidates {n}: {row}")
+        print(f"{n}: {row}")
     print(json.dumps({"model": str(a.model), "set": a.set, "examples": len(pairs), **out}))
+
+
+def _name(n: int, held: bool) -> str:
+    return f"{n}+held" if held else str(n)
 
 
 if __name__ == "__main__":

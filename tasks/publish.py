@@ -219,6 +219,7 @@ def ask(
     password: str = "",
     candidates: int = 1,
     temperature: float = 0.8,
+    constrain: bool = False,
 ) -> dict[str, Any]:
     """The SQL the model writes for `question` over the database `db` (a sqlite file, or a
     server's URL with its password from `password`: data.sql_domain_password; `ask_prompt`
@@ -226,10 +227,12 @@ def ask(
     row-limited connection (moe/sql/databases.py `open_database`), and what pruning left
     out ("" when nothing). With `candidates` > 1, execution-guided self-consistency
     (moe/sql/consistency.py): the answer most of the greedy and the sampled queries agree
-    on, and how many agreed."""
+    on, and how many agreed. With `constrain`, identifiers are held to the database's
+    tables and columns while decoding (moe/sql/constrain.py)."""
     import torch
 
     from moe.sql.consistency import choose
+    from moe.sql.constrain import IdentifierConstraint, Names, Pieces
     from moe.sql.databases import open_database
     from moe.sql.evaluate import Candidates, stop_ids
     from tasks.databases import remember_password
@@ -244,13 +247,16 @@ def ask(
         prompt, pruned = _ask_prompt(ro, question, model.cfg.seq_len, tok, sp,
                                      max_new_tokens, schema_values, prune_schema)  # fmt: skip
         room, stop = model.cfg.seq_len - len(prompt), stop_ids(tok, sp.eos)
+        pieces = Pieces(tok) if constrain else None
+        names = [Names.of(ro.schema())] if constrain else None
         if candidates > 1:
             cands = Candidates(model, tok, min(max_new_tokens, room), stop, candidates,
-                               temperature, 0)([prompt])[0]  # fmt: skip
+                               temperature, 0)([prompt], pieces, names)[0]  # fmt: skip
             c = choose(ro, cands, getattr(ro, "dialect", "sqlite"))
             got = {"sql": c.sql, "agreed": c.agreed, "ran": c.ran, "candidates": candidates}
         else:
-            out = model.generate_batch([prompt], min(max_new_tokens, room), stop)
+            held = IdentifierConstraint(tok, pieces, names) if pieces and names else None
+            out = model.generate_batch([prompt], min(max_new_tokens, room), stop, adjust=held)
             got = {"sql": tok.decode(out[0]).strip()}
         return {**got, "outcome": ro.run(got["sql"]), "pruned": pruned}
     finally:

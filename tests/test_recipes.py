@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from moe.config import ConfigError
@@ -119,3 +120,24 @@ def test_the_recipes_read_the_params_as_the_pipeline_does(tmp_path: Path) -> Non
     old.write_text("train:\n  lr: 0.001\n")
     with pytest.raises(ConfigError, match="now named pretrain"):
         load_params(old)
+
+
+def test_the_domain_stage_replays_a_share_of_the_sql_stages_pairs() -> None:
+    """finetune_domain.replay_pairs: that share of the batches' rows comes from the generic
+    pairs (each set keeping its own weights), the batch size unchanged; finetune_sql, with
+    no finetune stage before it, refuses the knob."""
+    from moe.data.tokens import SFTBatches, SFTExample
+    from moe.recipes.finetune import with_replayed
+
+    domain = [SFTExample([1, 2], [3], 2.0 if i == 0 else 1.0) for i in range(30)]
+    generic = [SFTExample([7, 8], [9]) for _ in range(400)]
+    mixed = with_replayed(domain, generic, 0.25)
+    assert len(mixed) == 430 and mixed[0].weight == 2.0  # the domain's own weights stay
+    batches = SFTBatches(mixed, 16, 8, seed=0, pad_id=0)
+    rows = torch.cat([batches.batch_at(step)[0] for step in range(300)])
+    assert rows.shape[0] == 16 * 300
+    share = float((rows[:, 0] == 7).float().mean())
+    assert abs(share - 0.25) < 0.03, share
+    with pytest.raises(ConfigError, match="finetune_sql.replay_pairs"):
+        load_params(None, ["finetune_sql.replay_pairs=0.5"])
+    assert load_params(None, ["finetune_domain.replay_pairs=0.5"]).finetune_domain.replay_pairs

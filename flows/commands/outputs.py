@@ -222,6 +222,7 @@ def answer(args: argparse.Namespace) -> int:
         cfg.data.sql_domain_password,  # a server URL's password: where it comes from
         args.candidates or cfg.evaluate.candidates,
         cfg.evaluate.temperature,
+        cfg.evaluate.constrain_identifiers,
     )
     if got["pruned"]:
         print(f"-- {got['pruned']}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -315,6 +316,7 @@ class MoETransformer(nn.Module):
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
         scores: list[float] | None = None,
+        adjust: Callable[[torch.Tensor, list[list[int]]], None] | None = None,
     ) -> list[list[int]]:
         """Greedy decoding of several prompts at once with a KV cache: one forward pass over
         the left-padded prompts, then one token per row per step. The same tokens as
@@ -322,7 +324,9 @@ class MoETransformer(nn.Module):
         must fit in model.seq_len (the caller truncates). `temperature` > 0 samples each
         token from softmax(logits / temperature) instead (drawn from `generator`); `scores`,
         when given, receives each row's log-probability of what it generated (the model's
-        own, at temperature 1), stop token included."""
+        own, at temperature 1), stop token included. `adjust(logits_BV, out)`, when given,
+        may change each row's logits in place before the token is chosen, from what the rows
+        generated so far (moe/sql/constrain.py holds identifiers to a schema this way)."""
         if not prompts:
             return []
         device = self.embed.weight.device
@@ -352,14 +356,17 @@ class MoETransformer(nn.Module):
             for i, block in enumerate(self.blocks):
                 x = block(x, self.rope_cos, self.rope_sin, aux, cache, i)
             cache.length += step_in.shape[1]
-            logits_BV = self.lm_head(self.norm(x[:, -1])).float()
+            own_BV = logits_BV = self.lm_head(self.norm(x[:, -1])).float()
+            if adjust is not None:  # the model's own logits stay what `scores` reads
+                logits_BV = own_BV.clone()
+                adjust(logits_BV, out)
             if temperature > 0:
                 probs_BV = (logits_BV / temperature).softmax(-1)
                 nxt_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
             else:
                 nxt_B = logits_BV.argmax(-1)
             if scores is not None:
-                chosen_B = logits_BV.log_softmax(-1).gather(1, nxt_B[:, None]).squeeze(1)
+                chosen_B = own_BV.log_softmax(-1).gather(1, nxt_B[:, None]).squeeze(1)
                 logp_B += torch.where(done_B, 0.0, chosen_B)
             done_B |= torch.isin(nxt_B, stop)
             for b in (~done_B).nonzero().flatten().tolist():

@@ -89,6 +89,7 @@ def sql_scores(
             candidates=e.candidates,
             temperature=e.temperature,
             seed=d.seed,
+            constrain=e.constrain_identifiers,
         )
         done += len(pairs)
         log.info(

@@ -6,6 +6,7 @@ checkpoint. The model it starts from is any model folder: the previous stage's, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,17 @@ def focus_token_ids(tok: Any, words: list[str]) -> set[int]:
     return ids
 
 
+def with_replayed(
+    examples: list[SFTExample], replayed: list[SFTExample], share: float
+) -> list[SFTExample]:
+    """`examples` and `replayed` in one set whose weights draw `share` of the rows from
+    `replayed` (each set keeping its own weights among its examples)."""
+    own = sum(ex.weight for ex in examples)
+    theirs = sum(ex.weight for ex in replayed)
+    scale = share / (1 - share) * own / theirs
+    return [*examples, *(dataclasses.replace(ex, weight=ex.weight * scale) for ex in replayed)]
+
+
 def finetune(
     params: Params,
     stage: str,
@@ -76,6 +88,10 @@ def finetune(
     tok = load_tokenizer(data_dir / "tokenizer.json")
     sp = specials(tok, data_dir / "tokenizer.json")
     examples = sft_examples(data_dir / "sql" / pairs_file, tok, sp)
+    if f.replay_pairs > 0:  # the stage before's pairs, a share of every batch's rows
+        before = FINETUNES[FINETUNES[stage][1]][0]
+        replayed = sft_examples(data_dir / "sql" / before, tok, sp)
+        examples = with_replayed(examples, replayed, f.replay_pairs)
     # Under torchrun each rank reads only its shards of the start model (never whole).
     sharded = dist.is_initialized()
     model = model_dir_skeleton(init_dir) if sharded else load_model_dir(init_dir, torch.float32)

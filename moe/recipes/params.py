@@ -101,6 +101,14 @@ class Params:
                     "or replay_ratio to 0",
                 )
                 p.require(
+                    # (outside 0..1 its range says what is wrong)
+                    not 0 < sec.replay_pairs < 1 or stage != "finetune_sql",
+                    f"{stage}.replay_pairs",
+                    sec.replay_pairs,
+                    "replays the pairs of the finetune stage before; finetune_sql has none:"
+                    " set it to 0",
+                )
+                p.require(
                     sec.max_len <= self.model.seq_len,
                     f"{stage}.max_len",
                     sec.max_len,

@@ -23,6 +23,10 @@ class EvaluateConfig:
     # answer most of them agree on. 1 = greedy decoding alone.
     candidates: int = knob(1, ge=1, le=32)
     temperature: float = knob(0.8, gt=0, le=2)  # of the sampled candidates
+    # Identifiers held to each question's (pruned) schema while decoding
+    # (moe/sql/constrain.py): after FROM or JOIN one of its tables, after `alias.` one of
+    # that table's columns; keywords, literals and expressions stay free.
+    constrain_identifiers: bool = False
     val_batches: int = knob(16, ge=1)  # batches of held-out text per perplexity
     batch_size: int = knob(64, ge=1)  # questions decoded together
     # auto: the GPU when the evaluating machine has one, else the CPU

@@ -14,12 +14,14 @@ import torch
 from moe.errors import InputError
 from moe.model.transformer import MoETransformer
 from moe.sql.consistency import choose
+from moe.sql.constrain import IdentifierConstraint, Names, Pieces
 from moe.sql.databases import open_database
 from moe.sql.generator import KINDS
 from moe.sql.hardness import LEVELS, hardness
 from moe.sql.prompts import prompt_text
 from moe.sql.records import SqlPair
 from moe.sql.sandbox import ReadOnlyDb, normalized_sql, orders, same_result
+from moe.sql.schema import Schema
 from moe.sql.testsuite import build_suite
 
 
@@ -47,6 +49,7 @@ def sql_accuracy(
     candidates: int = 1,
     temperature: float = 0.8,
     seed: int = 0,
+    constrain: bool = False,
 ) -> dict[str, Any]:
     """Greedy-generate SQL for each pair (in batches, with a KV cache) and score it: valid
     (it runs on the pair's database), execution match (the same rows as the reference, as
@@ -66,7 +69,11 @@ def sql_accuracy(
     With `candidates` > 1, execution-guided self-consistency (moe/sql/consistency.py): the
     greedy answer and `candidates - 1` sampled at `temperature` (seeded by `seed`), each run
     on the pair's database, the answer the most of them agree on; each row says how many
-    agreed. One candidate is the greedy path, unchanged."""
+    agreed. One candidate is the greedy path, unchanged.
+
+    With `constrain`, identifiers are held to each question's schema while decoding
+    (moe/sql/constrain.py): after FROM or JOIN one of its tables, after `alias.` one of that
+    table's columns."""
     model.eval()
     stop = stop_ids(tok, eot_id)
     keep = model.cfg.seq_len - max_new_tokens  # room for the prompt beside the answer
@@ -75,6 +82,7 @@ def sql_accuracy(
     rows: list[dict[str, Any]] = []
     scorer = _Scorer(pairs, db_dir, time_limit_s, row_limit, test_suite)
     sampler = Candidates(model, tok, max_new_tokens, stop, candidates, temperature, seed)
+    pieces = Pieces(tok) if constrain else None
     try:
         for lo in range(0, len(pairs), batch_size):
             chunk = pairs[lo : lo + batch_size]
@@ -83,13 +91,15 @@ def sql_accuracy(
                 for p in chunk
             ]
             _refuse_long_prompts(prompts, chunk, keep)
+            names = [scorer.names(p) for p in chunk] if pieces is not None else None
             if candidates > 1:
-                for pair, cands in zip(chunk, sampler(prompts), strict=True):
+                for pair, cands in zip(chunk, sampler(prompts, pieces, names), strict=True):
                     choice = choose(scorer.db(pair), cands, scorer.dialect(pair))
                     row = scorer.score(pair, choice.sql)
                     rows.append({**row, "agreed": choice.agreed, "ran": choice.ran})
             else:
-                outs = model.generate_batch(prompts, max_new_tokens, stop)
+                adjust = IdentifierConstraint(tok, pieces, names) if names else None
+                outs = model.generate_batch(prompts, max_new_tokens, stop, adjust=adjust)
                 for pair, out in zip(chunk, outs, strict=True):
                     rows.append(scorer.score(pair, _answer(tok, out)))
             if progress:
@@ -97,14 +107,25 @@ def sql_accuracy(
     finally:
         scorer.close()
     report = _report(rows, max_new_tokens, test_suite)
+    report["decoding"] |= _decoding(rows, candidates, temperature, constrain)
+    return report
+
+
+def _decoding(
+    rows: list[dict[str, Any]], candidates: int, temperature: float, constrain: bool
+) -> dict[str, Any]:
+    """How the answers were decoded, beyond greedy's own record."""
+    out: dict[str, Any] = {}
+    if constrain:
+        out["identifiers"] = "held to each question's schema"
     if candidates > 1:
-        report["decoding"] |= {
+        out |= {
             "method": "execution-guided self-consistency",
             "candidates": candidates,
             "sampled": f"{candidates - 1} at temperature {temperature:g}, beside the greedy one",
             "agreement": sum(r["agreed"] for r in rows) / max(1, len(rows)) / candidates,
         }
-    return report
+    return out
 
 
 def _answer(tok: Any, out: list[int]) -> str:
@@ -123,10 +144,22 @@ class Candidates:
         self.n, self.temp = n, temp
         self.gen = torch.Generator(model.embed.weight.device).manual_seed(seed)
 
-    def __call__(self, prompts: list[list[int]]) -> list[list[tuple[str, float]]]:
-        greedy_scores: list[float] = []
-        greedy = self.model.generate_batch(prompts, self.max_new, self.stop, scores=greedy_scores)
+    def __call__(
+        self,
+        prompts: list[list[int]],
+        pieces: Pieces | None = None,
+        names: list[Names] | None = None,
+    ) -> list[list[tuple[str, float]]]:
+        """With `pieces` and `names`, every candidate's identifiers held to its schema."""
         k = self.n - 1
+        held, held_k = None, None
+        if pieces is not None and names is not None:
+            held = IdentifierConstraint(self.tok, pieces, names)
+            held_k = IdentifierConstraint(self.tok, pieces, [n for n in names for _ in range(k)])
+        greedy_scores: list[float] = []
+        greedy = self.model.generate_batch(
+            prompts, self.max_new, self.stop, scores=greedy_scores, adjust=held
+        )
         scores: list[float] = []
         sampled = self.model.generate_batch(
             [p for p in prompts for _ in range(k)],
@@ -135,6 +168,7 @@ class Candidates:
             temperature=self.temp,
             generator=self.gen,
             scores=scores,
+            adjust=held_k,
         )
         out = []
         for i, (g, s) in enumerate(zip(greedy, greedy_scores, strict=True)):
@@ -162,6 +196,7 @@ class _Scorer:
     ) -> None:
         self.db_dir, self.time_limit_s, self.row_limit = db_dir, time_limit_s, row_limit
         self.dbs: dict[Path, ReadOnlyDb] = {}
+        self.schemas: dict[Path, Schema] = {}
         self.tmp = tempfile.TemporaryDirectory(prefix="test-suite-") if test_suite else None
         self.suites: dict[str, list[Path]] = {}
         if self.tmp is not None:
@@ -179,6 +214,13 @@ class _Scorer:
     def db(self, pair: SqlPair) -> ReadOnlyDb:
         """The sandbox of the pair's database."""
         return self._open(self.db_dir / pair.db)
+
+    def names(self, pair: SqlPair) -> Names:
+        """What the pair's (pruned) schema lets an answer name; each database read once."""
+        path = self.db_dir / pair.db
+        if path not in self.schemas:
+            self.schemas[path] = self._open(path).schema()
+        return Names.of(self.schemas[path], pair.schema)
 
     def dialect(self, pair: SqlPair) -> str:
         return getattr(self.db(pair), "dialect", "sqlite")

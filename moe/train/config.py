@@ -136,6 +136,11 @@ class FinetuneConfig(OptimConfig):
     # data.replay_fraction; ~55k tokens on the default, so a long finetune memorises it and
     # forgets the rest: bench/RESULTS.md).
     replay_split: Literal["train", "replay"] = "train"
+    # The share of each batch's SQL rows drawn from the stage before's pairs instead of this
+    # stage's (finetune_domain: the generic SQL pairs), so that the domain stage keeps what
+    # the SQL stage taught; 0 = this stage's pairs alone. In expectation: rows are drawn at
+    # random, the batch size stays.
+    replay_pairs: float = knob(0.0, ge=0, lt=1)
     focus_weight: float = knob(2.0, gt=0)  # loss weight of focus tokens (below)
     # The SQL keywords, and the digits: the numbers of a question must be copied exactly, and
     # mis-copied digits were the errors left (weighting them lifted the domain accuracy over

@@ -1,0 +1,122 @@
+"""Identifiers held to the schema while decoding (moe/sql/constrain.py, issue 55 item 2): after
+FROM or JOIN only the prompt's tables, after `alias.` only that table's columns, quoted names
+as the dialect writes them; and a model with random weights, held so, names only what the
+schema has, where the same model unheld names nothing of it."""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe.model.config import ModelConfig, MoEConfig
+from moe.model.transformer import MoETransformer
+from moe.sql.constrain import IdentifierConstraint, Names, Pieces
+from moe.sql.records import SqlPair
+from moe.sql.sandbox import ReadOnlyDb, inspect_database
+from tests.test_sql import tok  # noqa: F401 (a fixture: a real BPE trained on SQL)
+
+
+@pytest.fixture
+def concerts(tmp_path: Path) -> Path:
+    path = tmp_path / "concerts.sqlite"
+    con = sqlite3.connect(path)
+    con.executescript(
+        "CREATE TABLE singer (singer_id INTEGER PRIMARY KEY, name TEXT, age INTEGER);"
+        'CREATE TABLE "order" (id INTEGER PRIMARY KEY, "Home Town" TEXT);'
+        "CREATE TABLE stadium (id INTEGER PRIMARY KEY, capacity INTEGER);"
+        "INSERT INTO singer VALUES (1, 'Ann', 31), (2, 'Bo', 25);"
+        "INSERT INTO stadium VALUES (1, 500);"
+    )
+    con.commit()
+    con.close()
+    return path
+
+
+def _names(path: Path, shown: str = "") -> Names:
+    con = sqlite3.connect(path)
+    try:
+        return Names.of(inspect_database(con), shown)
+    finally:
+        con.close()
+
+
+def _texts(tok, ids: set[int]) -> set[str]:  # noqa: F811
+    return {tok.decode([i]) for i in ids}
+
+
+def test_after_from_only_the_schemas_tables_and_after_a_dot_only_that_tables_columns(
+    tok,  # noqa: F811
+    concerts: Path,
+) -> None:
+    names = _names(concerts)
+    assert names.tables == ["singer", '"order"', "stadium"]  # "order" is a keyword: quoted
+    assert names.columns["order"] == ["id", '"Home Town"']
+    held = IdentifierConstraint(tok, Pieces(tok), [names])
+    after_from = _texts(tok, held.allowed("SELECT name FROM", names)[0])
+    # a space, or a space with the start of a table's name, or a subquery's parenthesis
+    assert after_from and all(
+        t.strip() == "" or any(f.startswith(t.strip().lower()) for f in names.tables + ["("])
+        for t in after_from
+    )
+    assert " singer" in after_from or " s" in after_from
+    assert not any(t.strip().startswith("item") for t in after_from)
+    partial = _texts(tok, held.allowed("SELECT name FROM sing", names)[0])
+    assert partial and all("singer"[4:].startswith(t.lower()) for t in partial)
+    # complete: nothing continues it but the end of the name (a space, a comma, the end token)
+    assert held.allowed("SELECT name FROM singer", names) == (set(), True)
+    aliased = "SELECT T1.name FROM singer AS T1 JOIN stadium AS T2 ON T2."
+    cols = _texts(tok, held.allowed(aliased, names)[0])
+    assert cols and all(any(c.startswith(t.lower()) for c in ("id", "capacity")) for t in cols)
+    assert held.allowed("SELECT T9.", names) == (set(), False)  # an unknown qualifier: free
+    assert held.allowed("SELECT name, age", names) == (set(), False)  # no identifier here
+    quoted = _texts(tok, held.allowed('SELECT * FROM "order" AS o WHERE o.', names)[0])
+    assert quoted and all('"home town"'.startswith(t.lower()) or "id".startswith(t.lower())
+                          for t in quoted)  # fmt: skip
+
+
+def test_a_pruned_prompt_allows_only_the_tables_it_shows(concerts: Path) -> None:
+    names = _names(concerts, "singer(singer_id int pk, name text, age int)")
+    assert names.tables == ["singer"] and list(names.columns) == ["singer"]
+    pg = _names(concerts, "[postgresql] stadium(id int pk, capacity int)")
+    assert pg.tables == ["stadium"]
+
+
+def test_a_random_model_held_to_the_schema_names_only_its_tables(
+    tmp_path: Path,
+    concerts: Path,
+    tok,  # noqa: F811
+) -> None:
+    """The same random model, the same prompts: held, every name after FROM is one of the
+    schema's tables; unheld it writes none (a random model knows no schema). Scored by
+    sql_accuracy with the knob, which says so in its report."""
+    from moe.sql.evaluate import sql_accuracy
+
+    torch.manual_seed(0)
+    model = MoETransformer(
+        ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=200, dense_hidden=32),
+        MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+        tok.get_vocab_size(),
+    ).eval()
+    shown = "singer(singer_id int pk, name text, age int); stadium(id int pk, capacity int)"
+    prompt = [tok.encode(f"-- schema: {shown}\n-- question: q\nSELECT name FROM").ids]
+    names = [_names(concerts, shown)]
+    # the answer's start is in the prompt here: the constraint reads it as written
+    held = IdentifierConstraint(tok, Pieces(tok), names, written=["SELECT name FROM"])
+    with torch.no_grad():
+        free = model.generate_batch(prompt, 12)[0]
+        out = model.generate_batch(prompt, 12, adjust=held)[0]
+    text = tok.decode(out)
+    first = re.match(r"\s*(\w+)(\W|$)", text)  # the whole name, and what ends it
+    assert first and first.group(1).lower() in ("singer", "stadium"), text
+    assert not re.match(r"\s*(singer|stadium)\b", tok.decode(free), re.IGNORECASE)
+    assert held.steps >= 2  # the name was held over more than one token
+    pairs = [SqlPair("q", "SELECT name FROM singer", concerts.name, shown)]
+    report = sql_accuracy(model, tok, pairs, tmp_path, 8, 0, test_suite=0, constrain=True)
+    assert report["decoding"]["identifiers"] == "held to each question's schema"
+    off = sql_accuracy(model, tok, pairs, tmp_path, 8, 0, test_suite=0)
+    assert "identifiers" not in off["decoding"]
+    ReadOnlyDb(concerts).close()
