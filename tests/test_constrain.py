@@ -120,3 +120,37 @@ def test_a_random_model_held_to_the_schema_names_only_its_tables(
     off = sql_accuracy(model, tok, pairs, tmp_path, 8, 0, test_suite=0)
     assert "identifiers" not in off["decoding"]
     ReadOnlyDb(concerts).close()
+
+
+def test_what_is_not_a_table_position_stays_free_and_aliases_bind_per_query_part(
+    tok,  # noqa: F811
+    concerts: Path,
+) -> None:
+    """FROM inside a string, inside a quoted name, as a function's argument or in IS
+    DISTINCT FROM is no table position; an alias is bound within the query part being
+    written (Spider reuses T1 after INTERSECT), through a JOIN whose first table has none;
+    a model whose embedding has more rows than its tokenizer (an import's padding) is held
+    without a shape error."""
+    names = _names(concerts)
+    held = IdentifierConstraint(tok, Pieces(tok), [names])
+    free = (set(), False)
+    for text in (
+        "SELECT name FROM singer WHERE name = 'Escape from",
+        'SELECT T1."valid from',
+        "SELECT EXTRACT(YEAR FROM",
+        "SELECT name FROM singer WHERE age IS DISTINCT FROM",
+    ):
+        assert held.allowed(text, names) == free, text
+    assert held.allowed("SELECT name FROM singer WHERE age IN (SELECT age FROM", names)[0]
+    text = "SELECT T1.name FROM singer AS T1 INTERSECT SELECT T1.id FROM stadium AS T1 WHERE T1."
+    cols = _texts(tok, held.allowed(text, names)[0])
+    assert cols and all(any(c.startswith(t.lower()) for c in ("id", "capacity")) for t in cols)
+    joined = "SELECT * FROM singer JOIN stadium AS T2 ON T2."
+    assert _texts(tok, held.allowed(joined, names)[0]) == cols
+    # bound to two tables in one part: ambiguous, free
+    both = "SELECT * FROM singer AS T1 JOIN stadium AS T1 WHERE T1."
+    assert held.allowed(both, names) == free
+    wide = torch.zeros(1, tok.get_vocab_size() + 8)  # 8 rows past the tokenizer's
+    prompt = tok.encode("SELECT name FROM singer").ids
+    held(wide, [prompt])  # a complete name: it may end here
+    assert torch.isinf(wide[0, -8:]).all() and not torch.isinf(wide[0]).all()

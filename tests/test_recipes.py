@@ -141,3 +141,34 @@ def test_the_domain_stage_replays_a_share_of_the_sql_stages_pairs() -> None:
     with pytest.raises(ConfigError, match="finetune_sql.replay_pairs"):
         load_params(None, ["finetune_sql.replay_pairs=0.5"])
     assert load_params(None, ["finetune_domain.replay_pairs=0.5"]).finetune_domain.replay_pairs
+
+
+def test_the_recipes_refuse_an_unknown_section_and_what_torchrun_cannot_split() -> None:
+    """A misspelled section is refused (the orchestration's, which tasks/config.py declares,
+    are the only others); under torchrun the process count must split the experts and the
+    batch, and QLoRA runs alone; replayed generic pairs must fit the domain stage's length."""
+    import dataclasses
+
+    from moe.errors import InputError
+    from moe.recipes.__main__ import check_world
+    from moe.recipes.params import ORCHESTRATION
+
+    declared = {f.name for f in dataclasses.fields(Config)} - {
+        f.name for f in dataclasses.fields(Params)
+    }
+    assert declared == set(ORCHESTRATION)
+    with pytest.raises(ConfigError, match="pretrian.lr: pretrian is not a section.*--set"):
+        load_params(None, ["pretrian.lr=0.1"])
+    params = load_params(None, ["moe.num_experts=8", "pretrain.batch_size=16"])
+    check_world(params, "pretrain", 4)  # 8 experts and 16 rows over 4: fine
+    with pytest.raises(InputError, match="num_experts \\(8\\) does not split over 3"):
+        check_world(params, "pretrain", 3)
+    qlora = load_params(None, ["finetune_sql.method=qlora"])
+    with pytest.raises(InputError, match="qlora runs in one process"):
+        check_world(qlora, "finetune_sql", 2)
+    with pytest.raises(ConfigError, match="finetune_domain.max_len .* replay_pairs"):
+        load_params(
+            None,
+            ["finetune_domain.replay_pairs=0.3", "finetune_domain.max_len=64",
+             "finetune_sql.max_len=128"],
+        )  # fmt: skip

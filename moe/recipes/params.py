@@ -33,6 +33,11 @@ from moe.model.config import ModelConfig, MoEConfig
 from moe.sql.config import EvaluateConfig
 from moe.train.config import FinetuneConfig, OptimConfig, PretrainConfig
 
+# The sections of the params file that say how the pipeline runs, not what it trains:
+# tasks/config.py declares them (tests/test_recipes.py checks the two lists agree); the
+# recipes leave them alone and refuse any other name they do not know.
+ORCHESTRATION = ("storage", "pools", "cost", "recovery", "multinode", "wandb")
+
 # Sections renamed since a release: a params file that still uses the old name is told what
 # to rename (the check goes on under the new name, so every other problem is reported too).
 RENAMED_SECTIONS = {"train": "pretrain"}
@@ -107,6 +112,15 @@ class Params:
                     sec.replay_pairs,
                     "replays the pairs of the finetune stage before; finetune_sql has none:"
                     " set it to 0",
+                )
+                p.require(
+                    not 0 < sec.replay_pairs < 1
+                    or stage != "finetune_domain"
+                    or sec.max_len >= self.finetune_sql.max_len,
+                    f"{stage}.max_len",
+                    sec.max_len,
+                    f"must be >= finetune_sql.max_len ({self.finetune_sql.max_len}) with "
+                    "replay_pairs: the replayed generic pairs were fitted to that length",
                 )
                 p.require(
                     sec.max_len <= self.model.seq_len,

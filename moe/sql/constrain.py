@@ -30,8 +30,15 @@ _TABLE_AT = re.compile(r'\b(?:FROM|JOIN)(\s+)("[^"]*|\w*)$', re.IGNORECASE)
 _TABLE_NEXT = re.compile(r"\b(?:FROM|JOIN)$", re.IGNORECASE)  # the keyword, nothing after it
 # The column position: a qualifier, a dot, then the column name being written.
 _COLUMN_AT = re.compile(r'(?<![\w."])("[^"]+"|[A-Za-z_]\w*)\.("[^"]*|\w*)$')
-# `FROM t AS a`, `JOIN t a`: which table an alias stands for.
-_ALIAS = re.compile(r'\b(?:FROM|JOIN)\s+("[^"]+"|\w+)(?:\s+AS)?\s+([A-Za-z_]\w*)', re.IGNORECASE)
+# `FROM t AS a`, `JOIN t a`: which table an alias stands for (a lookahead, so that `FROM a
+# JOIN b AS T2` binds T2 although `FROM a` was read first).
+_ALIAS = re.compile(
+    r'\b(?:FROM|JOIN)\s+(?=("[^"]+"|\w+)(?:\s+AS)?\s+([A-Za-z_]\w*))', re.IGNORECASE
+)
+# Where a query part starts: an alias is bound within its part (T1 again after INTERSECT).
+_PART = re.compile(r"\b(?:UNION|INTERSECT|EXCEPT)\b|\(\s*SELECT\b", re.IGNORECASE)
+# FROM inside these functions' parentheses is an argument, not a table (PostgreSQL).
+_FROM_FUNCTIONS = {"extract", "substring", "trim", "overlay", "position"}
 _NOT_ALIAS = {
     "where", "join", "inner", "left", "right", "full", "outer", "cross", "on", "group",
     "order", "limit", "having", "union", "intersect", "except", "as", "natural", "using",
@@ -116,8 +123,9 @@ class IdentifierConstraint:
                 continue
             keep_V = torch.zeros(logits_BV.shape[1], dtype=torch.bool)
             keep_V[sorted(allowed)] = True
-            if ending:  # a complete name may also end here
-                keep_V |= self.pieces.ending_V
+            if ending:  # a complete name may also end here (rows past the tokenizer's: no)
+                n = min(len(keep_V), len(self.pieces.ending_V))
+                keep_V[:n] |= self.pieces.ending_V[:n]
             logits_BV[b] = logits_BV[b].masked_fill(~keep_V.to(logits_BV.device), float("-inf"))
             held = True
         self.steps += held
@@ -125,11 +133,14 @@ class IdentifierConstraint:
     def allowed(self, text: str, names: Names) -> tuple[set[int], bool]:
         """The tokens that may come next after `text` (none: any), and whether any token that
         ends an identifier may too (the name written so far is complete)."""
-        if _TABLE_NEXT.search(text):
+        literal, quoted = _open_quotes(text)
+        if literal:  # inside a string: nothing here is a name
+            return set(), False
+        if _TABLE_NEXT.search(text) and not quoted and not _function_from(text):
             ids, ending = self._continuing("", names.tables, lead=True)
             return ids | self._subquery(True), ending
         m = _TABLE_AT.search(text)
-        if m:
+        if m and not _function_from(text[: m.start(1)]):
             partial = m.group(2)
             ids, ending = self._continuing(partial, names.tables, lead=False)
             return ids | (set() if partial or not ids else self._subquery(False)), ending
@@ -153,10 +164,47 @@ class IdentifierConstraint:
 
 
 def _table_of(qualifier: str, text: str, names: Names) -> str | None:
-    """The table a qualifier names: an alias the query gave it, or the table itself."""
-    for m in _ALIAS.finditer(text):
-        alias = m.group(2).lower()
-        if alias == qualifier and alias not in _NOT_ALIAS:
-            table = _key(m.group(1))
-            return table if table in names.columns else None
+    """The table a qualifier names: the alias the query part being written gave it (bound
+    once; bound to two tables there it is ambiguous: None), or the table itself."""
+    starts = [m.start() for m in _PART.finditer(text)]
+    part = text[starts[-1] :] if starts else text
+    bound = {
+        _key(m.group(1))
+        for m in _ALIAS.finditer(part)
+        if m.group(2).lower() == qualifier and qualifier not in _NOT_ALIAS
+    }
+    if len(bound) == 1:
+        table = bound.pop()
+        return table if table in names.columns else None
+    if bound:
+        return None
     return qualifier if qualifier in names.columns else None
+
+
+def _open_quotes(text: str) -> tuple[bool, bool]:
+    """Whether `text` ends inside a string literal, and inside a quoted name (SQL doubles a
+    quote to escape it, which keeps the counts even)."""
+    single = double = False
+    for ch in text:
+        if ch == "'" and not double:
+            single = not single
+        elif ch == '"' and not single:
+            double = not double
+    return single, double
+
+
+def _function_from(text: str) -> bool:
+    """Whether the FROM that `text` ends with is an argument (`EXTRACT(YEAR FROM d)`,
+    `SUBSTRING(s FROM 2)`, `TRIM(x FROM s)`) or the comparison `IS DISTINCT FROM`."""
+    if re.search(r"\bDISTINCT\s+FROM$", text.rstrip(), re.IGNORECASE):
+        return True
+    depth = 0
+    for i in range(len(text) - 1, -1, -1):
+        if text[i] == ")":
+            depth += 1
+        elif text[i] == "(":
+            if depth == 0:
+                word = re.search(r"(\w+)\s*$", text[:i])
+                return bool(word) and word.group(1).lower() in _FROM_FUNCTIONS
+            depth -= 1
+    return False
