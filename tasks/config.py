@@ -231,8 +231,9 @@ def from_dict(
     p = Problems(lines, source)
     from moe.hf.model_init import resolve_init  # torch: only where a model is imported
 
-    cfg = build_params(Config, raw, p, resolve_init if resolve else None)
+    cfg = build_params(Config, raw, p, resolve_init if resolve else None, across=False)
     shapes_valid = not p.items  # the model can be built (on the meta device) to measure
+    cfg.check_across(p)
     if shapes_valid:
         _resolve_auto_pools(cfg, p)
     for stage in cfg.training_stages():

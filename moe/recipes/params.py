@@ -91,7 +91,7 @@ class Params:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
-    def check(self, p: Problems) -> None:
+    def check_across(self, p: Problems) -> None:
         """What the sections must agree on with each other (after each section's own checks)."""
         for stage in self.training_stages():
             sec = getattr(self, stage)
@@ -163,6 +163,7 @@ def build_params(
     raw: dict[str, Any],
     p: Problems,
     resolve: Callable[[Any, Problems], None] | None = None,
+    across: bool = True,
 ) -> Any:
     """`cls` built from a nested mapping laid over its defaults (missing keys take them), a
     section under its old name renamed, and validated: every section's own checks, then
@@ -170,7 +171,8 @@ def build_params(
 
     `resolve` (moe/hf/model_init.py `resolve_init`) puts model.init's architecture in place
     of the model section's shape fields before the checks. A resolved configuration sent to
-    another machine is not resolved again: that machine need not hold the imported folder."""
+    another machine is not resolved again: that machine need not hold the imported folder.
+    `across=False` leaves the checks across sections (`Params.check_across`) to the caller."""
     raw = _renamed(dict(raw), p)
     # Layer what the user wrote over the defaults, so that `--set pools.stages.pretrain=cpu`
     # changes one entry of a mapping instead of replacing the whole mapping.
@@ -178,6 +180,8 @@ def build_params(
     if resolve is not None and out.model.init and not p.items:
         resolve(out, p)
     validate(out, p)
+    if across:
+        out.check_across(p)
     return out
 
 
