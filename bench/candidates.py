@@ -62,7 +62,7 @@ def main() -> None:
                 temperature=a.temperature, seed=seed, constrain=held,
             )  # fmt: skip
             wall = time.perf_counter() - t0
-            runs[name].append({"seed": seed, "wall_s": wall, **{k: got[k] for k in (
+            runs[name].append({"seed": seed, "wall_s": wall, **{k: got.get(k, 0.0) for k in (
                 "execution_accuracy", "test_suite_accuracy", "valid_sql")},
                 "agreement": got["decoding"].get("agreement", 1.0)})  # fmt: skip
             print(f"{name} seed {seed}: {runs[name][-1]}", flush=True)

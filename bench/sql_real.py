@@ -62,7 +62,7 @@ BASE = [  # every arm: lengths for Spider's and Chinook's schemas in SmolLM2's t
     "model.init_pretrain=skip",
     "model.seq_len=800",
     "evaluate.max_new_tokens=160",
-    "evaluate.max_examples=60",
+    "evaluate.max_examples=0",  # every held-out question (issue 55 item 5; 60 before)
     "evaluate.batch_size=16",
     "data.on_bad_record=skip",
     # the skipped pretrain stage still measures the import's held-out loss: 4 x 800 tokens
@@ -193,11 +193,11 @@ def rescore(
     projects: list[Path],
     stages: list[str],
     on: list[str],
-    spider_n: int = 60,
+    spider_n: int = 0,
     whole_ctx: int = 2048,
 ) -> None:
     """The models of earlier runs (`projects`, their `stages`) scored again on the sets `on`:
-    "spider" (the project's own held-out Spider questions, the first `spider_n`, per
+    "spider" (the project's own held-out Spider questions, the first `spider_n` (0: all), per
     difficulty level), "chinook" (the project's own domain questions), "chinook-pruned" and
     "chinook-whole" (Chinook-wide's hand-written questions with the schema pruned per
     question at the runs' context, and whole at `whole_ctx` tokens). One JSON line per model
@@ -233,7 +233,9 @@ def rescore(
                 tok = load_tokenizer(d / "tokenizer.json")
                 sp = specials(tok, d / "tokenizer.json")
                 model.set_context(ctx or native)
-                pairs = load_pairs(d / "sql" / file)[: spider_n if name == "spider" else None]
+                pairs = load_pairs(d / "sql" / file)[
+                    : spider_n if name == "spider" and spider_n else None
+                ]
                 t0 = time.perf_counter()
                 out = sql_accuracy(
                     model, tok, pairs, d / "sql/dbs", 160, sp.eos, batch_size=8,
@@ -346,7 +348,7 @@ def main() -> None:
                     choices=["finetune_sql", "finetune_domain"])  # fmt: skip
     ap.add_argument("--rescore-on", nargs="+", default=["spider", "chinook-pruned", "chinook-whole"],
                     choices=["spider", "chinook", "chinook-pruned", "chinook-whole"])  # fmt: skip
-    ap.add_argument("--rescore-n", type=int, default=60, help="held-out Spider questions")
+    ap.add_argument("--rescore-n", type=int, default=0, help="held-out Spider questions (0: all)")
     args = ap.parse_args()
     corpus = args.work / "spider"
     if not (corpus / "dev.json").is_file():

@@ -89,16 +89,21 @@ def check_world(params: Params, stage: str, world: int) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m moe.recipes", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m moe.recipes",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = ap.add_subparsers(dest="recipe", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--params", type=Path, default=None, help="params file (./params.yaml)")
-    common.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+    common.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
+                        help="a params key, e.g. --set finetune_sql.max_steps=60 (repeatable)")  # fmt: skip
     common.add_argument("--data", type=Path, default=None, help="prepared data (data.out_dir)")
     pre = sub.add_parser("pretrain", parents=[common], help="the pretrain stage's training")
     pre.add_argument("--out", type=Path, default=Path("models/pretrain"))
     fin = sub.add_parser("finetune", parents=[common], help="a finetune stage's training")
-    fin.add_argument("--stage", choices=sorted(FINETUNES), required=True)
+    fin.add_argument("--stage", choices=sorted(FINETUNES), required=True, help="its params section")
     fin.add_argument("--init", type=Path, default=None, help="the model folder to start from")
     fin.add_argument("--pairs", default=None, help="pairs file under DATA/sql/")
     fin.add_argument("--out", type=Path, default=None, help="models/STAGE")
