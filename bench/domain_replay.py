@@ -22,10 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from moe.recipes.__main__ import load_params
 from moe.recipes.context import RunContext
 from moe.recipes.evaluate import sql_scores, sql_sets
 from moe.recipes.finetune import FINETUNES, finetune
+from moe.recipes.load import load_params
 
 SETS = ("sql", "generic_seen", "generic_heldout")
 

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from moe.config import ConfigError
-from moe.recipes.__main__ import load_params
+from moe.recipes.load import load_params
 from moe.recipes.params import Params
 from tasks.config import Config, load_config
 from tests.test_train import _data
@@ -150,7 +150,7 @@ def test_the_recipes_refuse_an_unknown_section_and_what_torchrun_cannot_split() 
     import dataclasses
 
     from moe.errors import InputError
-    from moe.recipes.__main__ import check_world
+    from moe.recipes.load import check_world
     from moe.recipes.params import ORCHESTRATION
 
     declared = {f.name for f in dataclasses.fields(Config)} - {

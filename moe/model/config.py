@@ -183,20 +183,14 @@ class ModelConfig:
                 self.n_kv_head,
                 f"must divide n_head ({self.n_head})",
             )
-        for i, layer in enumerate(self.dense_layers):
-            p.require(
-                0 <= layer < self.n_layer,
-                f"dense_layers[{i}]",
-                layer,
-                f"must be a block index in [0, {self.n_layer - 1}]",
-            )
-        for i, layer in enumerate(self.sliding_layers):
-            p.require(
-                0 <= layer < self.n_layer,
-                f"sliding_layers[{i}]",
-                layer,
-                f"must be a block index in [0, {self.n_layer - 1}]",
-            )
+        for key in ("dense_layers", "sliding_layers"):
+            for i, layer in enumerate(getattr(self, key)):
+                p.require(
+                    0 <= layer < self.n_layer,
+                    f"{key}[{i}]",
+                    layer,
+                    f"must be a block index in [0, {self.n_layer - 1}]",
+                )
         if self.sliding_layers:
             p.require(
                 self.sliding_window > 0,

@@ -11,6 +11,8 @@ tasks/evaluation.py wrap them with retries, launches, storage, lineage and the b
   resumed (the fingerprint);
 - `pretrain.py`, `finetune.py`: the stages' training; `evaluate.py`: the model-level part of
   evaluation (held-out perplexity);
+- `load.py`: the params as a run outside the pipeline reads them (model.init resolved, the
+  torchrun process count checked);
 - `__main__.py`: `python -m moe.recipes pretrain|finetune|perplexity --params FILE`.
 
 The model folder a recipe reads and writes is moe/hf/model_dir.py's, the same for every stage,
