@@ -250,6 +250,44 @@ def test_spider_dev_on_new_databases_only_writes_no_empty_seen_set(tmp_path: Pat
     assert "also a training one" in got.summary()["test_pairs_left_out_why"][0]
 
 
+def test_generated_pairs_join_an_outside_source_on_its_training_databases_only(
+    tmp_path: Path, tok
+) -> None:
+    """data.sql_generic_generated: the generator writes more training pairs over the
+    databases the source trains on, never on a held-out one, never a test question or query."""
+    src = _spider(tmp_path / "spider")
+    got = build_sql_sets(
+        small(sql_generic_source=str(src), sql_generic_generated=60), tmp_path / "out", limits(tok)
+    )
+    train = load_pairs(tmp_path / "out" / "generic.jsonl")
+    made = [p for p in train if p.origin == "generated"]
+    assert len(train) - len(made) == 20 and 40 <= len(made) <= 60
+    assert got.summary()["generated_pairs"]["generic"] == len(made)
+    assert {p.db for p in made} == {"generic_pets.sqlite", "generic_music.sqlite"}
+    assert {kind_of(p.sql) for p in made} >= {"filters", "ordering", "aggregates", "grouping"}
+    seen = load_pairs(tmp_path / "out" / "generic_test_seen.jsonl")
+    assert [p.question for p in seen] == ["List the names of pets of kind a."]
+    # the seen test's query is one the generator writes: held out of training all the same
+    assert " ".join(seen[0].sql.lower().split()) not in {
+        " ".join(p.sql.lower().split()) for p in made
+    }
+    for p in made:
+        assert rows_of(tmp_path / "out" / "dbs" / p.db, p.sql) is not None
+    # the held-out test set is the one the source alone gives
+    assert len(load_pairs(tmp_path / "out" / "generic_test_heldout.jsonl")) == 6
+
+
+def test_generated_pairs_beside_the_generated_default_are_refused() -> None:
+    from moe.config import Problems
+
+    p = Problems()
+    DataConfig(sql_generic_generated=100).check(p)
+    assert [x for x in p.items if "sql_generic_generated = 100" in x and "sql_generic_pairs" in x]
+    p = Problems()
+    DataConfig(sql_generic_generated=0).check(p)
+    assert not p.items
+
+
 def test_a_bad_pair_is_named_by_file_and_line_and_skip_counts_it(tmp_path: Path, tok) -> None:
     src = _spider(tmp_path / "spider", bad_line=True)
     out = tmp_path / "out"
@@ -816,3 +854,14 @@ def test_user_pair_weights_reach_the_finetuning_examples(tmp_path: Path, tok) ->
 
     examples = sft_examples(path, tok, Specials(eos=0, pad=1))
     assert [ex.weight for ex in examples] == [3.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("name", "many"),
+    [("match", "matches"), ("matches", "matches"), ("players", "players"), ("status", "statuses"),
+     ("class", "classes"), ("address", "addresses"), ("city", "cities"), ("day", "days")],
+)  # fmt: skip
+def test_a_name_already_plural_stays_as_it_is(name: str, many: str) -> None:
+    from moe.sql.roles import plural
+
+    assert plural(name) == many

@@ -55,6 +55,10 @@ class DataConfig:
     sql_generic_heldout_dbs: float = knob(
         0.2, ge=0, lt=1
     )  # share of a source's databases held out for testing when it has no test split
+    # An outside source (a folder or a JSONL file): this many more training pairs written by the
+    # generator (moe/sql/generator.py) over its training databases, beside its own pairs; never
+    # on a held-out database, and sharing no question or SQL with any test pair.
+    sql_generic_generated: int = knob(0, ge=0)
     # Stage two: the target domain. A sqlite file of the user's ("" = the embedded default's
     # generated database; only read, never written: the pipeline works on a copy), or a
     # database on a server by SQLAlchemy URL, without a password: postgresql+psycopg://
@@ -134,6 +138,13 @@ class DataConfig:
             "sql_generic_source",
             src,
             "must be 'generated', a Spider/BIRD folder or a JSONL file that exists",
+        )
+        p.require(
+            src != "generated" or self.sql_generic_generated <= 0,
+            "sql_generic_generated",
+            self.sql_generic_generated,
+            "adds generated pairs to an outside source's own; the embedded default's pairs are"
+            " all generated already: raise data.sql_generic_pairs instead, or set 0",
         )
         test = self.sql_domain_test
         try:

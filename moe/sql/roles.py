@@ -31,6 +31,8 @@ def words(name: str) -> str:
 
 def plural(phrase: str) -> str:
     w = phrase
+    if re.search(r"[^siu]s$", w):
+        return w  # a name already plural (Spider's `matches`, `players`): not `matcheses`
     if re.search(r"(s|x|z|ch|sh)$", w):
         return w + "es"
     if re.search(r"[^aeiou]y$", w):

@@ -59,6 +59,10 @@ class SqlSets:
                 for k, v in self.sets.items()
             },
             "sources": self.sources,
+            # per set: pairs the generator wrote (an outside source's `sql_generic_generated`)
+            "generated_pairs": {
+                k: sum(p.origin == "generated" for p in v) for k, v in self.sets.items()
+            },
             "skipped_records": len(self.skipped),
             "skipped": self.skipped[:50],
             "schema_notes": self.notes,

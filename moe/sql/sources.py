@@ -204,12 +204,33 @@ def outside_generic(
     train = train[: d.sql_generic_pairs]
     test = _drop_repeats(test, train, dropped)
     train_dbs = {r.db for r in train}
+    if d.sql_generic_generated:
+        train += generated_beside(train, test, dbs, rng, d.sql_generic_generated)
     n = d.sql_generic_test_pairs
     seen = _stratified([r for r in test if r.db in train_dbs], n // 2)
     held = _stratified([r for r in test if r.db not in train_dbs], n - len(seen))
     if len(held) < n - len(seen):  # fewer held-out databases than asked: more seen ones
         seen = _stratified([r for r in test if r.db in train_dbs], n - len(held))
     return train, seen, held
+
+
+def generated_beside(
+    train: list[Record], test: list[Record], dbs: Databases, rng: random.Random, count: int
+) -> list[Record]:
+    """Up to `count` pairs the generator writes over the databases `train` is on, in even
+    shares and shuffled, none repeating a question or a SQL text of `train` or `test` on the
+    same database (a test question on a training database stays new). A database the
+    generator can ask little about gives fewer; the others do not make up for it."""
+    seen: set[tuple[Path, str]] = set()
+    for r in train + test:
+        seen.update({(r.db, norm_question(r.question)), (r.db, r.sql), (r.db, norm_sql(r.sql))})
+    paths = sorted({r.db for r in train})
+    per_db = -(-count // len(paths)) if paths else 0
+    out: list[Record] = []
+    for path in paths:
+        out += generate_records(path, dbs, rng, per_db, seen)
+    rng.shuffle(out)
+    return out[:count]
 
 
 def _read_outside(d: Any, bad: list[str]) -> list[Record]:
