@@ -6,9 +6,10 @@ Scores a model folder (default: the demo's `models/finetune_domain`) on a prepar
 4 and 8 (the greedy answer and N-1 sampled at `--temperature`, each run on the question's
 database, the largest group of equal results), at each of `--seeds` sampling seeds, each
 with the identifiers free and, with `--constrain off on`, held to the question's schema
-(moe/sql/constrain.py). Prints execution and test-suite accuracy, valid SQL, the agreement and
+(moe/sql/constrain.py; `qualified`: only the names after FROM, JOIN and `alias.`, not the bare
+words after FROM). `--dump FILE` writes every answer of every setting (JSONL). Prints execution and test-suite accuracy, valid SQL, the agreement and
 the wall time of each, and their ratio to greedy's. Rounds interleave the settings (1 4 8 1 4
-8 ...); times are medians. A setting is named by its candidates, `+held` when constrained.
+8 ...); times are medians. A setting is named by its candidates, `+held` when constrained (`+qualified`).
 
 Run: `.venv/bin/python bench/candidates.py [--model DIR] [--data DIR] [--set domain_test]`.
 JSON last.
@@ -40,7 +41,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--max-new-tokens", type=int, default=72)
     ap.add_argument("--test-suite", type=int, default=3)
-    ap.add_argument("--constrain", nargs="+", choices=["off", "on"], default=["off"])
+    ap.add_argument("--constrain", nargs="+", choices=["off", "qualified", "on"], default=["off"],
+                    help="on: every rule; qualified: names after FROM, JOIN and alias. only")  # fmt: skip
+    ap.add_argument("--dump", type=Path, default=None, help="a JSONL file of every answer")
     ap.add_argument("--limit", type=int, default=0, help="the set's first N questions (0: all)")
     a = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -48,24 +51,30 @@ def main() -> None:
     tok = load_tokenizer(a.data / "tokenizer.json")
     sp = specials(tok, a.data / "tokenizer.json")
     pairs = load_pairs(a.data / "sql" / f"{a.set}.jsonl")[: a.limit or None]
-    settings = [(n, held == "on") for n in a.candidates for held in a.constrain]
+    settings = [(n, held) for n in a.candidates for held in a.constrain]
     runs: dict[str, list[dict]] = {_name(n, held): [] for n, held in settings}
     for seed in a.seeds:
         for n, held in settings:  # interleaved
             name = _name(n, held)
             if n == 1 and seed != a.seeds[0] and len(runs[name]) >= 2:
                 continue  # greedy does not depend on the seed: two timings are enough
+            answers: list[dict] = []
             t0 = time.perf_counter()
             got = sql_accuracy(
                 model, tok, pairs, a.data / "sql" / "dbs", a.max_new_tokens, sp.eos,
                 prefix=sp.prefix, test_suite=a.test_suite, chat=sp.chat, candidates=n,
-                temperature=a.temperature, seed=seed, constrain=held,
+                temperature=a.temperature, seed=seed, constrain=held != "off",
+                constrain_bare=held == "on", answers=answers,
             )  # fmt: skip
             wall = time.perf_counter() - t0
             runs[name].append({"seed": seed, "wall_s": wall, **{k: got.get(k, 0.0) for k in (
                 "execution_accuracy", "test_suite_accuracy", "valid_sql")},
                 "agreement": got["decoding"].get("agreement", 1.0)})  # fmt: skip
             print(f"{name} seed {seed}: {runs[name][-1]}", flush=True)
+            if a.dump:
+                with open(a.dump, "a") as f:
+                    for r in answers:
+                        f.write(json.dumps({"setting": name, "seed": seed, **r}) + "\n")
     greedy_s = statistics.median(r["wall_s"] for r in runs["1"]) if "1" in runs else None
     out = {}
     for n, rs in runs.items():
@@ -86,8 +95,8 @@ def main() -> None:
     print(json.dumps({"model": str(a.model), "set": a.set, "examples": len(pairs), **out}))
 
 
-def _name(n: int, held: bool) -> str:
-    return f"{n}+held" if held else str(n)
+def _name(n: int, held: str) -> str:
+    return {"off": str(n), "on": f"{n}+held", "qualified": f"{n}+qualified"}[held]
 
 
 if __name__ == "__main__":

@@ -341,6 +341,7 @@ def main() -> None:
     ap.add_argument("--few-shot-n", type=int, default=100, help="held-out questions it scores")
     ap.add_argument("--set", dest="sets", action="append", default=[])
     ap.add_argument("--domain", choices=["chinook", "chinook-wide"], default="chinook")
+    ap.add_argument("--tag", default="", help="added to each project's folder name (-TAG)")
     ap.add_argument("--stages", nargs="+", default=None,
                     help="only these stages (without evaluate: score with --rescore)")  # fmt: skip
     ap.add_argument("--rescore", nargs="+", type=Path, default=None, metavar="PROJECT")
@@ -366,7 +367,8 @@ def main() -> None:
         init = imported(kind)
         for seed in args.seeds:
             wide = "-wide" if args.domain == "chinook-wide" else ""
-            project = args.work / f"{arm}{wide}-{seed}"
+            tag = f"-{args.tag}" if args.tag else ""
+            project = args.work / f"{arm}{wide}{tag}-{seed}"
             project.mkdir(parents=True, exist_ok=True)
             (project / "params.yaml").write_text((ROOT / "params.yaml").read_text())
             sets = [

@@ -154,3 +154,65 @@ def test_what_is_not_a_table_position_stays_free_and_aliases_bind_per_query_part
     prompt = tok.encode("SELECT name FROM singer").ids
     held(wide, [prompt])  # a complete name: it may end here
     assert torch.isinf(wide[0, -8:]).all() and not torch.isinf(wide[0]).all()
+
+
+def _word_or_literal(t: str, words: set[str]) -> bool:
+    """A piece that starts no word (a number, a quote, an operator, spaces), or the start of
+    one of `words`."""
+    w = t.lstrip(" ").lower()
+    return not w or not (w[0].isalpha() or w[0] == "_") or any(x.startswith(w) for x in words)
+
+
+def test_a_bare_word_after_from_is_a_column_a_table_an_alias_or_sql(
+    tok,  # noqa: F811
+    concerts: Path,
+) -> None:
+    """Once the query part has its FROM, a bare word where an operand starts (after WHERE,
+    AND, BY, an operator, a parenthesis) is one of the schema's columns or tables, an alias of
+    the query or an SQL word; a literal may start there too. Before FROM, inside a string or a
+    subquery not yet at its FROM, and with `Pieces(bare=False)`, words stay free."""
+    from moe.sql.constrain import SQL_WORDS
+
+    names = _names(concerts)
+    held = IdentifierConstraint(tok, Pieces(tok), [names])
+    columns = {"singer_id", "name", "age", "id", "capacity", "singer", "stadium", "t1", "n"}
+    words = columns | set(SQL_WORDS)
+    for text in (
+        "SELECT name FROM singer WHERE",
+        "SELECT name FROM singer WHERE ",
+        "SELECT T1.name FROM singer AS T1 WHERE T1.age > 3 AND",
+        "SELECT count(*) AS n FROM singer GROUP BY name ORDER BY",
+        "SELECT name FROM singer WHERE age = (",
+        "SELECT name FROM singer WHERE age >",
+    ):
+        got = _texts(tok, held.allowed(text, names)[0])
+        assert got and all(_word_or_literal(t, words) for t in got), (text, got)
+        assert {" 3", "'"} & got or {"3", "'"} & got, text  # a literal may start here
+        starts = {t.strip().lower() for t in got}
+        assert any("name".startswith(x) and x for x in starts), (text, starts)
+        assert not any(x.startswith(("weight", "price", "item")) for x in starts), text
+    # after the select's alias n and the table alias T1: both are names
+    after_by = {t.strip().lower() for t in _texts(tok, held.allowed(
+        "SELECT count(*) AS n FROM singer AS T1 ORDER BY", names)[0])}  # fmt: skip
+    assert "n" in after_by or " n" in after_by or "n" in {x[:1] for x in after_by}
+    # a word being written continues only to a name or SQL word it starts
+    partial = _texts(tok, held.allowed("SELECT name FROM singer WHERE na", names)[0])
+    assert partial and all("name"[2:].startswith(t.lower()) for t in partial)
+    assert held.allowed("SELECT name FROM singer WHERE name", names) == (set(), True)
+    free = (set(), False)
+    for text in (
+        "SELECT na",  # the SELECT list before FROM
+        "SELECT name FROM singer WHERE name = 'a",  # a string
+        "SELECT name FROM singer WHERE age IN (SELECT",  # a subquery before its FROM
+        "SELECT name FROM singer WHERE age > 3 ORDE",  # a keyword after an operand
+    ):
+        assert held.allowed(text, names) == free, text
+    # a keyword that may be the start of a longer one (SmolLM2 writes ORDER as OR + DER) is
+    # left to go on; a space after it is an operand's start
+    after_or = _texts(tok, held.allowed("SELECT name FROM singer GROUP BY name OR", names)[0])
+    assert {"D", "DER", "d", "der"} & after_or
+    assert any(t.strip() and t[0] == " " and "name".startswith(t.strip()) for t in after_or)
+    assert held.allowed("SELECT name FROM singer GROUP BY name ORDER", names) == free
+    loose = IdentifierConstraint(tok, Pieces(tok, bare=False), [names])
+    assert loose.allowed("SELECT name FROM singer WHERE", names) == free
+    assert loose.allowed("SELECT name FROM", names)[0]  # the table rule holds either way

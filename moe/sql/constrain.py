@@ -2,8 +2,11 @@
 identifiers alone): right after `FROM` or `JOIN` the next name is one of the prompt's (pruned)
 schema's tables, and right after `alias.` one of that table's columns; a name that must be
 quoted (spaces, a reserved word) is offered quoted only, as the database's dialect writes it
-(moe/sql/schema.py `ident`). Keywords, literals, expressions, subqueries and unqualified
-columns stay free.
+(moe/sql/schema.py `ident`). Once the query part being written has its FROM, a bare word
+where an operand starts (after WHERE, AND, OR, ON, BY, HAVING, NOT, a parenthesis, a comma
+or an operator) is one of the schema's columns or tables, an alias the query gave, or an SQL
+keyword or function (`Pieces(bare=False)`: free). Literals, numbers, quoted names,
+subqueries and the SELECT list before FROM stay free.
 
 At each step of the batched decoder (`MoETransformer.generate_batch`'s `adjust`), a row in an
 identifier position keeps only the tokens that continue an allowed name: a vocabulary piece
@@ -39,6 +42,24 @@ _ALIAS = re.compile(
 _PART = re.compile(r"\b(?:UNION|INTERSECT|EXCEPT)\b|\(\s*SELECT\b", re.IGNORECASE)
 # FROM inside these functions' parentheses is an argument, not a table (PostgreSQL).
 _FROM_FUNCTIONS = {"extract", "substring", "trim", "overlay", "position"}
+# An operand's start after the part's FROM: a trigger, then the bare word being written.
+_OPERAND_AT = re.compile(
+    r"(?:\b(WHERE|AND|OR|ON|BY|HAVING|NOT)\b|[(,=<>+\-*/])(\s*)([A-Za-z_]\w*)?$", re.IGNORECASE
+)
+# Keywords a trigger may be the start of, when nothing follows it yet (OR + DER: ORDER).
+_LONGER = ("order", "notnull", "only")
+_SELECT_ALIAS = re.compile(r"\bAS\s+([A-Za-z_]\w*)", re.IGNORECASE)
+# What else a bare word at an operand's start may be: SQL's words that begin an operand, and
+# the functions of sqlite and PostgreSQL a query is likely to call.
+SQL_WORDS = tuple(
+    """select distinct all any some exists in like between is not null true false case when
+    then else end cast interval current_date current_time current_timestamp over partition
+    count sum avg min max total group_concat string_agg abs round length char_length lower
+    upper trim ltrim rtrim substr substring replace instr position coalesce ifnull nullif iif
+    strftime date datetime julianday time extract date_part date_trunc to_char age now year
+    month day hour minute second epoch concat printf typeof random row_number rank dense_rank
+    lag lead asc desc""".split()
+)
 _NOT_ALIAS = {
     "where", "join", "inner", "left", "right", "full", "outer", "cross", "on", "group",
     "order", "limit", "having", "union", "intersect", "except", "as", "natural", "using",
@@ -82,15 +103,22 @@ class Pieces:
     empty: the end token); built once per tokenizer, so that a decoder step looks pieces up
     and never scans the vocabulary."""
 
-    def __init__(self, tok: Any) -> None:
+    def __init__(self, tok: Any, bare: bool = True) -> None:
+        """`bare`: hold the bare words at an operand's start too (else only the names after
+        FROM, JOIN and `alias.`)."""
+        self.bare = bare
         self.by_text: dict[str, list[int]] = defaultdict(list)
-        ending = []
+        ending, literal = [], []
         for i in range(tok.get_vocab_size()):
             text = tok.decode([i])
             if text:
                 self.by_text[text.lower()].append(i)
             ending.append(not text or not (text[0].isalnum() or text[0] == "_"))
+            # no word starts here: a number, a quote, a parenthesis, an operator or spaces
+            first = text.lstrip(" ")[:1]
+            literal.append(bool(text) and not (first.isalpha() or first == "_"))
         self.ending_V = torch.tensor(ending)
+        self.literal = {i for i, x in enumerate(literal) if x}
 
     def continuing(self, rest: str, lead: bool) -> set[int]:
         """Tokens whose text is a non-empty prefix of `rest`, after one space when `lead`."""
@@ -149,7 +177,32 @@ class IdentifierConstraint:
             table = _table_of(_key(m.group(1)), text, names)
             if table is not None:
                 return self._continuing(m.group(2), names.columns[table], lead=False)
+            return set(), False
+        if self.pieces.bare and not quoted:
+            return self._operand(text, names)
         return set(), False
+
+    def _operand(self, text: str, names: Names) -> tuple[set[int], bool]:
+        """A bare word where an operand starts, once the query part has its FROM: a column or
+        table of the schema, an alias of the query, or an SQL word; or no word at all (a
+        number, a string, a parenthesis)."""
+        m = _OPERAND_AT.search(text)
+        if not m or not _TABLE_IN.search(_part(text)):
+            return set(), False
+        named = {f for cols in names.columns.values() for f in cols} | set(names.tables)
+        words = list(named | {a.lower() for a in _aliases(text)} | set(SQL_WORDS))
+        keyword, space, partial = (m.group(1) or "").lower(), m.group(2), m.group(3) or ""
+        if partial:
+            return self._continuing(partial, words, lead=False)
+        ids: set[int] = set()
+        if space or not keyword:  # `WHERE ` or `(`: the word may start right here
+            ids |= self._continuing("", words, lead=False)[0]
+        if not space:  # `WHERE`, `=`: the word may come after a space
+            ids |= self._continuing("", words, lead=True)[0]
+        if keyword and not space:  # `OR` may be the start of `ORDER` (OR + DER)
+            longer = [k[len(keyword) :] for k in _LONGER if k.startswith(keyword)]
+            ids |= self._continuing("", longer, lead=False)[0]
+        return ids | self.pieces.literal, False
 
     def _continuing(self, partial: str, forms: list[str], lead: bool) -> tuple[set[int], bool]:
         low = partial.lower()
@@ -163,11 +216,26 @@ class IdentifierConstraint:
         return self.pieces.continuing("(", lead)
 
 
+_TABLE_IN = re.compile(r"\b(?:FROM|JOIN)\s+\S", re.IGNORECASE)
+
+
+def _part(text: str) -> str:
+    """The query part being written: from its SELECT after a UNION, INTERSECT or EXCEPT, or
+    a subquery's parenthesis."""
+    starts = [m.start() for m in _PART.finditer(text)]
+    return text[starts[-1] :] if starts else text
+
+
+def _aliases(text: str) -> set[str]:
+    """Every alias `text` gives: a table's (`FROM t AS a`, `JOIN t a`) and an output's (`AS n`)."""
+    out = {m.group(2) for m in _ALIAS.finditer(text) if m.group(2).lower() not in _NOT_ALIAS}
+    return out | {m.group(1) for m in _SELECT_ALIAS.finditer(text)}
+
+
 def _table_of(qualifier: str, text: str, names: Names) -> str | None:
     """The table a qualifier names: the alias the query part being written gave it (bound
     once; bound to two tables there it is ambiguous: None), or the table itself."""
-    starts = [m.start() for m in _PART.finditer(text)]
-    part = text[starts[-1] :] if starts else text
+    part = _part(text)
     bound = {
         _key(m.group(1))
         for m in _ALIAS.finditer(part)

@@ -50,6 +50,8 @@ def sql_accuracy(
     temperature: float = 0.8,
     seed: int = 0,
     constrain: bool = False,
+    constrain_bare: bool = True,
+    answers: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Greedy-generate SQL for each pair (in batches, with a KV cache) and score it: valid
     (it runs on the pair's database), execution match (the same rows as the reference, as
@@ -73,7 +75,8 @@ def sql_accuracy(
 
     With `constrain`, identifiers are held to each question's schema while decoding
     (moe/sql/constrain.py): after FROM or JOIN one of its tables, after `alias.` one of that
-    table's columns."""
+    table's columns, and (`constrain_bare`) once the FROM is written a bare word at an
+    operand's start one of its columns, tables, the query's aliases or an SQL word."""
     model.eval()
     stop = stop_ids(tok, eot_id)
     keep = model.cfg.seq_len - max_new_tokens  # room for the prompt beside the answer
@@ -82,7 +85,7 @@ def sql_accuracy(
     rows: list[dict[str, Any]] = []
     scorer = _Scorer(pairs, db_dir, time_limit_s, row_limit, test_suite)
     sampler = Candidates(model, tok, max_new_tokens, stop, candidates, temperature, seed)
-    pieces = Pieces(tok) if constrain else None
+    pieces = Pieces(tok, bare=constrain_bare) if constrain else None
     try:
         for lo in range(0, len(pairs), batch_size):
             chunk = pairs[lo : lo + batch_size]
@@ -106,6 +109,8 @@ def sql_accuracy(
                 progress(len(rows))
     finally:
         scorer.close()
+    if answers is not None:  # every question's scored answer, for who reads them all
+        answers.extend(rows)
     report = _report(rows, max_new_tokens, test_suite)
     report["decoding"] |= _decoding(rows, candidates, temperature, constrain)
     return report
