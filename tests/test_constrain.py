@@ -71,8 +71,15 @@ def test_after_from_only_the_schemas_tables_and_after_a_dot_only_that_tables_col
     aliased = "SELECT T1.name FROM singer AS T1 JOIN stadium AS T2 ON T2."
     cols = _texts(tok, held.allowed(aliased, names)[0])
     assert cols and all(any(c.startswith(t.lower()) for c in ("id", "capacity")) for t in cols)
-    assert held.allowed("SELECT T9.", names) == (set(), False)  # an unknown qualifier: free
-    assert held.allowed("SELECT name, age", names) == (set(), False)  # no identifier here
+    # before FROM a qualifier is an alias to come: a column of any table (the old rule: free)
+    loose = IdentifierConstraint(tok, Pieces(tok, bare=False), [names])
+    assert loose.allowed("SELECT T9.", names) == (set(), False)
+    ahead = _texts(tok, held.allowed("SELECT T9.", names)[0])
+    assert ahead and all(any(c.startswith(t.lower()) for c in names.columns["singer"] +
+                             names.columns["stadium"] + ['"home town"']) for t in ahead)  # fmt: skip
+    assert held.allowed("SELECT * FROM singer WHERE T9.", names) == (set(), False)  # unbound
+    assert loose.allowed("SELECT name, age", names) == (set(), False)  # no table position
+    assert held.allowed("SELECT name, age", names) == (set(), True)  # a column, complete
     quoted = _texts(tok, held.allowed('SELECT * FROM "order" AS o WHERE o.', names)[0])
     assert quoted and all('"home town"'.startswith(t.lower()) or "id".startswith(t.lower())
                           for t in quoted)  # fmt: skip
@@ -201,12 +208,21 @@ def test_a_bare_word_after_from_is_a_column_a_table_an_alias_or_sql(
     assert held.allowed("SELECT name FROM singer WHERE name", names) == (set(), True)
     free = (set(), False)
     for text in (
-        "SELECT na",  # the SELECT list before FROM
         "SELECT name FROM singer WHERE name = 'a",  # a string
-        "SELECT name FROM singer WHERE age IN (SELECT",  # a subquery before its FROM
         "SELECT name FROM singer WHERE age > 3 ORDE",  # a keyword after an operand
+        'SELECT "na',  # a quoted name
     ):
         assert held.allowed(text, names) == free, text
+    # the SELECT list, a subquery's too: the same words, and the aliases FROM will bind
+    for text in ("SELECT ", "SELECT name FROM singer WHERE age IN (SELECT ", "SELECT count("):
+        got = _texts(tok, held.allowed(text, names)[0])
+        assert got and all(_word_or_literal(t, words | {"t2", "t3"}) for t in got), text
+        assert {t.strip().lower() for t in got} & {"t", "t1", "t2"}, text
+        assert "1" in _texts(tok, held.allowed(text + "T", names)[0]), text  # T1, to come
+    assert "1" not in _texts(tok, held.allowed("SELECT name FROM singer WHERE T", names)[0])
+    assert not held.allowed("SELECT na", names)[1]  # a name being written, not complete
+    assert all("name".startswith("na" + t.lower()) for t in
+               _texts(tok, held.allowed("SELECT na", names)[0]))  # fmt: skip
     # a keyword that may be the start of a longer one (SmolLM2 writes ORDER as OR + DER) is
     # left to go on; a space after it is an operand's start
     after_or = _texts(tok, held.allowed("SELECT name FROM singer GROUP BY name OR", names)[0])

@@ -2,11 +2,12 @@
 identifiers alone): right after `FROM` or `JOIN` the next name is one of the prompt's (pruned)
 schema's tables, and right after `alias.` one of that table's columns; a name that must be
 quoted (spaces, a reserved word) is offered quoted only, as the database's dialect writes it
-(moe/sql/schema.py `ident`). Once the query part being written has its FROM, a bare word
-where an operand starts (after WHERE, AND, OR, ON, BY, HAVING, NOT, a parenthesis, a comma
-or an operator) is one of the schema's columns or tables, an alias the query gave, or an SQL
-keyword or function (`Pieces(bare=False)`: free). Literals, numbers, quoted names,
-subqueries and the SELECT list before FROM stay free.
+(moe/sql/schema.py `ident`). A bare word where an operand starts (after SELECT, DISTINCT,
+WHERE, AND, OR, ON, BY, HAVING, NOT, a parenthesis, a comma or an operator) is one of the
+schema's columns or tables, an alias the query gave, or an SQL keyword or function; in the
+SELECT list, before FROM binds them, an alias to come (T1..T9) too, and after `T2.` a column
+of any of the tables (`Pieces(bare=False)`: these words stay free). Literals, numbers and
+quoted names stay free.
 
 At each step of the batched decoder (`MoETransformer.generate_batch`'s `adjust`), a row in an
 identifier position keeps only the tokens that continue an allowed name: a vocabulary piece
@@ -44,7 +45,8 @@ _PART = re.compile(r"\b(?:UNION|INTERSECT|EXCEPT)\b|\(\s*SELECT\b", re.IGNORECAS
 _FROM_FUNCTIONS = {"extract", "substring", "trim", "overlay", "position"}
 # An operand's start after the part's FROM: a trigger, then the bare word being written.
 _OPERAND_AT = re.compile(
-    r"(?:\b(WHERE|AND|OR|ON|BY|HAVING|NOT)\b|[(,=<>+\-*/])(\s*)([A-Za-z_]\w*)?$", re.IGNORECASE
+    r"(?:\b(SELECT|DISTINCT|WHERE|AND|OR|ON|BY|HAVING|NOT)\b|[(,=<>+\-*/])(\s*)([A-Za-z_]\w*)?$",
+    re.IGNORECASE,
 )
 # Keywords a trigger may be the start of, when nothing follows it yet (OR + DER: ORDER).
 _LONGER = ("order", "notnull", "only")
@@ -177,20 +179,25 @@ class IdentifierConstraint:
             table = _table_of(_key(m.group(1)), text, names)
             if table is not None:
                 return self._continuing(m.group(2), names.columns[table], lead=False)
+            if self.pieces.bare and not _TABLE_IN.search(_part(text)):
+                # `SELECT T2.`: the alias is bound later, by FROM; a column of some table
+                return self._continuing(m.group(2), _columns(names), lead=False)
             return set(), False
         if self.pieces.bare and not quoted:
             return self._operand(text, names)
         return set(), False
 
     def _operand(self, text: str, names: Names) -> tuple[set[int], bool]:
-        """A bare word where an operand starts, once the query part has its FROM: a column or
-        table of the schema, an alias of the query, or an SQL word; or no word at all (a
-        number, a string, a parenthesis)."""
+        """A bare word where an operand starts: a column or table of the schema, an alias of
+        the query, or an SQL word; or no word at all (a number, a string, a parenthesis). In
+        the SELECT list, before FROM binds the query's aliases, an alias to come (T1) too."""
         m = _OPERAND_AT.search(text)
-        if not m or not _TABLE_IN.search(_part(text)):
+        if not m:
             return set(), False
-        named = {f for cols in names.columns.values() for f in cols} | set(names.tables)
-        words = list(named | {a.lower() for a in _aliases(text)} | set(SQL_WORDS))
+        named = set(_columns(names)) | set(names.tables) | set(SQL_WORDS)
+        if not _TABLE_IN.search(_part(text)):
+            named |= set(ALIASES_TO_COME)
+        words = list(named | {a.lower() for a in _aliases(text)})
         keyword, space, partial = (m.group(1) or "").lower(), m.group(2), m.group(3) or ""
         if partial:
             return self._continuing(partial, words, lead=False)
@@ -217,6 +224,13 @@ class IdentifierConstraint:
 
 
 _TABLE_IN = re.compile(r"\b(?:FROM|JOIN)\s+\S", re.IGNORECASE)
+# The aliases a SELECT list may name before its FROM gives them: Spider's and the generator's
+ALIASES_TO_COME = tuple(f"t{i}" for i in range(1, 10))
+
+
+def _columns(names: Names) -> list[str]:
+    """Every column of the tables `names` allows, once each."""
+    return list(dict.fromkeys(f for cols in names.columns.values() for f in cols))
 
 
 def _part(text: str) -> str:
