@@ -223,6 +223,17 @@ def test_a_bare_word_after_from_is_a_column_a_table_an_alias_or_sql(
     assert not held.allowed("SELECT na", names)[1]  # a name being written, not complete
     assert all("name".startswith("na" + t.lower()) for t in
                _texts(tok, held.allowed("SELECT na", names)[0]))  # fmt: skip
+    # after FROM, the columns of the tables the query reads: stadium's capacity only where
+    # stadium is read (an open subquery sees the outer tables, a closed one is done)
+    def ca(text: str) -> set[str]:
+        return _texts(tok, held.allowed(text + " ca", names)[0])
+
+    assert "p" in ca("SELECT * FROM stadium WHERE")
+    assert "p" not in ca("SELECT * FROM singer WHERE") and "s" in ca("SELECT * FROM singer WHERE")
+    assert "p" in ca("SELECT * FROM singer AS T1 JOIN stadium AS T2 ON T1.singer_id = T2.id AND")
+    closed = "SELECT name FROM singer WHERE age > (SELECT avg(capacity) FROM stadium) AND"
+    assert "p" not in ca(closed)
+    assert "p" in ca("SELECT name FROM stadium WHERE id IN (SELECT singer_id FROM singer WHERE")
     # a keyword that may be the start of a longer one (SmolLM2 writes ORDER as OR + DER) is
     # left to go on; a space after it is an operand's start
     after_or = _texts(tok, held.allowed("SELECT name FROM singer GROUP BY name OR", names)[0])

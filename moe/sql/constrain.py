@@ -194,9 +194,11 @@ class IdentifierConstraint:
         m = _OPERAND_AT.search(text)
         if not m:
             return set(), False
-        named = set(_columns(names)) | set(names.tables) | set(SQL_WORDS)
-        if not _TABLE_IN.search(_part(text)):
-            named |= set(ALIASES_TO_COME)
+        named = set(names.tables) | set(SQL_WORDS)
+        if _TABLE_IN.search(_part(text)):  # the columns of the tables the query reads
+            named |= set(_columns(names, _tables_read(text, names)))
+        else:
+            named |= set(_columns(names)) | set(ALIASES_TO_COME)
         words = list(named | {a.lower() for a in _aliases(text)})
         keyword, space, partial = (m.group(1) or "").lower(), m.group(2), m.group(3) or ""
         if partial:
@@ -228,9 +230,40 @@ _TABLE_IN = re.compile(r"\b(?:FROM|JOIN)\s+\S", re.IGNORECASE)
 ALIASES_TO_COME = tuple(f"t{i}" for i in range(1, 10))
 
 
-def _columns(names: Names) -> list[str]:
-    """Every column of the tables `names` allows, once each."""
-    return list(dict.fromkeys(f for cols in names.columns.values() for f in cols))
+def _columns(names: Names, tables: set[str] | None = None) -> list[str]:
+    """Every column of the tables `names` allows (of those of them in `tables`), once each."""
+    return list(
+        dict.fromkeys(
+            f for t, cols in names.columns.items() if not tables or t in tables for f in cols
+        )
+    )
+
+
+_TABLE_NAMED = re.compile(r'\b(?:FROM|JOIN)\s+("[^"]+"|\w+)((?:\s*,\s*(?:"[^"]+"|\w+))*)', re.I)
+
+
+def _tables_read(text: str, names: Names) -> set[str]:
+    """The tables a bare column may come from where `text` ends: those FROM and JOIN name in
+    the query and the subqueries still open (a correlated subquery reads the outer tables),
+    not in a subquery already closed; empty when none of them is the schema's."""
+    out = set()
+    for m in _TABLE_NAMED.finditer(_open_scopes(text)):
+        for name in [m.group(1), *re.findall(r'"[^"]+"|\w+', m.group(2))]:
+            if _key(name) in names.columns:
+                out.add(_key(name))
+    return out
+
+
+def _open_scopes(text: str) -> str:
+    """`text` without its closed parentheses' contents (a subquery done, a function's
+    arguments): what the query being written can still see."""
+    out: list[str] = []
+    for ch in text:
+        if ch == ")" and "(" in out:
+            del out[len(out) - out[::-1].index("(") - 1 :]
+        else:
+            out.append(ch)
+    return "".join(out)
 
 
 def _part(text: str) -> str:
