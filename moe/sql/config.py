@@ -25,7 +25,8 @@ class EvaluateConfig:
     temperature: float = knob(0.8, gt=0, le=2)  # of the sampled candidates
     # Identifiers held to each question's (pruned) schema while decoding
     # (moe/sql/constrain.py): after FROM or JOIN one of its tables, after `alias.` one of
-    # that table's columns; keywords, literals and expressions stay free.
+    # that table's columns, a bare word where an operand starts one of the columns (after
+    # FROM: of the tables the query reads), tables, aliases or SQL's words; literals free.
     constrain_identifiers: bool = False
     val_batches: int = knob(16, ge=1)  # batches of held-out text per perplexity
     batch_size: int = knob(64, ge=1)  # questions decoded together

@@ -43,7 +43,8 @@ _ALIAS = re.compile(
 _PART = re.compile(r"\b(?:UNION|INTERSECT|EXCEPT)\b|\(\s*SELECT\b", re.IGNORECASE)
 # FROM inside these functions' parentheses is an argument, not a table (PostgreSQL).
 _FROM_FUNCTIONS = {"extract", "substring", "trim", "overlay", "position"}
-# An operand's start after the part's FROM: a trigger, then the bare word being written.
+# An operand's start: a keyword or a punctuation that comes before one, then the bare word
+# being written (if any).
 _OPERAND_AT = re.compile(
     r"(?:\b(SELECT|DISTINCT|WHERE|AND|OR|ON|BY|HAVING|NOT)\b|[(,=<>+\-*/])(\s*)([A-Za-z_]\w*)?$",
     re.IGNORECASE,
