@@ -70,19 +70,19 @@ def test_after_from_only_the_schemas_tables_and_after_a_dot_only_that_tables_col
     assert held.allowed("SELECT name FROM singer", names) == (set(), True)
     aliased = "SELECT T1.name FROM singer AS T1 JOIN stadium AS T2 ON T2."
     cols = _texts(tok, held.allowed(aliased, names)[0])
-    assert cols and all(any(c.startswith(t.lower()) for c in ("id", "capacity")) for t in cols)
+    assert cols and all(any(c.startswith(t.lower()) for c in ("id", "capacity", "*")) for t in cols)
     # before FROM a qualifier is an alias to come: a column of any table (the old rule: free)
     loose = IdentifierConstraint(tok, Pieces(tok, bare=False), [names])
     assert loose.allowed("SELECT T9.", names) == (set(), False)
     ahead = _texts(tok, held.allowed("SELECT T9.", names)[0])
     assert ahead and all(any(c.startswith(t.lower()) for c in names.columns["singer"] +
-                             names.columns["stadium"] + ['"home town"']) for t in ahead)  # fmt: skip
+                             names.columns["stadium"] + ['"home town"', "*"]) for t in ahead)  # fmt: skip
     assert held.allowed("SELECT * FROM singer WHERE T9.", names) == (set(), False)  # unbound
     assert loose.allowed("SELECT name, age", names) == (set(), False)  # no table position
     assert held.allowed("SELECT name, age", names) == (set(), True)  # a column, complete
     quoted = _texts(tok, held.allowed('SELECT * FROM "order" AS o WHERE o.', names)[0])
     assert quoted and all('"home town"'.startswith(t.lower()) or "id".startswith(t.lower())
-                          for t in quoted)  # fmt: skip
+                          or t == "*" for t in quoted)  # fmt: skip
 
 
 def test_a_pruned_prompt_allows_only_the_tables_it_shows(concerts: Path) -> None:
@@ -139,6 +139,7 @@ def test_what_is_not_a_table_position_stays_free_and_aliases_bind_per_query_part
     a model whose embedding has more rows than its tokenizer (an import's padding) is held
     without a shape error."""
     names = _names(concerts)
+    table_rule = IdentifierConstraint(tok, Pieces(tok, bare=False), [names])
     held = IdentifierConstraint(tok, Pieces(tok), [names])
     free = (set(), False)
     for text in (
@@ -147,11 +148,12 @@ def test_what_is_not_a_table_position_stays_free_and_aliases_bind_per_query_part
         "SELECT EXTRACT(YEAR FROM",
         "SELECT name FROM singer WHERE age IS DISTINCT FROM",
     ):
-        assert held.allowed(text, names) == free, text
+        assert table_rule.allowed(text, names) == free, text  # no table here
+        assert not held.allowed(text, names)[0], text  # nor a word to hold
     assert held.allowed("SELECT name FROM singer WHERE age IN (SELECT age FROM", names)[0]
     text = "SELECT T1.name FROM singer AS T1 INTERSECT SELECT T1.id FROM stadium AS T1 WHERE T1."
     cols = _texts(tok, held.allowed(text, names)[0])
-    assert cols and all(any(c.startswith(t.lower()) for c in ("id", "capacity")) for t in cols)
+    assert cols and all(any(c.startswith(t.lower()) for c in ("id", "capacity", "*")) for t in cols)
     joined = "SELECT * FROM singer JOIN stadium AS T2 ON T2."
     assert _texts(tok, held.allowed(joined, names)[0]) == cols
     # bound to two tables in one part: ambiguous, free
@@ -178,7 +180,7 @@ def test_a_bare_word_after_from_is_a_column_a_table_an_alias_or_sql(
     AND, BY, an operator, a parenthesis) is one of the schema's columns or tables, an alias of
     the query or an SQL word; a literal may start there too. Before FROM, inside a string or a
     subquery not yet at its FROM, and with `Pieces(bare=False)`, words stay free."""
-    from moe.sql.constrain import SQL_WORDS
+    from moe.sql.constrain import ALIASES_TO_COME, SQL_WORDS
 
     names = _names(concerts)
     held = IdentifierConstraint(tok, Pieces(tok), [names])
@@ -197,11 +199,15 @@ def test_a_bare_word_after_from_is_a_column_a_table_an_alias_or_sql(
         assert {" 3", "'"} & got or {"3", "'"} & got, text  # a literal may start here
         starts = {t.strip().lower() for t in got}
         assert any("name".startswith(x) and x for x in starts), (text, starts)
-        assert not any(x.startswith(("weight", "price", "item")) for x in starts), text
+        assert not {"it", "im"} & starts, text  # pieces that start no name here
     # after the select's alias n and the table alias T1: both are names
-    after_by = {t.strip().lower() for t in _texts(tok, held.allowed(
-        "SELECT count(*) AS n FROM singer AS T1 ORDER BY", names)[0])}  # fmt: skip
-    assert "n" in after_by or " n" in after_by or "n" in {x[:1] for x in after_by}
+    # the select's alias qz and the table alias T1 are names after FROM
+    after_q = _texts(
+        tok, held.allowed("SELECT count(*) AS qz FROM singer AS T1 ORDER BY q", names)[0]
+    )
+    assert "z" in after_q and "1" in _texts(tok, held.allowed(
+        "SELECT count(*) AS qz FROM singer AS T1 ORDER BY T", names)[0])  # fmt: skip
+    assert "z" not in _texts(tok, held.allowed("SELECT count(*) FROM singer ORDER BY q", names)[0])
     # a word being written continues only to a name or SQL word it starts
     partial = _texts(tok, held.allowed("SELECT name FROM singer WHERE na", names)[0])
     assert partial and all("name"[2:].startswith(t.lower()) for t in partial)
@@ -216,13 +222,14 @@ def test_a_bare_word_after_from_is_a_column_a_table_an_alias_or_sql(
     # the SELECT list, a subquery's too: the same words, and the aliases FROM will bind
     for text in ("SELECT ", "SELECT name FROM singer WHERE age IN (SELECT ", "SELECT count("):
         got = _texts(tok, held.allowed(text, names)[0])
-        assert got and all(_word_or_literal(t, words | {"t2", "t3"}) for t in got), text
-        assert {t.strip().lower() for t in got} & {"t", "t1", "t2"}, text
+        assert got and all(_word_or_literal(t, words | set(ALIASES_TO_COME)) for t in got), text
+        assert not {"it", "im"} & {t.strip().lower() for t in got}, text
         assert "1" in _texts(tok, held.allowed(text + "T", names)[0]), text  # T1, to come
     assert "1" not in _texts(tok, held.allowed("SELECT name FROM singer WHERE T", names)[0])
     assert not held.allowed("SELECT na", names)[1]  # a name being written, not complete
     assert all("name".startswith("na" + t.lower()) for t in
                _texts(tok, held.allowed("SELECT na", names)[0]))  # fmt: skip
+
     # after FROM, the columns of the tables the query reads: stadium's capacity only where
     # stadium is read (an open subquery sees the outer tables, a closed one is done)
     def ca(text: str) -> set[str]:
@@ -234,6 +241,17 @@ def test_a_bare_word_after_from_is_a_column_a_table_an_alias_or_sql(
     closed = "SELECT name FROM singer WHERE age > (SELECT avg(capacity) FROM stadium) AND"
     assert "p" not in ca(closed)
     assert "p" in ca("SELECT name FROM stadium WHERE id IN (SELECT singer_id FROM singer WHERE")
+    # FROM a, b AS T2 reads both and binds T2; a derived table's columns are its own (free
+    # among the schema's); a CTE's name is a name; SELECT * and T1.* stay writable
+    comma = "SELECT * FROM singer T1, stadium T2 WHERE"
+    assert "p" in ca(comma) and held.allowed(comma + " T2", names) == (set(), True)
+    derived = "SELECT * FROM stadium AS a JOIN (SELECT singer_id, name FROM singer) AS b ON"
+    assert "m" in _texts(tok, held.allowed(derived + " a.id = b.singer_id WHERE na", names)[0])
+    cte = "WITH qq AS (SELECT name FROM singer) SELECT qq"
+    assert held.allowed(cte, names) == (set(), True)
+    assert held.allowed("SELECT *", names) == free and held.allowed("SELECT * ", names) == free
+    assert "*" in _texts(tok, held.allowed("SELECT T1.", names)[0])
+    assert "*" in _texts(tok, held.allowed("SELECT * FROM singer AS T1 WHERE T1.", names)[0])
     # a keyword that may be the start of a longer one (SmolLM2 writes ORDER as OR + DER) is
     # left to go on; a space after it is an operand's start
     after_or = _texts(tok, held.allowed("SELECT name FROM singer GROUP BY name OR", names)[0])

@@ -277,6 +277,28 @@ def test_generated_pairs_join_an_outside_source_on_its_training_databases_only(
     assert len(load_pairs(tmp_path / "out" / "generic_test_heldout.jsonl")) == 6
 
 
+def test_generated_pairs_never_write_a_held_out_databases_question(tmp_path: Path, tok) -> None:
+    """A held-out database with a training database's table (Spider's share names): the
+    generator, writing over the training one, leaves out the held-out questions and queries."""
+    src = _spider(tmp_path / "spider")
+    farm = src / "database" / "farm" / "farm.sqlite"
+    farm.unlink()
+    _db(farm, "pet")  # the held-out database has the training database's table
+    held = [
+        {"db_id": "farm", "question": "How many pets have kind b?",
+         "query": "SELECT COUNT(*) FROM pet WHERE kind = 'b'"},
+        {"db_id": "farm", "question": "What is the average n of pets?", "query": "SELECT AVG(n) FROM pet"},
+    ]  # fmt: skip
+    (src / "dev.json").write_text(json.dumps(held))
+    build_sql_sets(
+        small(sql_generic_source=str(src), sql_generic_generated=60), tmp_path / "out", limits(tok)
+    )
+    made = [p for p in load_pairs(tmp_path / "out" / "generic.jsonl") if p.origin == "generated"]
+    assert len(made) >= 40
+    tested = {" ".join(q["query"].lower().split()) for q in held}
+    assert not tested & {" ".join(p.sql.lower().split()) for p in made}
+
+
 def test_generated_pairs_beside_the_generated_default_are_refused() -> None:
     from moe.config import Problems
 

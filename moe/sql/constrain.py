@@ -46,12 +46,14 @@ _FROM_FUNCTIONS = {"extract", "substring", "trim", "overlay", "position"}
 # An operand's start: a keyword or a punctuation that comes before one, then the bare word
 # being written (if any).
 _OPERAND_AT = re.compile(
-    r"(?:\b(SELECT|DISTINCT|WHERE|AND|OR|ON|BY|HAVING|NOT)\b|[(,=<>+\-*/])(\s*)([A-Za-z_]\w*)?$",
+    r"(?:\b(SELECT|DISTINCT|WHERE|AND|OR|ON|BY|HAVING|NOT)\b|[(,=<>+\-/])(\s*)([A-Za-z_]\w*)?$",
     re.IGNORECASE,
 )
 # Keywords a trigger may be the start of, when nothing follows it yet (OR + DER: ORDER).
 _LONGER = ("order", "notnull", "only")
 _SELECT_ALIAS = re.compile(r"\bAS\s+([A-Za-z_]\w*)", re.IGNORECASE)
+_COMMA_ALIAS = re.compile(r',\s*("[^"]+"|\w+)(?:\s+AS)?\s+([A-Za-z_]\w*)', re.IGNORECASE)
+_CTE = re.compile(r"(?:\bWITH(?:\s+RECURSIVE)?|,)\s*([A-Za-z_]\w*)\s+AS\s*\(", re.IGNORECASE)
 # What else a bare word at an operand's start may be: SQL's words that begin an operand, and
 # the functions of sqlite and PostgreSQL a query is likely to call.
 SQL_WORDS = tuple(
@@ -61,7 +63,9 @@ SQL_WORDS = tuple(
     upper trim ltrim rtrim substr substring replace instr position coalesce ifnull nullif iif
     strftime date datetime julianday time extract date_part date_trunc to_char age now year
     month day hour minute second epoch concat printf typeof random row_number rank dense_rank
-    lag lead asc desc""".split()
+    lag lead asc desc floor ceil ceiling greatest least power mod sqrt sign trunc ilike glob
+    regexp similar escape collate nocase nulls first last filter from where on order group
+    having limit offset join using as by and or union intersect except with""".split()
 )
 _NOT_ALIAS = {
     "where", "join", "inner", "left", "right", "full", "outer", "cross", "on", "group",
@@ -179,10 +183,10 @@ class IdentifierConstraint:
         if m:
             table = _table_of(_key(m.group(1)), text, names)
             if table is not None:
-                return self._continuing(m.group(2), names.columns[table], lead=False)
+                return self._continuing(m.group(2), [*names.columns[table], "*"], lead=False)
             if self.pieces.bare and not _TABLE_IN.search(_part(text)):
                 # `SELECT T2.`: the alias is bound later, by FROM; a column of some table
-                return self._continuing(m.group(2), _columns(names), lead=False)
+                return self._continuing(m.group(2), [*_columns(names), "*"], lead=False)
             return set(), False
         if self.pieces.bare and not quoted:
             return self._operand(text, names)
@@ -199,7 +203,7 @@ class IdentifierConstraint:
         if _TABLE_IN.search(_part(text)):  # the columns of the tables the query reads
             named |= set(_columns(names, _tables_read(text, names)))
         else:
-            named |= set(_columns(names)) | set(ALIASES_TO_COME)
+            named |= set(_columns(names)) | set(ALIASES_TO_COME) | _initials(names)
         words = list(named | {a.lower() for a in _aliases(text)})
         keyword, space, partial = (m.group(1) or "").lower(), m.group(2), m.group(3) or ""
         if partial:
@@ -228,7 +232,12 @@ class IdentifierConstraint:
 
 _TABLE_IN = re.compile(r"\b(?:FROM|JOIN)\s+\S", re.IGNORECASE)
 # The aliases a SELECT list may name before its FROM gives them: Spider's and the generator's
-ALIASES_TO_COME = tuple(f"t{i}" for i in range(1, 10))
+# T1..T9, a single letter, and (`_initials`) a table's initials (`sc` for student_course)
+ALIASES_TO_COME = tuple(f"t{i}" for i in range(1, 10)) + tuple("abcdefghijklmnopqrstuvwxyz")
+
+
+def _initials(names: Names) -> set[str]:
+    return {"".join(w[0] for w in re.split(r"[\W_]+", _key(t)) if w) for t in names.tables}
 
 
 def _columns(names: Names, tables: set[str] | None = None) -> list[str]:
@@ -240,19 +249,41 @@ def _columns(names: Names, tables: set[str] | None = None) -> list[str]:
     )
 
 
-_TABLE_NAMED = re.compile(r'\b(?:FROM|JOIN)\s+("[^"]+"|\w+)((?:\s*,\s*(?:"[^"]+"|\w+))*)', re.I)
+# A FROM or JOIN and what it names, up to the clause after it.
+_FROM_CLAUSE = re.compile(
+    r"\b(?:FROM|JOIN)\b(.*?)(?=\b(?:WHERE|GROUP|ORDER|HAVING|LIMIT|ON|USING|JOIN|INNER|LEFT|"
+    r"RIGHT|FULL|CROSS|NATURAL|UNION|INTERSECT|EXCEPT)\b|$)",
+    re.IGNORECASE | re.DOTALL,
+)
 
 
 def _tables_read(text: str, names: Names) -> set[str]:
     """The tables a bare column may come from where `text` ends: those FROM and JOIN name in
     the query and the subqueries still open (a correlated subquery reads the outer tables),
-    not in a subquery already closed; empty when none of them is the schema's."""
+    not in a subquery already closed (`FROM a, b AS T2` reads both); empty, which means any
+    of them, when none is the schema's or one is a subquery's result (`FROM (SELECT ...)`)."""
+    if any(_closes(text, m.end() - 1) for m in _DERIVED.finditer(text)):
+        return set()  # a derived table: its columns are the subquery's, not the schema's
+    seen = _open_scopes(text)
     out = set()
-    for m in _TABLE_NAMED.finditer(_open_scopes(text)):
-        for name in [m.group(1), *re.findall(r'"[^"]+"|\w+', m.group(2))]:
+    for m in _FROM_CLAUSE.finditer(seen):
+        for name in re.findall(r'"[^"]+"|\w+', m.group(1)):
             if _key(name) in names.columns:
                 out.add(_key(name))
     return out
+
+
+_DERIVED = re.compile(r"\b(?:FROM|JOIN)\s*\(", re.IGNORECASE)
+
+
+def _closes(text: str, at: int) -> bool:
+    """Whether the parenthesis at `at` is closed within `text`."""
+    depth = 0
+    for ch in text[at:]:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return True
+    return False
 
 
 def _open_scopes(text: str) -> str:
@@ -277,6 +308,8 @@ def _part(text: str) -> str:
 def _aliases(text: str) -> set[str]:
     """Every alias `text` gives: a table's (`FROM t AS a`, `JOIN t a`) and an output's (`AS n`)."""
     out = {m.group(2) for m in _ALIAS.finditer(text) if m.group(2).lower() not in _NOT_ALIAS}
+    out |= {m.group(2) for m in _COMMA_ALIAS.finditer(text) if m.group(2).lower() not in _NOT_ALIAS}
+    out |= {m.group(1) for m in _CTE.finditer(text)}
     return out | {m.group(1) for m in _SELECT_ALIAS.finditer(text)}
 
 

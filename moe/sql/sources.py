@@ -218,17 +218,20 @@ def generated_beside(
     train: list[Record], test: list[Record], dbs: Databases, rng: random.Random, count: int
 ) -> list[Record]:
     """Up to `count` pairs the generator writes over the databases `train` is on, in even
-    shares and shuffled, none repeating a question or a SQL text of `train` or `test` on the
-    same database (a test question on a training database stays new). A database the
+    shares and shuffled, none repeating a question or a SQL text of `train` on the same
+    database, nor of `test` on any database (Spider's databases share table names: a held-out
+    database's question could be written verbatim over a training one). A database the
     generator can ask little about gives fewer; the others do not make up for it."""
     seen: set[tuple[Path, str]] = set()
     for r in train + test:
         seen.update({(r.db, norm_question(r.question)), (r.db, r.sql), (r.db, norm_sql(r.sql))})
+    tested = {norm_question(r.question) for r in test} | {norm_sql(r.sql) for r in test}
     paths = sorted({r.db for r in train})
     per_db = -(-count // len(paths)) if paths else 0
     out: list[Record] = []
     for path in paths:
-        out += generate_records(path, dbs, rng, per_db, seen)
+        got = generate_records(path, dbs, rng, per_db, seen)
+        out += [r for r in got if not {norm_question(r.question), norm_sql(r.sql)} & tested]
     rng.shuffle(out)
     return out[:count]
 
