@@ -74,9 +74,7 @@ def sql_accuracy(
     agreed. One candidate is the greedy path, unchanged.
 
     With `constrain`, identifiers are held to each question's schema while decoding
-    (moe/sql/constrain.py): after FROM or JOIN one of its tables, after `alias.` one of that
-    table's columns, and (`constrain_bare`) once the FROM is written a bare word at an
-    operand's start one of its columns, tables, the query's aliases or an SQL word."""
+    (moe/sql/constrain.py; `constrain_bare`: the bare words too). `answers` gets every row."""
     model.eval()
     stop = stop_ids(tok, eot_id)
     keep = model.cfg.seq_len - max_new_tokens  # room for the prompt beside the answer
@@ -109,7 +107,7 @@ def sql_accuracy(
                 progress(len(rows))
     finally:
         scorer.close()
-    if answers is not None:  # every question's scored answer, for who reads them all
+    if answers is not None:
         answers.extend(rows)
     report = _report(rows, max_new_tokens, test_suite)
     report["decoding"] |= _decoding(rows, candidates, temperature, constrain)
