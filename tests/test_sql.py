@@ -881,7 +881,8 @@ def test_user_pair_weights_reach_the_finetuning_examples(tmp_path: Path, tok) ->
 @pytest.mark.parametrize(
     ("name", "many"),
     [("match", "matches"), ("matches", "matches"), ("players", "players"), ("status", "statuses"),
-     ("class", "classes"), ("address", "addresses"), ("city", "cities"), ("day", "days")],
+     ("class", "classes"), ("address", "addresses"), ("city", "cities"), ("day", "days"),
+     ("analysis", "analyses"), ("crisis", "crises"), ("axis", "axes")],
 )  # fmt: skip
 def test_a_name_already_plural_stays_as_it_is(name: str, many: str) -> None:
     from moe.sql.roles import plural

@@ -33,6 +33,8 @@ def plural(phrase: str) -> str:
     w = phrase
     if re.search(r"[^siu]s$", w):
         return w  # a name already plural (Spider's `matches`, `players`): not `matcheses`
+    if re.search(r"[^aeiou]is$", w):
+        return w[:-2] + "es"  # analysis, basis, axis
     if re.search(r"(s|x|z|ch|sh)$", w):
         return w + "es"
     if re.search(r"[^aeiou]y$", w):
