@@ -14,7 +14,7 @@ import torch
 
 from moe.model.config import ModelConfig, MoEConfig
 from moe.model.transformer import MoETransformer
-from moe.sql.constrain import IdentifierConstraint, Names, Pieces
+from moe.sql.constrain import End, IdentifierConstraint, Names, Pieces
 from moe.sql.records import SqlPair
 from moe.sql.sandbox import ReadOnlyDb, inspect_database
 from tests.test_sql import tok  # noqa: F401 (a fixture: a real BPE trained on SQL)
@@ -79,7 +79,8 @@ def test_after_from_only_the_schemas_tables_and_after_a_dot_only_that_tables_col
                              names.columns["stadium"] + ['"home town"', "*"]) for t in ahead)  # fmt: skip
     assert held.allowed("SELECT * FROM singer WHERE T9.", names) == (set(), False)  # unbound
     assert loose.allowed("SELECT name, age", names) == (set(), False)  # no table position
-    assert held.allowed("SELECT name, age", names) == (set(), True)  # a column, complete
+    # a column, complete (and PostgreSQL's age(): its parenthesis may follow), but no dot
+    assert held.allowed("SELECT name, age", names) == (held.pieces.paren, End.NO_DOT)
     quoted = _texts(tok, held.allowed('SELECT * FROM "order" AS o WHERE o.', names)[0])
     assert quoted and all('"home town"'.startswith(t.lower()) or "id".startswith(t.lower())
                           or t == "*" for t in quoted)  # fmt: skip
@@ -208,10 +209,12 @@ def test_a_bare_word_after_from_is_a_column_a_table_an_alias_or_sql(
     assert "z" in after_q and "1" in _texts(tok, held.allowed(
         "SELECT count(*) AS qz FROM singer AS T1 ORDER BY T", names)[0])  # fmt: skip
     assert "z" not in _texts(tok, held.allowed("SELECT count(*) FROM singer ORDER BY q", names)[0])
+    no_as = "SELECT name, count(*) qz FROM singer GROUP BY name ORDER BY q"  # alias without AS
+    assert "z" in _texts(tok, held.allowed(no_as, names)[0])
     # a word being written continues only to a name or SQL word it starts
     partial = _texts(tok, held.allowed("SELECT name FROM singer WHERE na", names)[0])
     assert partial and all("name"[2:].startswith(t.lower()) for t in partial)
-    assert held.allowed("SELECT name FROM singer WHERE name", names) == (set(), True)
+    assert held.allowed("SELECT name FROM singer WHERE name", names) == (set(), End.NO_DOT)
     free = (set(), False)
     for text in (
         "SELECT name FROM singer WHERE name = 'a",  # a string
@@ -244,7 +247,7 @@ def test_a_bare_word_after_from_is_a_column_a_table_an_alias_or_sql(
     # FROM a, b AS T2 reads both and binds T2; a derived table's columns are its own (free
     # among the schema's); a CTE's name is a name; SELECT * and T1.* stay writable
     comma = "SELECT * FROM singer T1, stadium T2 WHERE"
-    assert "p" in ca(comma) and held.allowed(comma + " T2", names) == (set(), True)
+    assert "p" in ca(comma) and held.allowed(comma + " T2", names) == (held.pieces.dot, End.NONE)
     derived = "SELECT * FROM stadium AS a JOIN (SELECT singer_id, name FROM singer) AS b ON"
     assert "m" in _texts(tok, held.allowed(derived + " a.id = b.singer_id WHERE na", names)[0])
     cte = "WITH qq AS (SELECT name FROM singer) SELECT qq"
@@ -261,3 +264,71 @@ def test_a_bare_word_after_from_is_a_column_a_table_an_alias_or_sql(
     loose = IdentifierConstraint(tok, Pieces(tok, bare=False), [names])
     assert loose.allowed("SELECT name FROM singer WHERE", names) == free
     assert loose.allowed("SELECT name FROM", names)[0]  # the table rule holds either way
+
+
+def test_the_table_after_from_has_the_columns_the_select_list_named_before_it(
+    tok,  # noqa: F811
+    concerts: Path,
+) -> None:
+    """SQL names the columns before the tables: held, the k-th table of a query part has the
+    columns the part wrote with `Tk.` before binding Tk (Spider's convention), and the SELECT
+    list's bare columns that no table named so far has; a filter no table passes is left out,
+    and with `Pieces(bare=False)` every table stays open."""
+    names = _names(concerts)
+    held = IdentifierConstraint(tok, Pieces(tok), [names])
+    loose = IdentifierConstraint(tok, Pieces(tok, bare=False), [names])
+    tables = ("singer", "stadium", '"order"')
+
+    def offered(text: str, rule: IdentifierConstraint = held) -> set[str]:
+        # a table's name but its last letter, written after `text`: a token goes on to it
+        return {t for t in tables if rule.allowed(f"{text} {t[:-1]}", names)[0]}
+
+    assert offered("SELECT capacity FROM") == {"stadium"}
+    assert offered("SELECT capacity FROM", loose) == set(tables)
+    assert offered("SELECT count(*) FROM") == set(tables)  # nothing named: any
+    assert offered("SELECT age, capacity FROM") == {"singer", "stadium"}  # none has both
+    assert offered("SELECT age, capacity FROM singer JOIN") == {"stadium"}  # age is read
+    assert offered("SELECT T1.name, T2.capacity FROM") == {"singer"}  # T1: the first table
+    assert offered("SELECT T1.name, T2.capacity FROM singer AS T1 JOIN") == {"stadium"}
+    assert offered("SELECT T1.name, T2.nothing FROM singer AS T1 JOIN") == set(tables)
+    assert offered("SELECT name FROM singer WHERE age IN (SELECT capacity FROM") == {"stadium"}
+    assert offered("SELECT EXTRACT(YEAR FROM d), capacity FROM") == {"stadium"}
+    assert offered("SELECT count(*) AS age FROM") == set(tables)  # an output's alias
+    assert offered("SELECT name FROM singer WHERE name = 'capacity' UNION SELECT age FROM") == {
+        "singer"
+    }
+    # at the first letter already: `s` goes on to stadium, not to singer
+    after_s = _texts(tok, held.allowed("SELECT capacity FROM s", names)[0])
+    assert after_s and all("tadium".startswith(t.lower()) for t in after_s)
+
+
+def test_a_complete_word_goes_on_as_what_it_names(tok, concerts: Path) -> None:  # noqa: F811
+    """A table or a table's alias goes on to its dot, a function to its parenthesis, a column
+    or SQL's word to anything but a dot (SmolLM2 wrote `WHERE Is.x`, `WHERE airports code`,
+    `ORDER BY year` on a schema without that column); EXTRACT's units are words only inside
+    EXTRACT( ."""
+    names = _names(concerts)
+    held = IdentifierConstraint(tok, Pieces(tok), [names])
+    dot, paren = held.pieces.dot, held.pieces.paren
+    assert dot and paren and not dot & paren
+    ids, end = held.allowed("SELECT name FROM singer WHERE singer", names)  # or singer_id
+    assert dot <= ids and end == End.NONE and _texts(tok, ids - dot) <= {"_", "_id"}
+    assert held.allowed("SELECT name FROM singer AS zz WHERE zz", names) == (dot, End.NONE)
+    assert held.allowed("SELECT T1", names) == (dot, End.NONE)  # an alias to come
+    assert held.allowed("SELECT count", names) == (paren, End.NONE)
+    assert held.allowed("SELECT name FROM singer WHERE is", names) == (set(), End.NO_DOT)
+    assert held.allowed("SELECT name FROM singer WHERE age", names)[1] == End.NO_DOT
+    assert "e" not in _texts(tok, held.allowed("SELECT name FROM singer WHERE y", names)[0])
+    # after FROM a qualifier is a table the query reads (`FROM flights WHERE airports.code`)
+    assert held.allowed("SELECT * FROM stadium WHERE stadiu", names)[0]
+    assert not held.allowed("SELECT * FROM singer WHERE stadiu", names)[0]
+    assert "e" in _texts(tok, held.allowed("SELECT EXTRACT(y", names)[0])
+    # in the decoder's mask: after a column a dot is gone, a space or a comma is not
+    text = "SELECT name FROM singer WHERE age"
+    ids = tok.encode(text).ids
+    assert tok.decode(ids) == text
+    logits = torch.zeros(1, tok.get_vocab_size())
+    held(logits, [ids])
+    assert torch.isinf(logits[0, sorted(dot)]).all()
+    assert not torch.isinf(logits[0, tok.encode(" =").ids[0]])
+    assert not torch.isinf(logits[0, sorted(paren)]).any()

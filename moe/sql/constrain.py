@@ -6,8 +6,14 @@ quoted (spaces, a reserved word) is offered quoted only, as the database's diale
 WHERE, AND, OR, ON, BY, HAVING, NOT, a parenthesis, a comma or an operator) is one of the
 schema's columns or tables, an alias the query gave, or an SQL keyword or function; in the
 SELECT list, before FROM binds them, an alias to come (T1..T9) too, and after `T2.` a column
-of any of the tables (`Pieces(bare=False)`: these words stay free). Literals, numbers and
-quoted names stay free.
+of any of the tables (`Pieces(bare=False)`: these words stay free). Once complete, a table or
+a table's alias goes on to its dot, a function to its parenthesis, and a column or SQL's word
+to anything but a dot. Literals, numbers and quoted names stay free.
+
+SQL names the columns before the tables, so the table after FROM or JOIN is held to what the
+query part named before it (`_ahead`): the k-th table has the columns written as `Tk.col`
+(Spider's convention binds Tk to it), and the SELECT list's bare columns that no table named
+so far has.
 
 At each step of the batched decoder (`MoETransformer.generate_batch`'s `adjust`), a row in an
 identifier position keeps only the tokens that continue an allowed name: a vocabulary piece
@@ -23,6 +29,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any
 
 import torch
@@ -52,6 +59,8 @@ _OPERAND_AT = re.compile(
 # Keywords a trigger may be the start of, when nothing follows it yet (OR + DER: ORDER).
 _LONGER = ("order", "notnull", "only")
 _SELECT_ALIAS = re.compile(r"\bAS\s+([A-Za-z_]\w*)", re.IGNORECASE)
+# An output's alias without AS: `count(*) n,` or `name n FROM`.
+_BARE_ALIAS = re.compile(r'[\w)"]\s+([A-Za-z_]\w*)\s*(?=,|\bFROM\b)', re.IGNORECASE)
 _COMMA_ALIAS = re.compile(r',\s*("[^"]+"|\w+)(?:\s+AS)?\s+([A-Za-z_]\w*)', re.IGNORECASE)
 _CTE = re.compile(r"(?:\bWITH(?:\s+RECURSIVE)?|,)\s*([A-Za-z_]\w*)\s+AS\s*\(", re.IGNORECASE)
 # What else a bare word at an operand's start may be: SQL's words that begin an operand, and
@@ -67,6 +76,29 @@ SQL_WORDS = tuple(
     regexp similar escape collate nocase nulls first last filter from where on order group
     having limit offset join using as by and or union intersect except with""".split()
 )
+# Those of SQL_WORDS that are functions: a bare one is followed by its parenthesis, unless a
+# column of the query has its name (Spider's `date`, `rank`, `age`); and the units EXTRACT
+# reads, words only right after `EXTRACT(` (neither sqlite nor PostgreSQL has `year(d)`).
+FUNCTIONS = frozenset(
+    """count sum avg min max total group_concat string_agg abs round length char_length lower
+    upper trim ltrim rtrim substr substring replace instr position coalesce ifnull nullif iif
+    strftime date datetime julianday time extract date_part date_trunc to_char age now concat
+    printf typeof random row_number rank dense_rank lag lead floor ceil ceiling greatest least
+    power mod sqrt sign trunc cast exists""".split()
+)
+UNITS = frozenset("year month day hour minute second epoch".split())
+_UNIT_AT = re.compile(r"\bEXTRACT\s*\(\s*\w*$", re.IGNORECASE)
+
+
+class End(IntEnum):
+    """Which tokens may end a complete name: none, any (a space, punctuation, the end
+    token), or any but a dot (a column or SQL's word: `is.` names nothing)."""
+
+    NONE = 0
+    ANY = 1
+    NO_DOT = 2
+
+
 _NOT_ALIAS = {
     "where", "join", "inner", "left", "right", "full", "outer", "cross", "on", "group",
     "order", "limit", "having", "union", "intersect", "except", "as", "natural", "using",
@@ -115,17 +147,23 @@ class Pieces:
         FROM, JOIN and `alias.`)."""
         self.bare = bare
         self.by_text: dict[str, list[int]] = defaultdict(list)
-        ending, literal = [], []
+        ending, literal, dot = [], [], []
         for i in range(tok.get_vocab_size()):
             text = tok.decode([i])
             if text:
                 self.by_text[text.lower()].append(i)
             ending.append(not text or not (text[0].isalnum() or text[0] == "_"))
+            dot.append(text.startswith("."))
             # no word starts here: a number, a quote, a parenthesis, an operator or spaces
             first = text.lstrip(" ")[:1]
             literal.append(bool(text) and not (first.isalpha() or first == "_"))
         self.ending_V = torch.tensor(ending)
+        self.word_end_V = self.ending_V & ~torch.tensor(dot)  # an ending, but not a dot
         self.literal = {i for i, x in enumerate(literal) if x}
+        self.dot = {i for i, x in enumerate(dot) if x}  # `alias.`
+        self.paren = {  # `count(`, `EXISTS (`
+            i for t, ids in self.by_text.items() if t.startswith(("(", " (")) for i in ids
+        }
 
     def continuing(self, rest: str, lead: bool) -> set[int]:
         """Tokens whose text is a non-empty prefix of `rest`, after one space when `lead`."""
@@ -159,25 +197,28 @@ class IdentifierConstraint:
             keep_V = torch.zeros(logits_BV.shape[1], dtype=torch.bool)
             keep_V[sorted(allowed)] = True
             if ending:  # a complete name may also end here (rows past the tokenizer's: no)
-                n = min(len(keep_V), len(self.pieces.ending_V))
-                keep_V[:n] |= self.pieces.ending_V[:n]
+                end_V = self.pieces.word_end_V if ending == End.NO_DOT else self.pieces.ending_V
+                n = min(len(keep_V), len(end_V))
+                keep_V[:n] |= end_V[:n]
             logits_BV[b] = logits_BV[b].masked_fill(~keep_V.to(logits_BV.device), float("-inf"))
             held = True
         self.steps += held
 
-    def allowed(self, text: str, names: Names) -> tuple[set[int], bool]:
-        """The tokens that may come next after `text` (none: any), and whether any token that
-        ends an identifier may too (the name written so far is complete)."""
+    def allowed(self, text: str, names: Names) -> tuple[set[int], End | bool]:
+        """The tokens that may come next after `text` (none: any), and which tokens that end
+        an identifier may too, where the name written so far is complete (`End`; True: any)."""
         literal, quoted = _open_quotes(text)
         if literal:  # inside a string: nothing here is a name
             return set(), False
-        if _TABLE_NEXT.search(text) and not quoted and not _function_from(text):
-            ids, ending = self._continuing("", names.tables, lead=True)
+        m = _TABLE_NEXT.search(text)
+        if m and not quoted and not _function_from(text):
+            ids, ending = self._continuing("", self._tables(text[: m.start()], names), lead=True)
             return ids | self._subquery(True), ending
         m = _TABLE_AT.search(text)
         if m and not _function_from(text[: m.start(1)]):
             partial = m.group(2)
-            ids, ending = self._continuing(partial, names.tables, lead=False)
+            tables = self._tables(text[: m.start()], names)
+            ids, ending = self._continuing(partial, tables, lead=False)
             return ids | (set() if partial or not ids else self._subquery(False)), ending
         m = _COLUMN_AT.search(text)
         if m:
@@ -192,22 +233,45 @@ class IdentifierConstraint:
             return self._operand(text, names)
         return set(), False
 
-    def _operand(self, text: str, names: Names) -> tuple[set[int], bool]:
+    def _tables(self, prior: str, names: Names) -> list[str]:
+        """The tables the FROM or JOIN after `prior` may name: with the bare words held, those
+        that let what the query named before them run (`_ahead`)."""
+        return _ahead(prior, names) if self.pieces.bare else names.tables
+
+    def _operand(self, text: str, names: Names) -> tuple[set[int], End]:
         """A bare word where an operand starts: a column or table of the schema, an alias of
         the query, or an SQL word; or no word at all (a number, a string, a parenthesis). In
-        the SELECT list, before FROM binds the query's aliases, an alias to come (T1) too."""
+        the SELECT list, before FROM binds the query's aliases, an alias to come (T1) too.
+        Once complete, a table or a table's alias goes on to its dot, a function to its
+        parenthesis, and a column or SQL's word to anything but a dot."""
         m = _OPERAND_AT.search(text)
         if not m:
-            return set(), False
-        named = set(names.tables) | set(SQL_WORDS)
+            return set(), End.NONE
         if _TABLE_IN.search(_part(text)):  # the columns of the tables the query reads
-            named |= set(_columns(names, _tables_read(text, names)))
+            read = _tables_read(text, names)
+            columns = _columns(names, read)
+            qualifiers = {t for t in names.tables if not read or _key(t) in read}
         else:
-            named |= set(_columns(names)) | set(ALIASES_TO_COME) | _initials(names)
-        words = list(named | {a.lower() for a in _aliases(text)})
+            columns = _columns(names)
+            qualifiers = set(names.tables) | set(ALIASES_TO_COME) | _initials(names)
+        tables, outputs, ctes = _aliases(text)
+        qualifiers = {q.lower() for q in qualifiers | tables | ctes}
+        plain = {c.lower() for c in columns} | {a.lower() for a in outputs | ctes}
+        plain |= set(SQL_WORDS) - FUNCTIONS - UNITS
+        if _UNIT_AT.search(text):
+            plain |= UNITS
+        words = list(plain | qualifiers | FUNCTIONS)
         keyword, space, partial = (m.group(1) or "").lower(), m.group(2), m.group(3) or ""
         if partial:
-            return self._continuing(partial, words, lead=False)
+            ids, complete = self._continuing(partial, words, lead=False)
+            word = partial.lower()
+            if not complete:
+                return ids, End.NONE
+            if word in FUNCTIONS:
+                ids |= self.pieces.paren
+            if word in plain:
+                return ids, End.ANY if word in qualifiers else End.NO_DOT
+            return ids | (self.pieces.dot if word in qualifiers else set()), End.NONE
         ids: set[int] = set()
         if space or not keyword:  # `WHERE ` or `(`: the word may start right here
             ids |= self._continuing("", words, lead=False)[0]
@@ -216,7 +280,7 @@ class IdentifierConstraint:
         if keyword and not space:  # `OR` may be the start of `ORDER` (OR + DER)
             longer = [k[len(keyword) :] for k in _LONGER if k.startswith(keyword)]
             ids |= self._continuing("", longer, lead=False)[0]
-        return ids | self.pieces.literal, False
+        return ids | self.pieces.literal, End.NONE
 
     def _continuing(self, partial: str, forms: list[str], lead: bool) -> tuple[set[int], bool]:
         low = partial.lower()
@@ -273,6 +337,44 @@ def _tables_read(text: str, names: Names) -> set[str]:
     return out
 
 
+# A qualified name (`T2.name`) and a bare word not followed by a dot or a parenthesis.
+_QUALIFIED = re.compile(r'(?<![\w."])("[^"]+"|[A-Za-z_]\w*)\.("[^"]+"|\w+)')
+_BARE = re.compile(r'(?<![\w."])("[^"]+"|[A-Za-z_]\w*)(?![\w"]|\s*[.(])')
+_FUNCTION_CALL = re.compile(r"\b(?:" + "|".join(_FROM_FUNCTIONS) + r")\s*\([^()]*\)", re.IGNORECASE)
+
+
+def _ahead(prior: str, names: Names) -> list[str]:
+    """The tables the FROM or JOIN after `prior` may name so that what the query part named
+    before it can run (SQL names the columns first, and the decoder does not look back):
+    the k-th table of a part is the one Spider's convention binds to Tk, so where the part
+    wrote `Tk.col` before binding Tk, a table with those columns; and where the SELECT list
+    named bare columns that no table named so far has, a table with all of them (else with
+    some of them). A filter no table passes is left out."""
+    part = _FUNCTION_CALL.sub("", _part(prior))  # EXTRACT(YEAR FROM d): no table
+    part = re.sub(r"'[^']*'", "''", part)
+    has = {t: {_key(c) for c in cols} for t, cols in names.columns.items()}
+    named = [m.group(1) for m in _FROM_CLAUSE.finditer(part)]
+    read = {_key(w) for clause in named for w in re.findall(r'"[^"]+"|\w+', clause)} & set(has)
+    bound = {m.group(2).lower() for m in _ALIAS.finditer(part)} | read
+    needs: dict[str, set[str]] = defaultdict(set)
+    for m in _QUALIFIED.finditer(part):
+        if _key(m.group(1)) not in bound:
+            needs[_key(m.group(1))].add(_key(m.group(2)))
+    tables = names.tables
+    alias = f"t{len(named) + 1}"
+    if needs.get(alias):
+        tables = [t for t in tables if needs[alias] <= has[_key(t)]] or tables
+    head = re.match(r"\s*(?:SELECT\b|\()?(.*?)(?:\bFROM\b|$)", part, re.IGNORECASE | re.DOTALL)
+    listed = _SELECT_ALIAS.sub("", head.group(1)) if head else ""
+    columns = set().union(*has.values()) if has else set()
+    bare = {_key(w) for w in _BARE.findall(listed)} & columns
+    bare -= set().union(*(has[t] for t in read)) if read else set()
+    if bare:
+        every = [t for t in tables if bare <= has[_key(t)]]
+        tables = every or [t for t in tables if bare & has[_key(t)]] or tables
+    return tables
+
+
 _DERIVED = re.compile(r"\b(?:FROM|JOIN)\s*\(", re.IGNORECASE)
 
 
@@ -305,12 +407,17 @@ def _part(text: str) -> str:
     return text[starts[-1] :] if starts else text
 
 
-def _aliases(text: str) -> set[str]:
-    """Every alias `text` gives: a table's (`FROM t AS a`, `JOIN t a`) and an output's (`AS n`)."""
-    out = {m.group(2) for m in _ALIAS.finditer(text) if m.group(2).lower() not in _NOT_ALIAS}
-    out |= {m.group(2) for m in _COMMA_ALIAS.finditer(text) if m.group(2).lower() not in _NOT_ALIAS}
-    out |= {m.group(1) for m in _CTE.finditer(text)}
-    return out | {m.group(1) for m in _SELECT_ALIAS.finditer(text)}
+def _aliases(text: str) -> tuple[set[str], set[str], set[str]]:
+    """The aliases `text` gives: the tables' (`FROM t AS a`, `JOIN t a`, `FROM t a, u b`),
+    the outputs' (`AS n`, `count(*) n,`) and the CTEs' names (`WITH n AS (...)`)."""
+    tables = {m.group(2) for m in _ALIAS.finditer(text) if m.group(2).lower() not in _NOT_ALIAS}
+    tables |= {
+        m.group(2) for m in _COMMA_ALIAS.finditer(text) if m.group(2).lower() not in _NOT_ALIAS
+    }
+    outputs = {m.group(1) for m in _SELECT_ALIAS.finditer(text)} - tables
+    outputs |= {m.group(1) for m in _BARE_ALIAS.finditer(text) if m.group(1).lower() != "from"}
+    ctes = {m.group(1) for m in _CTE.finditer(text)}
+    return tables, outputs - ctes, ctes
 
 
 def _table_of(qualifier: str, text: str, names: Names) -> str | None:
