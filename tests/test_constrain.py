@@ -306,7 +306,7 @@ def test_a_complete_word_goes_on_as_what_it_names(tok, concerts: Path) -> None: 
     """A table or a table's alias goes on to its dot, a function to its parenthesis, a column
     or SQL's word to anything but a dot (SmolLM2 wrote `WHERE Is.x`, `WHERE airports code`,
     `ORDER BY year` on a schema without that column); EXTRACT's units are words only inside
-    EXTRACT( ."""
+    EXTRACT( ; an operand starts with none of SQL's words that cannot (`is`, `having`)."""
     names = _names(concerts)
     held = IdentifierConstraint(tok, Pieces(tok), [names])
     dot, paren = held.pieces.dot, held.pieces.paren
@@ -316,7 +316,11 @@ def test_a_complete_word_goes_on_as_what_it_names(tok, concerts: Path) -> None: 
     assert held.allowed("SELECT name FROM singer AS zz WHERE zz", names) == (dot, End.NONE)
     assert held.allowed("SELECT T1", names) == (dot, End.NONE)  # an alias to come
     assert held.allowed("SELECT count", names) == (paren, End.NONE)
-    assert held.allowed("SELECT name FROM singer WHERE is", names) == (set(), End.NO_DOT)
+    assert held.allowed("SELECT name FROM singer WHERE not", names) == (set(), End.NO_DOT)
+    # an operand starts with no `is` (`WHERE Is not in`); after NOT, IN may come
+    assert "s" not in _texts(tok, held.allowed("SELECT name FROM singer WHERE i", names)[0])
+    assert "n" in _texts(tok, held.allowed("SELECT name FROM singer WHERE age NOT i", names)[0])
+    assert not held.allowed("SELECT name FROM singer ORDER BY hav", names)[0]
     assert held.allowed("SELECT name FROM singer WHERE age", names)[1] == End.NO_DOT
     assert "e" not in _texts(tok, held.allowed("SELECT name FROM singer WHERE y", names)[0])
     # after FROM a qualifier is a table the query reads (`FROM flights WHERE airports.code`)

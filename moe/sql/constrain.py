@@ -87,6 +87,13 @@ FUNCTIONS = frozenset(
     power mod sqrt sign trunc cast exists""".split()
 )
 UNITS = frozenset("year month day hour minute second epoch".split())
+# Those of SQL's words that may begin an operand (`WHERE is` never runs; SmolLM2 wrote it),
+# and those that come only after NOT (`NOT IN`, `IS NOT NULL`).
+STARTERS = frozenset(
+    """select distinct all any some exists not null true false case cast interval current_date
+    current_time current_timestamp""".split()
+)
+AFTER_NOT = frozenset("in like between null exists ilike glob regexp similar distinct".split())
 _UNIT_AT = re.compile(r"\bEXTRACT\s*\(\s*\w*$", re.IGNORECASE)
 
 
@@ -257,11 +264,11 @@ class IdentifierConstraint:
         tables, outputs, ctes = _aliases(text)
         qualifiers = {q.lower() for q in qualifiers | tables | ctes}
         plain = {c.lower() for c in columns} | {a.lower() for a in outputs | ctes}
-        plain |= set(SQL_WORDS) - FUNCTIONS - UNITS
+        keyword, space, partial = (m.group(1) or "").lower(), m.group(2), m.group(3) or ""
+        plain |= STARTERS | (AFTER_NOT if keyword == "not" else set())
         if _UNIT_AT.search(text):
             plain |= UNITS
         words = list(plain | qualifiers | FUNCTIONS)
-        keyword, space, partial = (m.group(1) or "").lower(), m.group(2), m.group(3) or ""
         if partial:
             ids, complete = self._continuing(partial, words, lead=False)
             word = partial.lower()
