@@ -319,7 +319,8 @@ def test_a_complete_word_goes_on_as_what_it_names(tok, concerts: Path) -> None: 
     assert held.allowed("SELECT name FROM singer WHERE not", names) == (set(), End.NO_DOT)
     # an operand starts with no `is` (`WHERE Is not in`); after NOT, IN may come
     assert "s" not in _texts(tok, held.allowed("SELECT name FROM singer WHERE i", names)[0])
-    assert "n" in _texts(tok, held.allowed("SELECT name FROM singer WHERE age NOT i", names)[0])
+    assert held.allowed("SELECT name FROM singer WHERE age NOT betwee", names)[0]
+    assert not held.allowed("SELECT name FROM singer WHERE betwee", names)[0]
     assert not held.allowed("SELECT name FROM singer ORDER BY hav", names)[0]
     assert held.allowed("SELECT name FROM singer WHERE age", names)[1] == End.NO_DOT
     assert "e" not in _texts(tok, held.allowed("SELECT name FROM singer WHERE y", names)[0])
