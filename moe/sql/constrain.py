@@ -63,22 +63,12 @@ _SELECT_ALIAS = re.compile(r"\bAS\s+([A-Za-z_]\w*)", re.IGNORECASE)
 _BARE_ALIAS = re.compile(r'[\w)"]\s+([A-Za-z_]\w*)\s*(?=,|\bFROM\b)', re.IGNORECASE)
 _COMMA_ALIAS = re.compile(r',\s*("[^"]+"|\w+)(?:\s+AS)?\s+([A-Za-z_]\w*)', re.IGNORECASE)
 _CTE = re.compile(r"(?:\bWITH(?:\s+RECURSIVE)?|,)\s*([A-Za-z_]\w*)\s+AS\s*\(", re.IGNORECASE)
-# What else a bare word at an operand's start may be: SQL's words that begin an operand, and
-# the functions of sqlite and PostgreSQL a query is likely to call.
-SQL_WORDS = tuple(
-    """select distinct all any some exists in like between is not null true false case when
-    then else end cast interval current_date current_time current_timestamp over partition
-    count sum avg min max total group_concat string_agg abs round length char_length lower
-    upper trim ltrim rtrim substr substring replace instr position coalesce ifnull nullif iif
-    strftime date datetime julianday time extract date_part date_trunc to_char age now year
-    month day hour minute second epoch concat printf typeof random row_number rank dense_rank
-    lag lead asc desc floor ceil ceiling greatest least power mod sqrt sign trunc ilike glob
-    regexp similar escape collate nocase nulls first last filter from where on order group
-    having limit offset join using as by and or union intersect except with""".split()
-)
-# Those of SQL_WORDS that are functions: a bare one is followed by its parenthesis, unless a
-# column of the query has its name (Spider's `date`, `rank`, `age`); and the units EXTRACT
-# reads, words only right after `EXTRACT(` (neither sqlite nor PostgreSQL has `year(d)`).
+# What a bare word at an operand's start may be besides a name: the functions of sqlite and
+# PostgreSQL a query is likely to call (followed by their parenthesis, unless a column of the
+# query has the name: Spider's `date`, `rank`, `age`), SQL's words that may begin an operand
+# (`WHERE is` never runs; SmolLM2 wrote it), those that come only after NOT (`NOT IN`, `IS
+# NOT NULL`), and the units EXTRACT reads, words only right after `EXTRACT(` (neither sqlite
+# nor PostgreSQL has `year(d)`).
 FUNCTIONS = frozenset(
     """count sum avg min max total group_concat string_agg abs round length char_length lower
     upper trim ltrim rtrim substr substring replace instr position coalesce ifnull nullif iif
@@ -86,14 +76,13 @@ FUNCTIONS = frozenset(
     printf typeof random row_number rank dense_rank lag lead floor ceil ceiling greatest least
     power mod sqrt sign trunc cast exists""".split()
 )
-UNITS = frozenset("year month day hour minute second epoch".split())
-# Those of SQL's words that may begin an operand (`WHERE is` never runs; SmolLM2 wrote it),
-# and those that come only after NOT (`NOT IN`, `IS NOT NULL`).
 STARTERS = frozenset(
     """select distinct all any some exists not null true false case cast interval current_date
     current_time current_timestamp""".split()
 )
 AFTER_NOT = frozenset("in like between null exists ilike glob regexp similar distinct".split())
+UNITS = frozenset("year month day hour minute second epoch".split())
+SQL_WORDS = FUNCTIONS | STARTERS | AFTER_NOT | UNITS  # every SQL word an operand may start with
 _UNIT_AT = re.compile(r"\bEXTRACT\s*\(\s*\w*$", re.IGNORECASE)
 
 
@@ -211,12 +200,12 @@ class IdentifierConstraint:
             held = True
         self.steps += held
 
-    def allowed(self, text: str, names: Names) -> tuple[set[int], End | bool]:
+    def allowed(self, text: str, names: Names) -> tuple[set[int], End]:
         """The tokens that may come next after `text` (none: any), and which tokens that end
-        an identifier may too, where the name written so far is complete (`End`; True: any)."""
+        an identifier may too, where the name written so far is complete."""
         literal, quoted = _open_quotes(text)
         if literal:  # inside a string: nothing here is a name
-            return set(), False
+            return set(), End.NONE
         m = _TABLE_NEXT.search(text)
         if m and not quoted and not _function_from(text):
             ids, ending = self._continuing("", self._tables(text[: m.start()], names), lead=True)
@@ -235,10 +224,10 @@ class IdentifierConstraint:
             if self.pieces.bare and not _TABLE_IN.search(_part(text)):
                 # `SELECT T2.`: the alias is bound later, by FROM; a column of some table
                 return self._continuing(m.group(2), [*_columns(names), "*"], lead=False)
-            return set(), False
+            return set(), End.NONE
         if self.pieces.bare and not quoted:
             return self._operand(text, names)
-        return set(), False
+        return set(), End.NONE
 
     def _tables(self, prior: str, names: Names) -> list[str]:
         """The tables the FROM or JOIN after `prior` may name: with the bare words held, those
@@ -289,13 +278,13 @@ class IdentifierConstraint:
             ids |= self._continuing("", longer, lead=False)[0]
         return ids | self.pieces.literal, End.NONE
 
-    def _continuing(self, partial: str, forms: list[str], lead: bool) -> tuple[set[int], bool]:
+    def _continuing(self, partial: str, forms: list[str], lead: bool) -> tuple[set[int], End]:
         low = partial.lower()
         rests = [f.lower()[len(low) :] for f in forms if f.lower().startswith(low)]
         out: set[int] = set()
         for rest in rests:
             out |= self.pieces.continuing(rest, lead)
-        return out, "" in rests
+        return out, End.ANY if "" in rests else End.NONE
 
     def _subquery(self, lead: bool) -> set[int]:
         return self.pieces.continuing("(", lead)
@@ -347,6 +336,7 @@ def _tables_read(text: str, names: Names) -> set[str]:
 # A qualified name (`T2.name`) and a bare word not followed by a dot or a parenthesis.
 _QUALIFIED = re.compile(r'(?<![\w."])("[^"]+"|[A-Za-z_]\w*)\.("[^"]+"|\w+)')
 _BARE = re.compile(r'(?<![\w."])("[^"]+"|[A-Za-z_]\w*)(?![\w"]|\s*[.(])')
+_SELECT_LIST = re.compile(r"\s*(?:SELECT\b|\()?(.*?)(?:\bFROM\b|$)", re.IGNORECASE | re.DOTALL)
 _FUNCTION_CALL = re.compile(r"\b(?:" + "|".join(_FROM_FUNCTIONS) + r")\s*\([^()]*\)", re.IGNORECASE)
 
 
@@ -371,7 +361,7 @@ def _ahead(prior: str, names: Names) -> list[str]:
     alias = f"t{len(named) + 1}"
     if needs.get(alias):
         tables = [t for t in tables if needs[alias] <= has[_key(t)]] or tables
-    head = re.match(r"\s*(?:SELECT\b|\()?(.*?)(?:\bFROM\b|$)", part, re.IGNORECASE | re.DOTALL)
+    head = _SELECT_LIST.match(part)
     listed = _SELECT_ALIAS.sub("", head.group(1)) if head else ""
     columns = set().union(*has.values()) if has else set()
     bare = {_key(w) for w in _BARE.findall(listed)} & columns
