@@ -5,6 +5,7 @@ schema has, where the same model unheld names nothing of it."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sqlite3
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 
 from moe.model.config import ModelConfig, MoEConfig
 from moe.model.transformer import MoETransformer
-from moe.sql.constrain import End, IdentifierConstraint, Names, Pieces
+from moe.sql.constrain import FUNCTIONS, End, IdentifierConstraint, Names, Pieces
 from moe.sql.records import SqlPair
 from moe.sql.sandbox import ReadOnlyDb, inspect_database
 from tests.test_sql import tok  # noqa: F401 (a fixture: a real BPE trained on SQL)
@@ -79,8 +80,8 @@ def test_after_from_only_the_schemas_tables_and_after_a_dot_only_that_tables_col
                              names.columns["stadium"] + ['"home town"', "*"]) for t in ahead)  # fmt: skip
     assert held.allowed("SELECT * FROM singer WHERE T9.", names) == (set(), False)  # unbound
     assert loose.allowed("SELECT name, age", names) == (set(), False)  # no table position
-    # a column, complete (and PostgreSQL's age(): its parenthesis may follow), but no dot
-    assert held.allowed("SELECT name, age", names) == (held.pieces.paren, End.NO_DOT)
+    # a column, complete, but no dot (sqlite has no age(): no parenthesis either)
+    assert held.allowed("SELECT name, age", names) == (set(), End.NO_DOT)
     quoted = _texts(tok, held.allowed('SELECT * FROM "order" AS o WHERE o.', names)[0])
     assert quoted and all('"home town"'.startswith(t.lower()) or "id".startswith(t.lower())
                           or t == "*" for t in quoted)  # fmt: skip
@@ -308,6 +309,7 @@ def test_a_complete_word_goes_on_as_what_it_names(tok, concerts: Path) -> None: 
     `ORDER BY year` on a schema without that column); EXTRACT's units are words only inside
     EXTRACT( ; an operand starts with none of SQL's words that cannot (`is`, `having`)."""
     names = _names(concerts)
+    pg = dataclasses.replace(names, functions=FUNCTIONS)  # every function (PostgreSQL's too)
     held = IdentifierConstraint(tok, Pieces(tok), [names])
     dot, paren = held.pieces.dot, held.pieces.paren
     assert dot and paren and not dot & paren
@@ -328,6 +330,12 @@ def test_a_complete_word_goes_on_as_what_it_names(tok, concerts: Path) -> None: 
     assert held.allowed("SELECT * FROM stadium WHERE stadiu", names)[0]
     assert not held.allowed("SELECT * FROM singer WHERE stadiu", names)[0]
     assert "e" in _texts(tok, held.allowed("SELECT EXTRACT(y", names)[0])
+    # a function the database's engine lacks is not offered (sqlite has no `now`, `age(`)
+    assert "now" not in names.functions and "julianday" in names.functions
+    assert held.allowed("SELECT string_", names) == (set(), End.NONE)
+    assert held.allowed("SELECT string_", pg)[0]
+    assert held.allowed("SELECT name FROM singer WHERE age", names) == (set(), End.NO_DOT)
+    assert held.allowed("SELECT name FROM singer WHERE age", pg)[0] == paren  # PostgreSQL's
     # in the decoder's mask: after a column a dot is gone, a space or a comma is not
     text = "SELECT name FROM singer WHERE age"
     ids = tok.encode(text).ids

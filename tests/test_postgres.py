@@ -27,6 +27,7 @@ import yaml
 
 from moe.config import ConfigError
 from moe.errors import InputError
+from moe.sql.constrain import Names
 from moe.sql.databases import open_database
 from moe.sql.pruners import pruner_for
 from moe.sql.records import load_pairs
@@ -362,6 +363,14 @@ def test_the_schema_is_read_from_the_server(pg: dict[str, Any], monkeypatch) -> 
     text = serialize_schema(schema, SchemaStyle(values=3))
     assert text.startswith("[postgresql] artist(id int pk, name text); album(")
     assert "invoicedate date" in text and "country text [USA|Canada|" in text
+    # the functions the constraint offers are the engine's own: PostgreSQL's, not sqlite's
+    assert {"now", "string_agg", "date_trunc", "lower"} <= schema.functions
+    assert "julianday" not in schema.functions and "julianday" in lite.functions
+    pg_names, lite_names = Names.of(schema), Names.of(lite)
+    assert {"now", "coalesce", "extract", "greatest"} <= pg_names.functions  # syntax kept
+    assert "julianday" not in pg_names.functions and "group_concat" not in pg_names.functions
+    assert {"julianday", "coalesce", "cast"} <= lite_names.functions
+    assert not {"now", "string_agg", "extract", "age"} & lite_names.functions
 
 
 def test_a_url_must_hold_no_password_and_name_an_engine_with_a_sandbox(monkeypatch) -> None:

@@ -83,6 +83,13 @@ STARTERS = frozenset(
 AFTER_NOT = frozenset("in like between null exists ilike glob regexp similar distinct".split())
 UNITS = frozenset("year month day hour minute second epoch".split())
 SQL_WORDS = FUNCTIONS | STARTERS | AFTER_NOT | UNITS  # every SQL word an operand may start with
+# Calls that are the dialect's syntax, not functions its catalogue lists (PostgreSQL's
+# COALESCE, GREATEST, TRIM(... FROM ...)): kept when the engine's own list decides the rest.
+_SYNTAX = {
+    "sqlite": {"cast", "exists"},
+    "postgresql": {"cast", "exists", "coalesce", "nullif", "greatest", "least", "trim",
+                   "extract", "position", "overlay", "substring"},
+}  # fmt: skip
 _UNIT_AT = re.compile(r"\bEXTRACT\s*\(\s*\w*$", re.IGNORECASE)
 
 
@@ -108,16 +115,21 @@ class Names:
 
     tables: list[str]
     columns: dict[str, list[str]] = field(default_factory=dict)
+    functions: frozenset[str] = FUNCTIONS  # those of FUNCTIONS the database's engine has
 
     @classmethod
     def of(cls, schema: Schema, shown: str = "") -> Names:
         """`schema`'s tables that the prompt's schema text `shown` lists (pruning keeps some;
-        "" = all of them), with their columns."""
+        "" = all of them), with their columns, and the functions its engine has (sqlite has
+        no `now`, PostgreSQL no `julianday`; all of FUNCTIONS when the schema did not read
+        its engine's list)."""
         listed = _listed_tables(shown)
         tables = [t for t in schema.tables if not listed or t.name.lower() in listed]
+        known = schema.functions | _SYNTAX.get(schema.dialect, set())
         return cls(
             [ident(t.name) for t in tables],
             {_key(t.name): [ident(c.name) for c in t.columns] for t in tables},
+            FUNCTIONS & known if schema.functions else FUNCTIONS,
         )
 
 
@@ -257,13 +269,13 @@ class IdentifierConstraint:
         plain |= STARTERS | (AFTER_NOT if keyword == "not" else set())
         if _UNIT_AT.search(text):
             plain |= UNITS
-        words = list(plain | qualifiers | FUNCTIONS)
+        words = list(plain | qualifiers | names.functions)
         if partial:
             ids, complete = self._continuing(partial, words, lead=False)
             word = partial.lower()
             if not complete:
                 return ids, End.NONE
-            if word in FUNCTIONS:
+            if word in names.functions:
                 ids |= self.pieces.paren
             if word in plain:
                 return ids, End.ANY if word in qualifiers else End.NO_DOT

@@ -144,6 +144,7 @@ def reflect_schema(
     sample_rows: int = 20000,
     stats: bool = True,
     keywords: frozenset[str] = frozenset(),
+    functions: frozenset[str] = frozenset(),
 ) -> Schema:
     """The schema of `namespace` on the server behind `conn` (a SQLAlchemy Connection on a
     read-only, time-limited session): tables (and views with `views`), columns, keys and row
@@ -184,7 +185,7 @@ def reflect_schema(
                     and 2 * c.distinct <= min(rows, sample_rows)
                 )
         tables.append(Table(name, cols, rows, estimated))
-    return Schema(tables, conn.dialect.name, namespace, keywords)
+    return Schema(tables, conn.dialect.name, namespace, keywords, functions)
 
 
 def text_values(

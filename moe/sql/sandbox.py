@@ -139,7 +139,12 @@ def _inspect(con: sqlite3.Connection, sample_rows: int) -> Schema:
             )
             cols.append(col)
         tables.append(Table(tname, cols, rows))
-    return Schema(tables)
+    try:  # the functions this sqlite was built with (3.30 and later list them)
+        listed = con.execute("SELECT DISTINCT name FROM pragma_function_list")
+        functions = frozenset(name.lower() for (name,) in listed)
+    except sqlite3.Error:
+        functions = frozenset()
+    return Schema(tables, functions=functions)
 
 
 def _column_stats(con: sqlite3.Connection, table: str, col: Column, sample_rows: int) -> None:

@@ -56,6 +56,9 @@ class Schema:
     # the words the engine reserves, lower case (a table or column named so is quoted); read
     # from the server (PostgreSQL's pg_get_keywords); sqlite's are `ident`'s own list
     keywords: frozenset[str] = frozenset()
+    # the functions the engine has, lower case (sqlite's pragma_function_list, PostgreSQL's
+    # pg_proc): the identifier constraint offers no other; empty = not read
+    functions: frozenset[str] = frozenset()
 
     def table(self, name: str) -> Table:
         return next(t for t in self.tables if t.name == name)

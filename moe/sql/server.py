@@ -201,6 +201,10 @@ class ServerDb:
         self.keywords = frozenset(
             w for (w,) in self._rows("SELECT word FROM pg_get_keywords() WHERE catcode <> 'U'")
         )
+        # the functions a query on this role's search path can call (the constraint offers
+        # no other: moe/sql/constrain.py)
+        visible = "SELECT DISTINCT lower(proname) FROM pg_proc WHERE pg_function_is_visible(oid)"
+        self.functions = frozenset(f for (f,) in self._rows(visible))
         self._schema: Schema | None = None
 
     # ------------------------------------------------------------------ the session
@@ -299,7 +303,12 @@ class ServerDb:
         try:
             with self.engine.connect() as conn:
                 return reflect_schema(
-                    conn, self.namespace, self.link.views, stats=stats, keywords=self.keywords
+                    conn,
+                    self.namespace,
+                    self.link.views,
+                    stats=stats,
+                    keywords=self.keywords,
+                    functions=self.functions,
                 )
         except sa.exc.DBAPIError as e:
             raise InputError(f"{self.label}: cannot read the schema ({_message(e.orig)})") from None
