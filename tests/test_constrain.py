@@ -158,6 +158,12 @@ def test_what_is_not_a_table_position_stays_free_and_aliases_bind_per_query_part
     assert cols and all(any(c.startswith(t.lower()) for c in ("id", "capacity", "*")) for t in cols)
     joined = "SELECT * FROM singer JOIN stadium AS T2 ON T2."
     assert _texts(tok, held.allowed(joined, names)[0]) == cols
+    # an alias bound in a closed subquery is not this part's (Spider reuses T1 in one)
+    nested = "SELECT T1.name FROM singer AS T1 WHERE T1.age > (SELECT avg(T1.capacity) FROM"
+    nested += " stadium AS T1) AND T1."
+    assert _texts(tok, held.allowed(nested, names)[0]) == _texts(
+        tok, held.allowed("SELECT T1.name FROM singer AS T1 WHERE T1.", names)[0]
+    )
     # bound to two tables in one part: ambiguous, free
     both = "SELECT * FROM singer AS T1 JOIN stadium AS T1 WHERE T1."
     assert held.allowed(both, names) == free
@@ -295,6 +301,9 @@ def test_the_table_after_from_has_the_columns_the_select_list_named_before_it(
     assert offered("SELECT name FROM singer WHERE age IN (SELECT capacity FROM") == {"stadium"}
     assert offered("SELECT EXTRACT(YEAR FROM d), capacity FROM") == {"stadium"}
     assert offered("SELECT count(*) AS age FROM") == set(tables)  # an output's alias
+    # a subquery already closed is done: the outer FROM looks at the outer list alone
+    assert offered("SELECT (SELECT count(*) FROM singer), capacity FROM") == {"stadium"}
+    assert offered("SELECT capacity, (SELECT max(age) FROM singer) FROM") == {"stadium"}
     assert offered("SELECT name FROM singer WHERE name = 'capacity' UNION SELECT age FROM") == {
         "singer"
     }

@@ -409,11 +409,28 @@ def _open_scopes(text: str) -> str:
     return "".join(out)
 
 
+_SCOPE = re.compile(r"'(?:[^']|'')*'?|\"(?:[^\"]|\"\")*\"?|\(\s*SELECT\b|[()]", re.IGNORECASE)
+
+
 def _part(text: str) -> str:
     """The query part being written: from its SELECT after a UNION, INTERSECT or EXCEPT, or
-    a subquery's parenthesis."""
-    starts = [m.start() for m in _PART.finditer(text)]
-    return text[starts[-1] :] if starts else text
+    an open subquery's parenthesis; a subquery already closed is left as `()` (its FROM and
+    aliases are not this part's: `SELECT (SELECT count(*) FROM t) FROM`)."""
+    out, at, opened = [], 0, []  # opened: where each open subquery starts in `out`, or -1
+    for m in _SCOPE.finditer(text):
+        out.append(text[at : m.start()])
+        at, piece = m.end(), m.group()
+        if piece == ")" and opened and opened[-1] >= 0:
+            del out[opened.pop() :]
+            piece = "()"
+        elif piece == ")" and opened:
+            opened.pop()
+        elif piece[0] == "(":
+            opened.append(len(out) if len(piece) > 1 else -1)
+        out.append(piece)
+    seen = "".join(out) + text[at:]
+    starts = [m.start() for m in _PART.finditer(seen)]
+    return seen[starts[-1] :] if starts else seen
 
 
 def _aliases(text: str) -> tuple[set[str], set[str], set[str]]:
