@@ -354,3 +354,64 @@ def test_a_complete_word_goes_on_as_what_it_names(tok, concerts: Path) -> None: 
     assert torch.isinf(logits[0, sorted(dot)]).all()
     assert not torch.isinf(logits[0, tok.encode(" =").ids[0]])
     assert not torch.isinf(logits[0, sorted(paren)]).any()
+
+
+@pytest.fixture
+def music(tmp_path: Path) -> Path:
+    """Chinook's shape in small: artist <- album <- track, and an employee who reports to
+    another (a foreign key to its own table)."""
+    path = tmp_path / "music.sqlite"
+    con = sqlite3.connect(path)
+    con.executescript(
+        "CREATE TABLE artist (id INTEGER PRIMARY KEY, name TEXT);"
+        "CREATE TABLE album (id INTEGER PRIMARY KEY, title TEXT,"
+        " artist_id INTEGER REFERENCES artist(id));"
+        "CREATE TABLE track (id INTEGER PRIMARY KEY, name TEXT, album_id INTEGER"
+        " REFERENCES album(id), milliseconds INTEGER);"
+        "CREATE TABLE employee (id INTEGER PRIMARY KEY, name TEXT,"
+        " reports_to INTEGER REFERENCES employee(id));"
+        "CREATE TABLE note (id INTEGER PRIMARY KEY, text TEXT);"
+    )
+    con.close()
+    return path
+
+
+def test_a_join_follows_the_foreign_keys(tok, music: Path) -> None:  # noqa: F811
+    """After JOIN, a table a foreign key links to one read before; in its ON condition a
+    column of such a key, and after `T1.col =` the column it pairs with (SmolLM2 joined
+    Chinook's album to artist on both ids, invoice to itself on a date). Where no key links
+    the tables, and with the bare words free, joins stay as they were."""
+    names = _names(music)
+    held = IdentifierConstraint(tok, Pieces(tok), [names])
+    loose = IdentifierConstraint(tok, Pieces(tok, bare=False), [names])
+    tables = ("artist", "album", "track", "employee", "note")
+
+    def offered(text: str, rule: IdentifierConstraint = held) -> set[str]:
+        return {t for t in tables if rule.allowed(f"{text} {t[:-1]}", names)[0]}
+
+    def columns(text: str, rule: IdentifierConstraint = held) -> set[str]:
+        cols = [c for t in tables for c in names.columns[t]]
+        return {c for c in cols if rule.allowed(text + c[:-1], names)[0]}
+
+    assert offered("SELECT * FROM album JOIN") == {"artist", "track"}  # not album itself
+    assert offered("SELECT * FROM album AS T1 JOIN", loose) == set(tables)
+    assert offered("SELECT * FROM employee AS T1 JOIN") == {"employee"}  # its own key
+    assert offered("SELECT * FROM note AS T1 JOIN") == set(tables)  # no key: free
+    on = "SELECT T1.name FROM artist AS T1 JOIN album AS T2 ON "
+    assert columns(on + "T2.") == {"artist_id"}
+    assert columns(on + "T1.") == {"id"}
+    assert columns(on + "T1.id = T2.") == {"artist_id"}
+    assert columns(on + "T2.artist_id = T1.") == {"id"}
+    assert columns(on + "T2.", loose) == {"id", "title", "artist_id"}
+    three = on + "T1.id = T2.artist_id JOIN track AS T3 ON T3."
+    assert columns(three) == {"album_id"}
+    assert columns(three + "album_id = T2.") == {"id"}
+    # past the condition's first comparison, in WHERE, and between unlinked tables: free
+    assert columns(on + "T1.id = T2.artist_id AND T2.") == {"id", "title", "artist_id"}
+    assert columns(on + "T1.id = T2.artist_id WHERE T2.") == {"id", "title", "artist_id"}
+    assert columns("SELECT * FROM note AS T1 JOIN track AS T2 ON T2.") == set(
+        names.columns["track"]
+    )
+    boss = "SELECT T1.name FROM employee AS T1 JOIN employee AS T2 ON T1."
+    assert columns(boss) == {"id", "reports_to"}
+    assert columns(boss + "reports_to = T2.") == {"id"}

@@ -13,7 +13,9 @@ to anything but a dot. Literals, numbers and quoted names stay free.
 SQL names the columns before the tables, so the table after FROM or JOIN is held to what the
 query part named before it (`_ahead`): the k-th table has the columns written as `Tk.col`
 (Spider's convention binds Tk to it), and the SELECT list's bare columns that no table named
-so far has.
+so far has. A JOIN follows the schema's foreign keys where it declares any (moe/sql/joins.py):
+the table is linked to one read before, and the ON condition pairs the key's columns. Only the
+functions the database's engine has are offered (`Schema.functions`).
 
 At each step of the batched decoder (`MoETransformer.generate_batch`'s `adjust`), a row in an
 identifier position keeps only the tokens that continue an allowed name: a vocabulary piece
@@ -34,6 +36,8 @@ from typing import Any
 
 import torch
 
+from moe.sql import scopes
+from moe.sql.joins import Links, joinable, key, links_of, on_columns
 from moe.sql.schema import Schema, ident
 
 # The table position: FROM or JOIN, whitespace, then the name being written (maybe quoted).
@@ -46,8 +50,6 @@ _COLUMN_AT = re.compile(r'(?<![\w."])("[^"]+"|[A-Za-z_]\w*)\.("[^"]*|\w*)$')
 _ALIAS = re.compile(
     r'\b(?:FROM|JOIN)\s+(?=("[^"]+"|\w+)(?:\s+AS)?\s+([A-Za-z_]\w*))', re.IGNORECASE
 )
-# Where a query part starts: an alias is bound within its part (T1 again after INTERSECT).
-_PART = re.compile(r"\b(?:UNION|INTERSECT|EXCEPT)\b|\(\s*SELECT\b", re.IGNORECASE)
 # FROM inside these functions' parentheses is an argument, not a table (PostgreSQL).
 _FROM_FUNCTIONS = {"extract", "substring", "trim", "overlay", "position"}
 # An operand's start: a keyword or a punctuation that comes before one, then the bare word
@@ -116,6 +118,7 @@ class Names:
     tables: list[str]
     columns: dict[str, list[str]] = field(default_factory=dict)
     functions: frozenset[str] = FUNCTIONS  # those of FUNCTIONS the database's engine has
+    links: Links = field(default_factory=dict)  # the foreign keys (moe/sql/joins.py)
 
     @classmethod
     def of(cls, schema: Schema, shown: str = "") -> Names:
@@ -130,12 +133,11 @@ class Names:
             [ident(t.name) for t in tables],
             {_key(t.name): [ident(c.name) for c in t.columns] for t in tables},
             FUNCTIONS & known if schema.functions else FUNCTIONS,
+            links_of(schema.foreign_keys, {_key(t.name) for t in tables}),
         )
 
 
-def _key(name: str) -> str:
-    """A name as SQL compares it: unquoted and lower case."""
-    return name.strip('"').replace('""', '"').lower()
+_key = key  # a name as SQL compares it: unquoted and lower case
 
 
 def _listed_tables(shown: str) -> set[str]:
@@ -220,20 +222,29 @@ class IdentifierConstraint:
             return set(), End.NONE
         m = _TABLE_NEXT.search(text)
         if m and not quoted and not _function_from(text):
-            ids, ending = self._continuing("", self._tables(text[: m.start()], names), lead=True)
+            tables = self._tables(text[: m.start()], names, m.group()[0] in "jJ")
+            ids, ending = self._continuing("", tables, lead=True)
             return ids | self._subquery(True), ending
         m = _TABLE_AT.search(text)
         if m and not _function_from(text[: m.start(1)]):
             partial = m.group(2)
-            tables = self._tables(text[: m.start()], names)
+            tables = self._tables(text[: m.start()], names, m.group()[0] in "jJ")
             ids, ending = self._continuing(partial, tables, lead=False)
             return ids | (set() if partial or not ids else self._subquery(False)), ending
         m = _COLUMN_AT.search(text)
         if m:
             table = _table_of(_key(m.group(1)), text, names)
             if table is not None:
-                return self._continuing(m.group(2), [*names.columns[table], "*"], lead=False)
-            if self.pieces.bare and not _TABLE_IN.search(_part(text)):
+                cols = [*names.columns[table], "*"]
+                on = self.pieces.bare and on_columns(
+                    scopes.part(text[: m.start()]),
+                    table,
+                    names.links,
+                    lambda q: _table_of(q, text, names),
+                )
+                cols = [c for c in cols if _key(c) in on] if on else cols
+                return self._continuing(m.group(2), cols, lead=False)
+            if self.pieces.bare and not _TABLE_IN.search(scopes.part(text)):
                 # `SELECT T2.`: the alias is bound later, by FROM; a column of some table
                 return self._continuing(m.group(2), [*_columns(names), "*"], lead=False)
             return set(), End.NONE
@@ -241,10 +252,14 @@ class IdentifierConstraint:
             return self._operand(text, names)
         return set(), End.NONE
 
-    def _tables(self, prior: str, names: Names) -> list[str]:
+    def _tables(self, prior: str, names: Names, join: bool) -> list[str]:
         """The tables the FROM or JOIN after `prior` may name: with the bare words held, those
-        that let what the query named before them run (`_ahead`)."""
-        return _ahead(prior, names) if self.pieces.bare else names.tables
+        that let what the query named before them run (`_ahead`), and after JOIN those a
+        foreign key links to a table read before, where the schema links any."""
+        if not self.pieces.bare:
+            return names.tables
+        tables = _ahead(prior, names)
+        return joinable(scopes.part(prior), tables, names.links) if join else tables
 
     def _operand(self, text: str, names: Names) -> tuple[set[int], End]:
         """A bare word where an operand starts: a column or table of the schema, an alias of
@@ -255,7 +270,7 @@ class IdentifierConstraint:
         m = _OPERAND_AT.search(text)
         if not m:
             return set(), End.NONE
-        if _TABLE_IN.search(_part(text)):  # the columns of the tables the query reads
+        if _TABLE_IN.search(scopes.part(text)):  # the columns of the tables the query reads
             read = _tables_read(text, names)
             columns = _columns(names, read)
             qualifiers = {t for t in names.tables if not read or _key(t) in read}
@@ -334,9 +349,9 @@ def _tables_read(text: str, names: Names) -> set[str]:
     the query and the subqueries still open (a correlated subquery reads the outer tables),
     not in a subquery already closed (`FROM a, b AS T2` reads both); empty, which means any
     of them, when none is the schema's or one is a subquery's result (`FROM (SELECT ...)`)."""
-    if any(_closes(text, m.end() - 1) for m in _DERIVED.finditer(text)):
+    if any(scopes.closes(text, m.end() - 1) for m in _DERIVED.finditer(text)):
         return set()  # a derived table: its columns are the subquery's, not the schema's
-    seen = _open_scopes(text)
+    seen = scopes.open_scopes(text)
     out = set()
     for m in _FROM_CLAUSE.finditer(seen):
         for name in re.findall(r'"[^"]+"|\w+', m.group(1)):
@@ -359,7 +374,7 @@ def _ahead(prior: str, names: Names) -> list[str]:
     wrote `Tk.col` before binding Tk, a table with those columns; and where the SELECT list
     named bare columns that no table named so far has, a table with all of them (else with
     some of them). A filter no table passes is left out."""
-    part = _FUNCTION_CALL.sub("", _part(prior))  # EXTRACT(YEAR FROM d): no table
+    part = _FUNCTION_CALL.sub("", scopes.part(prior))  # EXTRACT(YEAR FROM d): no table
     part = re.sub(r"'[^']*'", "''", part)
     has = {t: {_key(c) for c in cols} for t, cols in names.columns.items()}
     named = [m.group(1) for m in _FROM_CLAUSE.finditer(part)]
@@ -387,52 +402,6 @@ def _ahead(prior: str, names: Names) -> list[str]:
 _DERIVED = re.compile(r"\b(?:FROM|JOIN)\s*\(", re.IGNORECASE)
 
 
-def _closes(text: str, at: int) -> bool:
-    """Whether the parenthesis at `at` is closed within `text`."""
-    depth = 0
-    for ch in text[at:]:
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth == 0:
-            return True
-    return False
-
-
-def _open_scopes(text: str) -> str:
-    """`text` without its closed parentheses' contents (a subquery done, a function's
-    arguments): what the query being written can still see."""
-    out: list[str] = []
-    for ch in text:
-        if ch == ")" and "(" in out:
-            del out[len(out) - out[::-1].index("(") - 1 :]
-        else:
-            out.append(ch)
-    return "".join(out)
-
-
-_SCOPE = re.compile(r"'(?:[^']|'')*'?|\"(?:[^\"]|\"\")*\"?|\(\s*SELECT\b|[()]", re.IGNORECASE)
-
-
-def _part(text: str) -> str:
-    """The query part being written: from its SELECT after a UNION, INTERSECT or EXCEPT, or
-    an open subquery's parenthesis; a subquery already closed is left as `()` (its FROM and
-    aliases are not this part's: `SELECT (SELECT count(*) FROM t) FROM`)."""
-    out, at, opened = [], 0, []  # opened: where each open subquery starts in `out`, or -1
-    for m in _SCOPE.finditer(text):
-        out.append(text[at : m.start()])
-        at, piece = m.end(), m.group()
-        if piece == ")" and opened and opened[-1] >= 0:
-            del out[opened.pop() :]
-            piece = "()"
-        elif piece == ")" and opened:
-            opened.pop()
-        elif piece[0] == "(":
-            opened.append(len(out) if len(piece) > 1 else -1)
-        out.append(piece)
-    seen = "".join(out) + text[at:]
-    starts = [m.start() for m in _PART.finditer(seen)]
-    return seen[starts[-1] :] if starts else seen
-
-
 def _aliases(text: str) -> tuple[set[str], set[str], set[str]]:
     """The aliases `text` gives: the tables' (`FROM t AS a`, `JOIN t a`, `FROM t a, u b`),
     the outputs' (`AS n`, `count(*) n,`) and the CTEs' names (`WITH n AS (...)`)."""
@@ -449,7 +418,7 @@ def _aliases(text: str) -> tuple[set[str], set[str], set[str]]:
 def _table_of(qualifier: str, text: str, names: Names) -> str | None:
     """The table a qualifier names: the alias the query part being written gave it (bound
     once; bound to two tables there it is ambiguous: None), or the table itself."""
-    part = _part(text)
+    part = scopes.part(text)
     bound = {
         _key(m.group(1))
         for m in _ALIAS.finditer(part)
