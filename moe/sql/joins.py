@@ -56,9 +56,13 @@ def read_in(part: str, known: Iterable[str]) -> list[str]:
 
 def joinable(part: str, tables: list[str], links: Links) -> list[str]:
     """Of `tables` (SQL's forms), those the JOIN at the end of the query `part` may name: a
-    table a foreign key links to one the part read before; all of them where none is."""
+    table a foreign key links to one the part read before, or a table no key names (Spider's
+    flight_2 declares none for airlines: its joins cannot be checked); all of them where the
+    tables read have no key."""
     near = {other for t in read_in(part, links) for _, other, _ in links[t]}
-    return [t for t in tables if key(t) in near] or tables
+    if not near:
+        return tables
+    return [t for t in tables if key(t) in near or key(t) not in links] or tables
 
 
 def on_columns(
