@@ -72,11 +72,9 @@ def _moe_modules(path: Path) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("moe"):
-            found |= (
-                {f"moe/{a.name}.py" for a in node.names}
-                if node.module == "moe"
-                else {node.module.replace(".", "/") + ".py"}
-            )
+            package = node.module.replace(".", "/")
+            # `from moe.sql.joins import key`, and `from moe.sql import scopes` (a module)
+            found |= {package + ".py"} | {f"{package}/{a.name}.py" for a in node.names}
         elif isinstance(node, ast.Import):
             found |= {a.name.replace(".", "/") + ".py" for a in node.names if a.name[:4] == "moe."}
     return {p for p in found if (ROOT / p).is_file()}
