@@ -358,8 +358,8 @@ def test_a_complete_word_goes_on_as_what_it_names(tok, concerts: Path) -> None: 
 
 @pytest.fixture
 def music(tmp_path: Path) -> Path:
-    """Chinook's shape in small: artist <- album <- track, and an employee who reports to
-    another (a foreign key to its own table)."""
+    """Chinook's shape in small: artist <- album <- track and single, an employee who reports
+    to another (a foreign key to its own table), and a note no key names."""
     path = tmp_path / "music.sqlite"
     con = sqlite3.connect(path)
     con.executescript(
@@ -371,6 +371,7 @@ def music(tmp_path: Path) -> Path:
         "CREATE TABLE employee (id INTEGER PRIMARY KEY, name TEXT,"
         " reports_to INTEGER REFERENCES employee(id));"
         "CREATE TABLE note (id INTEGER PRIMARY KEY, text TEXT);"
+        "CREATE TABLE single (id INTEGER PRIMARY KEY, album_id INTEGER REFERENCES album(id));"
     )
     con.close()
     return path
@@ -384,7 +385,7 @@ def test_a_join_follows_the_foreign_keys(tok, music: Path) -> None:  # noqa: F81
     names = _names(music)
     held = IdentifierConstraint(tok, Pieces(tok), [names])
     loose = IdentifierConstraint(tok, Pieces(tok, bare=False), [names])
-    tables = ("artist", "album", "track", "employee", "note")
+    tables = ("artist", "album", "track", "employee", "note", "single")
 
     def offered(text: str, rule: IdentifierConstraint = held) -> set[str]:
         return {t for t in tables if rule.allowed(f"{text} {t[:-1]}", names)[0]}
@@ -394,10 +395,12 @@ def test_a_join_follows_the_foreign_keys(tok, music: Path) -> None:  # noqa: F81
         return {c for c in cols if rule.allowed(text + c[:-1], names)[0]}
 
     # not album itself; note, which no key names, cannot be checked
-    assert offered("SELECT * FROM album JOIN") == {"artist", "track", "note"}
-    assert offered("SELECT * FROM track AS T1 JOIN") == {"album", "note"}
+    assert offered("SELECT * FROM album JOIN") == {"artist", "track", "single", "note"}
     assert offered("SELECT * FROM album AS T1 JOIN", loose) == set(tables)
     assert offered("SELECT * FROM employee AS T1 JOIN") == {"employee", "note"}  # its own key
+    assert offered("SELECT * FROM album AS T1 CROSS JOIN") == set(tables)  # no key to follow
+    # another child of the same parent (Spider's city and countrylanguage, both of country)
+    assert offered("SELECT * FROM track AS T1 JOIN") == {"album", "note", "single"}
     assert offered("SELECT * FROM note AS T1 JOIN") == set(tables)  # no key: free
     on = "SELECT T1.name FROM artist AS T1 JOIN album AS T2 ON "
     assert columns(on + "T2.") == {"artist_id"}

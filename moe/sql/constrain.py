@@ -259,6 +259,7 @@ class IdentifierConstraint:
         if not self.pieces.bare:
             return names.tables
         tables = _ahead(prior, names)
+        join = join and not _UNKEYED.search(prior)  # CROSS and NATURAL JOIN take no key
         return joinable(scopes.part(prior), tables, names.links) if join else tables
 
     def _operand(self, text: str, names: Names) -> tuple[set[int], End]:
@@ -399,6 +400,7 @@ def _ahead(prior: str, names: Names) -> list[str]:
     return tables
 
 
+_UNKEYED = re.compile(r"\b(?:CROSS|NATURAL)\s*$", re.IGNORECASE)
 _DERIVED = re.compile(r"\b(?:FROM|JOIN)\s*\(", re.IGNORECASE)
 
 

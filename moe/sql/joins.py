@@ -7,8 +7,8 @@ T2.artist_id`, not `T1.id = T2.id`). SmolLM2 joined Chinook's invoice to itself 
 (a Spider database that declares none), joins stay free.
 
 `Links` maps a table (its key: unquoted, lower case) to `(its column, other table, other's
-column)` for each foreign key either way; a key to the table itself links it to itself
-(employee.reports_to -> employee.id).
+column, whether the other is the parent)` for each foreign key either way; a key to the table
+itself links it to itself (employee.reports_to -> employee.id).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 
-Links = dict[str, list[tuple[str, str, str]]]
+Links = dict[str, list[tuple[str, str, str, bool]]]
 _NAME = r'"[^"]+"|\w+'
 # The FROM or JOIN of a query part and the table it names.
 _READ = re.compile(rf"\b(?:FROM|JOIN)\s+({_NAME})", re.IGNORECASE)
@@ -43,8 +43,8 @@ def links_of(foreign_keys: Iterable[tuple[str, str, str, str]], tables: set[str]
     for child, ccol, parent, pcol in foreign_keys:
         c, p = key(child), key(parent)
         if c in tables and p in tables:
-            out.setdefault(c, []).append((key(ccol), p, key(pcol)))
-            out.setdefault(p, []).append((key(pcol), c, key(ccol)))
+            out.setdefault(c, []).append((key(ccol), p, key(pcol), True))
+            out.setdefault(p, []).append((key(pcol), c, key(ccol), False))
     return out
 
 
@@ -56,12 +56,16 @@ def read_in(part: str, known: Iterable[str]) -> list[str]:
 
 def joinable(part: str, tables: list[str], links: Links) -> list[str]:
     """Of `tables` (SQL's forms), those the JOIN at the end of the query `part` may name: a
-    table a foreign key links to one the part read before, or a table no key names (Spider's
-    flight_2 declares none for airlines: its joins cannot be checked); all of them where the
-    tables read have no key."""
-    near = {other for t in read_in(part, links) for _, other, _ in links[t]}
+    table a foreign key links to one the part read before, another child of a parent one of
+    them has (Spider's city and countrylanguage, both of country), or a table no key names
+    (Spider's flight_2 declares none for airlines: its joins cannot be checked); all of them
+    where the tables read have no key. A table joins itself only through a key of its own."""
+    read = read_in(part, links)
+    near = {other for t in read for _, other, _, _ in links[t]}
     if not near:
         return tables
+    parents = {other for t in read for _, other, _, up in links[t] if up}
+    near |= {c for p in parents for _, c, _, up in links[p] if not up and c not in read}
     return [t for t in tables if key(t) in near or key(t) not in links] or tables
 
 
@@ -78,7 +82,7 @@ def on_columns(
         return None
     joined = key(m.group(1))
     earlier = set(read_in(before[: m.start()], links))
-    pairs = [(jc, t, c) for jc, t, c in links.get(joined, []) if t in earlier]
+    pairs = [(jc, t, c) for jc, t, c, _ in links.get(joined, []) if t in earlier]
     cond = m.group(2)
     if not cond.strip():
         got = {jc for jc, _, _ in pairs if table == joined}
