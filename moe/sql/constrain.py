@@ -37,7 +37,8 @@ from typing import Any
 import torch
 
 from moe.sql import scopes
-from moe.sql.joins import Links, joinable, key, links_of, on_columns
+from moe.sql.joins import Links, joinable, links_of, on_columns
+from moe.sql.joins import key as _key  # a name as SQL compares it: unquoted, lower case
 from moe.sql.schema import Schema, ident
 
 # The table position: FROM or JOIN, whitespace, then the name being written (maybe quoted).
@@ -137,9 +138,6 @@ class Names:
         )
 
 
-_key = key  # a name as SQL compares it: unquoted and lower case
-
-
 def _listed_tables(shown: str) -> set[str]:
     """The table names a serialised schema (`table(col type, ...); ...`) lists."""
     body = re.sub(r"^\[\w+\] ", "", shown)  # the dialect header (moe/sql/schema.py)
@@ -236,13 +234,10 @@ class IdentifierConstraint:
             table = _table_of(_key(m.group(1)), text, names)
             if table is not None:
                 cols = [*names.columns[table], "*"]
-                on = self.pieces.bare and on_columns(
-                    scopes.part(text[: m.start()]),
-                    table,
-                    names.links,
-                    lambda q: _table_of(q, text, names),
-                )
-                cols = [c for c in cols if _key(c) in on] if on else cols
+                if self.pieces.bare:  # in a JOIN's ON condition: the foreign key's columns
+                    before = scopes.part(text[: m.start()])
+                    on = on_columns(before, table, names.links, lambda q: _table_of(q, text, names))
+                    cols = [c for c in cols if _key(c) in on] if on else cols
                 return self._continuing(m.group(2), cols, lead=False)
             if self.pieces.bare and not _TABLE_IN.search(scopes.part(text)):
                 # `SELECT T2.`: the alias is bound later, by FROM; a column of some table
