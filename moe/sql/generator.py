@@ -34,7 +34,8 @@ import random
 import re
 from collections.abc import Iterator
 
-from moe.sql.roles import AGGS, OPS, Role, Tables, Template, article, literal, plural, words
+from moe.sql.joined import Joins
+from moe.sql.roles import AGGS, Tables, Template, literal, plural, words
 from moe.sql.sandbox import Schema, ident, in_dialect
 
 KINDS = ("filters", "ordering", "aggregates", "grouping", "joins")
@@ -67,7 +68,12 @@ class _Filters(Tables):
         c = rng.choice(r.cats)
         v = self._cat_value(c, rng)
         return (
-            f"List the {self._lbl(r)} of {r.nouns} whose {words(c.name)} is {v}.",
+            self._say(
+                rng,
+                f"List the {self._lbl(r)} of {r.nouns} whose {words(c.name)} is {v}.",
+                f"Which {r.nouns} have {words(c.name)} {v}?",
+                f"Show the {r.nouns} whose {words(c.name)} is {v}.",
+            ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)}",
         )
 
@@ -76,10 +82,15 @@ class _Filters(Tables):
         if not r:
             return None
         c = rng.choice(r.nums)
-        op, op_w = rng.choice(OPS)
+        op, op_w = self._op(rng)
         v = self._num_value(c, rng)
         return (
-            f"List the {self._lbl(r)} of {r.nouns} with {words(c.name)} {op_w} {v}.",
+            self._say(
+                rng,
+                f"List the {self._lbl(r)} of {r.nouns} with {words(c.name)} {op_w} {v}.",
+                f"Which {r.nouns} have {words(c.name)} {op_w} {v}?",
+                f"Show the {r.nouns} whose {words(c.name)} is {op_w} {v}.",
+            ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} {op} {literal(v)}",
         )
 
@@ -89,9 +100,13 @@ class _Filters(Tables):
             return None
         c, n = rng.choice(r.cats), rng.choice(r.nums)
         v, x = self._cat_value(c, rng), self._num_value(n, rng)
-        op, op_w = rng.choice(OPS)
+        op, op_w = self._op(rng)
         return (
-            f"Which {r.nouns} have {words(c.name)} {v} and {words(n.name)} {op_w} {x}? Give their {self._lbl(r)}.",
+            self._say(
+                rng,
+                f"Which {r.nouns} have {words(c.name)} {v} and {words(n.name)} {op_w} {x}? Give their {self._lbl(r)}.",
+                f"Which {r.nouns} have {words(c.name)} {v} and {words(n.name)} {op_w} {x}?",
+            ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)} AND {ident(n.name)} {op} {literal(x)}",
         )
 
@@ -106,7 +121,11 @@ class _Filters(Tables):
         a = rng.choice(asked)
         v = self._cat_value(name, rng)
         return (
-            f"What is the {words(a.name)} of the {r.noun} whose {words(name.name)} is {v}?",
+            self._say(
+                rng,
+                f"What is the {words(a.name)} of the {r.noun} whose {words(name.name)} is {v}?",
+                f"What is the {words(a.name)} of the {r.noun} {v}?",
+            ),
             f"SELECT {ident(a.name)} FROM {ident(r.table.name)} WHERE {ident(name.name)} = {literal(v)}",
         )
 
@@ -115,10 +134,14 @@ class _Filters(Tables):
         if not r or not r.nums:
             return None
         c, n = rng.choice(r.cats), rng.choice(r.nums)
-        op, op_w = rng.choice(OPS)
+        op, op_w = self._op(rng)
         x = self._num_value(n, rng)
         return (
-            f"Which different {plural(words(c.name))} do {r.nouns} with {words(n.name)} {op_w} {x} have?",
+            self._say(
+                rng,
+                f"Which different {plural(words(c.name))} do {r.nouns} with {words(n.name)} {op_w} {x} have?",
+                f"List the distinct {plural(words(c.name))} of {r.nouns} with {words(n.name)} {op_w} {x}.",
+            ),
             f"SELECT DISTINCT {ident(c.name)} FROM {ident(r.table.name)} WHERE {ident(n.name)} {op} {literal(x)}",
         )
 
@@ -129,7 +152,12 @@ class _Filters(Tables):
         c = rng.choice(r.attrs)
         v = self._any_value(c, rng)
         return (
-            f"Which {r.nouns} have {words(c.name)} {v}? Give their {self._lbl(r)}.",
+            self._say(
+                rng,
+                f"Which {r.nouns} have {words(c.name)} {v}? Give their {self._lbl(r)}.",
+                f"Which {r.nouns} have {words(c.name)} {v}?",
+                f"List the {r.nouns} whose {words(c.name)} is {v}.",
+            ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)}",
         )
 
@@ -142,7 +170,11 @@ class _Filters(Tables):
         assert c.references is not None
         parent, v = words(c.references[0]), self._any_value(c, rng)
         return (
-            f"List the {self._lbl(r)} of the {r.nouns} of {parent} {v}.",
+            self._say(
+                rng,
+                f"List the {self._lbl(r)} of the {r.nouns} of {parent} {v}.",
+                f"Which {r.nouns} belong to {parent} {v}?",
+            ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)}",
         )
 
@@ -158,7 +190,12 @@ class _Ordering(Tables):
         k = rng.randint(2, 10)
         high = rng.random() < 0.5
         return (
-            f"Show the {self._lbl(r)} of the {k} {r.nouns} with the {'highest' if high else 'lowest'} {words(n.name)}.",
+            self._say(
+                rng,
+                f"Show the {self._lbl(r)} of the {k} {r.nouns} with the {'highest' if high else 'lowest'} {words(n.name)}.",
+                f"What are the {k} {r.nouns} with the {'largest' if high else 'smallest'} {words(n.name)}?",
+                f"Show the {'top' if high else 'bottom'} {k} {r.nouns} by {words(n.name)}.",
+            ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} ORDER BY {ident(n.name)} {'DESC' if high else 'ASC'} LIMIT {k}",
         )
 
@@ -169,7 +206,11 @@ class _Ordering(Tables):
         n = rng.choice(r.nums)
         high = rng.random() < 0.5
         return (
-            f"What is the {r.label_words} of the {r.noun} with the {'highest' if high else 'lowest'} {words(n.name)}?",
+            self._say(
+                rng,
+                f"What is the {r.label_words} of the {r.noun} with the {'highest' if high else 'lowest'} {words(n.name)}?",
+                f"Which {r.noun} has the {'largest' if high else 'smallest'} {words(n.name)}?",
+            ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} ORDER BY {ident(n.name)} {'DESC' if high else 'ASC'} LIMIT 1",
         )
 
@@ -181,7 +222,11 @@ class _Ordering(Tables):
         v = self._cat_value(c, rng)
         high = rng.random() < 0.5
         return (
-            f"List the {self._lbl(r)} of {r.nouns} whose {words(c.name)} is {v}, from {'highest' if high else 'lowest'} to {'lowest' if high else 'highest'} {words(n.name)}.",
+            self._say(
+                rng,
+                f"List the {self._lbl(r)} of {r.nouns} whose {words(c.name)} is {v}, from {'highest' if high else 'lowest'} to {'lowest' if high else 'highest'} {words(n.name)}.",
+                f"Show the {r.nouns} with {words(c.name)} {v}, sorted by {words(n.name)} in {'descending' if high else 'ascending'} order.",
+            ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)} ORDER BY {ident(n.name)} {'DESC' if high else 'ASC'}",
         )
 
@@ -192,7 +237,11 @@ class _Ordering(Tables):
         by = r.labels[-1]  # a person: by last name
         desc = rng.random() < 0.3
         return (
-            f"List the {self._lbl(r)} of {r.nouns} in {'reverse ' if desc else ''}alphabetical order.",
+            self._say(
+                rng,
+                f"List the {self._lbl(r)} of {r.nouns} in {'reverse ' if desc else ''}alphabetical order.",
+                f"List the {r.nouns} in {'reverse ' if desc else ''}alphabetical order.",
+            ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} ORDER BY {ident(by.name)}{' DESC' if desc else ''}",
         )
 
@@ -204,7 +253,11 @@ class _Ordering(Tables):
         first = rng.random() < 0.5
         known = f" WHERE {ident(c.name)} IS NOT NULL" if c.nulls else ""
         return (
-            f"Which {r.noun} has the {'earliest' if first else 'latest'} {words(c.name)}? Give its {r.label_words}.",
+            self._say(
+                rng,
+                f"Which {r.noun} has the {'earliest' if first else 'latest'} {words(c.name)}? Give its {r.label_words}.",
+                f"Which {r.noun} has the {'earliest' if first else 'latest'} {words(c.name)}?",
+            ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)}{known} ORDER BY {ident(c.name)} {'ASC' if first else 'DESC'} LIMIT 1",
         )
 
@@ -216,7 +269,8 @@ class _Aggregates(Tables):
         r = rng.choice(list(self.roles.values())) if self.roles else None
         if not r:
             return None
-        return f"How many {r.nouns} are there?", f"SELECT COUNT(*) FROM {ident(r.table.name)}"
+        asked = self._say(rng, f"How many {r.nouns} are there?", f"Count the {r.nouns}.")
+        return asked, f"SELECT COUNT(*) FROM {ident(r.table.name)}"
 
     def _a_count_cat(self, rng: random.Random) -> tuple[str, str] | None:
         r = self._pick(rng, "cats")
@@ -225,7 +279,11 @@ class _Aggregates(Tables):
         c = rng.choice(r.cats)
         v = self._cat_value(c, rng)
         return (
-            f"How many {r.nouns} have {words(c.name)} {v}?",
+            self._say(
+                rng,
+                f"How many {r.nouns} have {words(c.name)} {v}?",
+                f"How many {r.nouns} are there whose {words(c.name)} is {v}?",
+            ),
             f"SELECT COUNT(*) FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)}",
         )
 
@@ -234,10 +292,14 @@ class _Aggregates(Tables):
         if not r:
             return None
         n = rng.choice(r.nums)
-        op, op_w = rng.choice(OPS)
+        op, op_w = self._op(rng)
         x = self._num_value(n, rng)
         return (
-            f"How many {r.nouns} have {words(n.name)} {op_w} {x}?",
+            self._say(
+                rng,
+                f"How many {r.nouns} have {words(n.name)} {op_w} {x}?",
+                f"Count the {r.nouns} whose {words(n.name)} is {op_w} {x}.",
+            ),
             f"SELECT COUNT(*) FROM {ident(r.table.name)} WHERE {ident(n.name)} {op} {literal(x)}",
         )
 
@@ -248,7 +310,11 @@ class _Aggregates(Tables):
         n = rng.choice(r.nums)
         agg, agg_w = rng.choice(AGGS)
         return (
-            f"What is the {agg_w} {words(n.name)} of {r.nouns}?",
+            self._say(
+                rng,
+                f"What is the {agg_w} {words(n.name)} of {r.nouns}?",
+                f"What is the {agg_w} {r.noun} {words(n.name)}?",
+            ),
             f"SELECT {agg}({ident(n.name)}) FROM {ident(r.table.name)}",
         )
 
@@ -260,7 +326,11 @@ class _Aggregates(Tables):
         agg, agg_w = rng.choice(AGGS)
         v = self._cat_value(c, rng)
         return (
-            f"What is the {agg_w} {words(n.name)} of {r.nouns} whose {words(c.name)} is {v}?",
+            self._say(
+                rng,
+                f"What is the {agg_w} {words(n.name)} of {r.nouns} whose {words(c.name)} is {v}?",
+                f"What is the {agg_w} {r.noun} {words(n.name)} for {words(c.name)} {v}?",
+            ),
             f"SELECT {agg}({ident(n.name)}) FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)}",
         )
 
@@ -270,7 +340,11 @@ class _Aggregates(Tables):
             return None
         c = rng.choice(r.cats)
         return (
-            f"How many different {plural(words(c.name))} do {r.nouns} have?",
+            self._say(
+                rng,
+                f"How many different {plural(words(c.name))} do {r.nouns} have?",
+                f"Count the distinct {plural(words(c.name))} of {r.nouns}.",
+            ),
             f"SELECT COUNT(DISTINCT {ident(c.name)}) FROM {ident(r.table.name)}",
         )
 
@@ -284,7 +358,12 @@ class _Grouping(Tables):
             return None
         c = rng.choice(r.cats)
         return (
-            f"How many {r.nouns} are there for each {words(c.name)}?",
+            self._say(
+                rng,
+                f"How many {r.nouns} are there for each {words(c.name)}?",
+                f"How many {r.nouns} does each {words(c.name)} have?",
+                f"Count the {r.nouns} per {words(c.name)}.",
+            ),
             f"SELECT {ident(c.name)}, COUNT(*) FROM {ident(r.table.name)} GROUP BY {ident(c.name)}",
         )
 
@@ -295,7 +374,11 @@ class _Grouping(Tables):
         c, n = rng.choice(r.cats), rng.choice(r.nums)
         agg, agg_w = rng.choice(AGGS)
         return (
-            f"What is the {agg_w} {words(n.name)} of {r.nouns} for each {words(c.name)}?",
+            self._say(
+                rng,
+                f"What is the {agg_w} {words(n.name)} of {r.nouns} for each {words(c.name)}?",
+                f"What is the {agg_w} {words(n.name)} per {words(c.name)}?",
+            ),
             f"SELECT {ident(c.name)}, {agg}({ident(n.name)}) FROM {ident(r.table.name)} GROUP BY {ident(c.name)}",
         )
 
@@ -306,7 +389,11 @@ class _Grouping(Tables):
         c = rng.choice(r.cats)
         k = rng.randint(1, max(1, r.table.rows // max(c.distinct, 1)))
         return (
-            f"Which {plural(words(c.name))} have more than {k} {r.nouns}?",
+            self._say(
+                rng,
+                f"Which {plural(words(c.name))} have more than {k} {r.nouns}?",
+                f"List the {plural(words(c.name))} with more than {k} {r.nouns}.",
+            ),
             f"SELECT {ident(c.name)} FROM {ident(r.table.name)} GROUP BY {ident(c.name)} HAVING COUNT(*) > {k}",
         )
 
@@ -317,126 +404,16 @@ class _Grouping(Tables):
         c = rng.choice(r.cats)
         most = rng.random() < 0.5
         return (
-            f"Which {words(c.name)} has the {'most' if most else 'fewest'} {r.nouns}?",
+            self._say(
+                rng,
+                f"Which {words(c.name)} has the {'most' if most else 'fewest'} {r.nouns}?",
+                f"Which {words(c.name)} has the {'largest' if most else 'smallest'} number of {r.nouns}?",
+            ),
             f"SELECT {ident(c.name)} FROM {ident(r.table.name)} GROUP BY {ident(c.name)} ORDER BY COUNT(*) {'DESC' if most else 'ASC'} LIMIT 1",
         )
 
 
-class _Joins(Tables):
-    """The `joins` templates: across a foreign key."""
-
-    def _j_names(self, rng: random.Random) -> tuple[str, str] | None:
-        j = self._join(rng)
-        if not j or not j[0].cats:
-            return None
-        child, _, parent, _, on = j
-        c = rng.choice(child.cats)
-        v = self._cat_value(c, rng)
-        return (
-            f"List the {self._lbl(parent)} of {parent.nouns} that have {article(child.noun)} with {words(c.name)} {v}.",
-            f"SELECT DISTINCT {self._sel(parent, 'T1.')} FROM {on} WHERE T2.{ident(c.name)} = {literal(v)}",
-        )
-
-    def _j_count(self, rng: random.Random) -> tuple[str, str] | None:
-        j = self._join(rng)
-        if not j:
-            return None
-        child, _, parent, pcol, on = j
-        return (
-            f"How many {child.nouns} does each {parent.noun} have? Show the {parent.label_words} and count.",
-            f"SELECT {self._sel(parent, 'T1.')}, COUNT(*) FROM {on} GROUP BY T1.{ident(pcol)}",
-        )
-
-    def _j_agg(self, rng: random.Random) -> tuple[str, str] | None:
-        j = self._join(rng)
-        if not j or not j[0].nums or not j[2].cats:
-            return None
-        child, _, parent, _, on = j
-        n, c = rng.choice(child.nums), rng.choice(parent.cats)
-        agg, agg_w = rng.choice(AGGS)
-        v = self._cat_value(c, rng)
-        return (
-            f"What is the {agg_w} {words(n.name)} of {child.nouns} for {parent.nouns} whose {words(c.name)} is {v}?",
-            f"SELECT {agg}(T2.{ident(n.name)}) FROM {on} WHERE T1.{ident(c.name)} = {literal(v)}",
-        )
-
-    def _j_child(self, rng: random.Random) -> tuple[str, str] | None:
-        j = self._join(rng)
-        if not j or not j[2].cats:
-            return None
-        child, _, parent, _, on = j
-        c = rng.choice(parent.cats)
-        v = self._cat_value(c, rng)
-        return (
-            f"List the {self._lbl(child)} of {child.nouns} whose {parent.noun} has {words(c.name)} {v}.",
-            f"SELECT {self._sel(child, 'T2.')} FROM {on} WHERE T1.{ident(c.name)} = {literal(v)}",
-        )
-
-    def _j_num(self, rng: random.Random) -> tuple[str, str] | None:
-        j = self._join(rng)
-        if not j or not j[2].nums:
-            return None
-        child, _, parent, _, on = j
-        n = rng.choice(parent.nums)
-        op, op_w = rng.choice(OPS)
-        x = self._num_value(n, rng)
-        return (
-            f"How many {child.nouns} belong to {parent.nouns} with {words(n.name)} {op_w} {x}?",
-            f"SELECT COUNT(*) FROM {on} WHERE T1.{ident(n.name)} {op} {literal(x)}",
-        )
-
-    def _named_join(self, rng: random.Random, side: int) -> tuple[Role, str, Role, str, str] | None:
-        """A join whose parent (`side` 2) or child (`side` 0) has a name to quote."""
-        j = self._join(rng)
-        return j if j and j[side].named else None
-
-    def _j_of_parent(self, rng: random.Random) -> tuple[str, str] | None:
-        j = self._named_join(rng, 2)
-        if not j:
-            return None
-        child, _, parent, _, on = j
-        v = self._any_value(parent.label, rng)
-        return (
-            f"List the {self._lbl(child)} of the {child.nouns} of the {parent.noun} {v}.",
-            f"SELECT {self._sel(child, 'T2.')} FROM {on} WHERE T1.{ident(parent.label.name)} = {literal(v)}",
-        )
-
-    def _j_parent_of(self, rng: random.Random) -> tuple[str, str] | None:
-        j = self._named_join(rng, 0)
-        if not j:
-            return None
-        child, _, parent, _, on = j
-        v = self._any_value(child.label, rng)
-        return (
-            f"Which {parent.noun} has the {child.noun} {v}? Give its {parent.label_words}.",
-            f"SELECT {self._sel(parent, 'T1.')} FROM {on} WHERE T2.{ident(child.label.name)} = {literal(v)}",
-        )
-
-    def _j_count_in(self, rng: random.Random) -> tuple[str, str] | None:
-        j = self._named_join(rng, 2)
-        if not j:
-            return None
-        child, _, parent, _, on = j
-        v = self._any_value(parent.label, rng)
-        return (
-            f"How many {child.nouns} does the {parent.noun} {v} have?",
-            f"SELECT COUNT(*) FROM {on} WHERE T1.{ident(parent.label.name)} = {literal(v)}",
-        )
-
-    def _j_agg_in(self, rng: random.Random) -> tuple[str, str] | None:
-        j = self._named_join(rng, 2)
-        if not j or not j[0].nums:
-            return None
-        child, _, parent, _, on = j
-        n, v = rng.choice(child.nums), self._any_value(parent.label, rng)
-        agg, agg_w = rng.choice(AGGS)
-        return (
-            f"What is the {agg_w} {words(n.name)} of the {child.nouns} of the {parent.noun} {v}?",
-            f"SELECT {agg}(T2.{ident(n.name)}) FROM {on} WHERE T1.{ident(parent.label.name)} = {literal(v)}",
-        )
-
-
-class QuestionGenerator(_Filters, _Ordering, _Aggregates, _Grouping, _Joins):
+class QuestionGenerator(_Filters, _Ordering, _Aggregates, _Grouping, Joins):
     """An endless stream of (question, SQL in sqlite's dialect) over one database's schema,
     the kinds drawn in turn; `kinds` says which the schema supports, `in_dialect` rewrites a
     statement for the database's own engine."""

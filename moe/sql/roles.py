@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from moe.sql.sandbox import Column, Schema, Table, ident
 
 OPS = [(">", "greater than"), ("<", "less than"), (">=", "at least"), ("<=", "at most")]
+# the other words a question says a comparison in (`Tables._op`)
+_OP_WORDS = {">": ("greater than", "more than", "above"), "<": ("less than", "below", "under")}
 AGGS = [("AVG", "average"), ("MAX", "maximum"), ("MIN", "minimum"), ("SUM", "total")]
 _ISO_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}")
 _FIRST = re.compile(r"^(first|given|fore)_?name$", re.I)
@@ -173,6 +175,20 @@ class Tables:
 
     def _lbl(self, r: Role) -> str:
         return plural(r.label_words)
+
+    @staticmethod
+    def _say(rng: random.Random, *wordings: str) -> str:
+        """One of a question's wordings, drawn evenly: the first names what the SELECT lists
+        ("List the names of tracks whose ..."); the others say it as people ask it ("Which
+        tracks have ...?": the table's label, as Spider's questions mean it). A model that
+        saw only the first misread the plainer questions of a user (bench/RESULTS.md)."""
+        return rng.choice(wordings)
+
+    @staticmethod
+    def _op(rng: random.Random) -> tuple[str, str]:
+        """A comparison and one of the words that say it."""
+        op, said = rng.choice(OPS)
+        return op, rng.choice(_OP_WORDS.get(op, (said,)))
 
     @staticmethod
     def _sel(r: Role, alias: str = "") -> str:
