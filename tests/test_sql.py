@@ -482,6 +482,42 @@ def test_generated_questions_reach_tables_with_only_a_name(chinook_db: Path) -> 
     assert not any("SELECT invoicedate FROM" in s for s in sqls)  # a date is not a name
 
 
+def test_a_template_asks_in_the_words_people_use_too(chinook_db: Path) -> None:
+    """Each template draws one of its wordings: the one that names what the SELECT lists
+    ("List the names of tracks whose ...") or plainer ones ("Which tracks have ...?", "Count
+    the invoices per ..."), the SQL the same; a comparison is said in more than one word."""
+    import random
+    import re
+
+    from moe.sql.generator import QuestionGenerator
+
+    with ReadOnlyDb(chinook_db) as ro:
+        gen = QuestionGenerator(ro.schema())
+        asked = [x for i in range(80) if (x := gen._f_attr(random.Random(i)))]
+        counted = [x for i in range(80) if (x := gen._g_count(random.Random(i)))]
+        for q, sql in itertools.islice(gen.stream(random.Random(1)), 300):
+            assert ro.run(sql).ok, (q, sql)
+    label_sql = re.compile(r"^SELECT (name|title|firstname, lastname|id) FROM \w+ WHERE")
+    assert all(label_sql.match(sql) for _, sql in asked), asked
+    named = [q for q, _ in asked if q.endswith(("Give their names.", "Give their titles."))]
+    plain = [q for q, _ in asked if q.startswith(("Which", "List")) and "Give their" not in q]
+    assert named and plain, asked
+    assert not any("Give their" in q or " names " in q for q in plain), plain
+    forms = {q.split()[0] + (" per" if " per " in q else "") for q, _ in counted}
+    assert forms >= {"How", "Count per"}, forms
+    # every wording of a grouped count asks for the group and its count
+    grouped = re.compile(r"SELECT (\w+), COUNT\(\*\) FROM \w+ GROUP BY \1$")
+    assert all(grouped.match(sql) for _, sql in counted), counted
+    said: dict[str, set[str]] = {">": set(), "<": set()}
+    for i in range(200):
+        q, sql = gen._a_count_num(random.Random(i)) or ("", "")
+        for op, words in ((" > ", ("greater than", "more than", "above")),
+                          (" < ", ("less than", "below", "under"))):  # fmt: skip
+            if op in sql:
+                said[op.strip()] |= {w for w in words if f" {w} " in q}
+    assert len(said[">"]) > 1 and len(said["<"]) > 1, said
+
+
 def test_domain_pairs_problems_are_named(tmp_path: Path, tok, chinook_db: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text(
