@@ -18,6 +18,11 @@ order, by a parent's key (`album WHERE artist_id = 22`), and across a join by it
 tracks of the album Big Ones", "the artist of the album X", counts and aggregates of a named
 parent's children). A date is ordered (earliest, latest), never asked as if it were a name.
 
+Each template says its question in one of a few wordings, drawn evenly (`Tables._say`): one
+that names what the SELECT lists ("List the names of tracks whose composer is X.") and plainer
+ones people write ("Which tracks have composer X?", "Count the customers per country."),
+where the table's label is what "which tracks" asks for, as in Spider's questions.
+
 Values come from the rows (a category that exists, a number inside the column's range), so
 a question has an answer on this database. A kind the schema cannot express (no foreign key:
 no joins) is left out. Every statement is executed by the caller before it is kept.
