@@ -402,6 +402,10 @@ def test_a_join_follows_the_foreign_keys(tok, music: Path) -> None:  # noqa: F81
     # another child of the same parent (Spider's city and countrylanguage, both of country)
     assert offered("SELECT * FROM track AS T1 JOIN") == {"album", "note", "single"}
     assert offered("SELECT * FROM note AS T1 JOIN") == set(tables)  # no key: free
+    # the SELECT list's look-ahead narrows the linked tables to the one with T2's column...
+    assert offered("SELECT T2.milliseconds FROM album AS T1 JOIN") == {"track"}
+    # ...and where no linked table has it, the keys win: not album joined to itself
+    assert offered("SELECT T2.title FROM album AS T1 JOIN") == {"artist", "track", "single", "note"}
     on = "SELECT T1.name FROM artist AS T1 JOIN album AS T2 ON "
     assert columns(on + "T2.") == {"artist_id"}
     assert columns(on + "T1.") == {"id"}

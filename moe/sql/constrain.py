@@ -250,12 +250,18 @@ class IdentifierConstraint:
     def _tables(self, prior: str, names: Names, join: bool) -> list[str]:
         """The tables the FROM or JOIN after `prior` may name: with the bare words held, those
         that let what the query named before them run (`_ahead`), and after JOIN those a
-        foreign key links to a table read before, where the schema links any."""
+        foreign key links to a table read before, where the schema links any. Where the two
+        disagree the keys win: the look-ahead's table joined against the keys is a table
+        joined to itself on unrelated columns (`invoice AS T1 JOIN invoice AS T2 ON T1.id =
+        T2.invoicedate`), which runs and answers wrong; a linked table fails instead, and
+        execution-guided decoding drops it."""
         if not self.pieces.bare:
             return names.tables
         tables = _ahead(prior, names)
-        join = join and not _UNKEYED.search(prior)  # CROSS and NATURAL JOIN take no key
-        return joinable(scopes.part(prior), tables, names.links) if join else tables
+        if not join or _UNKEYED.search(prior):  # CROSS and NATURAL JOIN take no key
+            return tables
+        keyed = joinable(scopes.part(prior), names.tables, names.links)
+        return [t for t in tables if t in keyed] or keyed
 
     def _operand(self, text: str, names: Names) -> tuple[set[int], End]:
         """A bare word where an operand starts: a column or table of the schema, an alias of

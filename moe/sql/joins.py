@@ -66,7 +66,7 @@ def joinable(part: str, tables: list[str], links: Links) -> list[str]:
         return tables
     parents = {other for t in read for _, other, _, up in links[t] if up}
     near |= {c for p in parents for _, c, _, up in links[p] if not up and c not in read}
-    return [t for t in tables if key(t) in near or key(t) not in links] or tables
+    return [t for t in tables if key(t) in near or key(t) not in links]
 
 
 def on_columns(
