@@ -518,6 +518,31 @@ def test_a_template_asks_in_the_words_people_use_too(chinook_db: Path) -> None:
     assert len(said[">"]) > 1 and len(said["<"]) > 1, said
 
 
+def test_a_glued_name_is_asked_in_its_words(chinook_db: Path) -> None:
+    """Chinook's port glues its names (`billingcountry`); a question says them as people
+    write them ("per billing country", the hand-written set's words), cut where the name ends
+    in another of the schema's words, and leaves a name whole where no such word ends it."""
+    import random
+
+    from moe.sql.generator import QuestionGenerator
+    from moe.sql.roles import vocabulary, words
+
+    with ReadOnlyDb(chinook_db) as ro:
+        schema = ro.schema()
+        asked = [
+            q for q, _ in itertools.islice(QuestionGenerator(schema).stream(random.Random(3)), 600)
+        ]
+    vocab = vocabulary(schema)
+    assert {"city", "country", "state", "name"} <= vocab
+    assert words("billingcountry", vocab) == "billing country"
+    assert words("billingcity", vocab) == "billing city"
+    assert words("surname", vocab) == "surname"  # 'sur' is too short to stand alone
+    assert words("hiredate", vocab) == "hiredate"  # no name of Chinook's is 'date'
+    said = " ".join(asked)
+    assert "billing cit" in said or "billing countr" in said or "billing state" in said, asked
+    assert not any(w in said for w in ("billingcity", "billingcountr", "billingstate")), asked
+
+
 def test_domain_pairs_problems_are_named(tmp_path: Path, tok, chinook_db: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text(

@@ -40,7 +40,7 @@ import re
 from collections.abc import Iterator
 
 from moe.sql.joined import Joins
-from moe.sql.roles import AGGS, Tables, Template, literal, plural, words
+from moe.sql.roles import AGGS, Tables, Template, literal, plural
 from moe.sql.sandbox import Schema, ident, in_dialect
 
 KINDS = ("filters", "ordering", "aggregates", "grouping", "joins")
@@ -75,9 +75,9 @@ class _Filters(Tables):
         return (
             self._say(
                 rng,
-                f"List the {self._lbl(r)} of {r.nouns} whose {words(c.name)} is {v}.",
-                f"Which {r.nouns} have {words(c.name)} {v}?",
-                f"Show the {r.nouns} whose {words(c.name)} is {v}.",
+                f"List the {self._lbl(r)} of {r.nouns} whose {self._words(c.name)} is {v}.",
+                f"Which {r.nouns} have {self._words(c.name)} {v}?",
+                f"Show the {r.nouns} whose {self._words(c.name)} is {v}.",
             ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)}",
         )
@@ -92,9 +92,9 @@ class _Filters(Tables):
         return (
             self._say(
                 rng,
-                f"List the {self._lbl(r)} of {r.nouns} with {words(c.name)} {op_w} {v}.",
-                f"Which {r.nouns} have {words(c.name)} {op_w} {v}?",
-                f"Show the {r.nouns} whose {words(c.name)} is {op_w} {v}.",
+                f"List the {self._lbl(r)} of {r.nouns} with {self._words(c.name)} {op_w} {v}.",
+                f"Which {r.nouns} have {self._words(c.name)} {op_w} {v}?",
+                f"Show the {r.nouns} whose {self._words(c.name)} is {op_w} {v}.",
             ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} {op} {literal(v)}",
         )
@@ -109,8 +109,8 @@ class _Filters(Tables):
         return (
             self._say(
                 rng,
-                f"Which {r.nouns} have {words(c.name)} {v} and {words(n.name)} {op_w} {x}? Give their {self._lbl(r)}.",
-                f"Which {r.nouns} have {words(c.name)} {v} and {words(n.name)} {op_w} {x}?",
+                f"Which {r.nouns} have {self._words(c.name)} {v} and {self._words(n.name)} {op_w} {x}? Give their {self._lbl(r)}.",
+                f"Which {r.nouns} have {self._words(c.name)} {v} and {self._words(n.name)} {op_w} {x}?",
             ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)} AND {ident(n.name)} {op} {literal(x)}",
         )
@@ -128,8 +128,8 @@ class _Filters(Tables):
         return (
             self._say(
                 rng,
-                f"What is the {words(a.name)} of the {r.noun} whose {words(name.name)} is {v}?",
-                f"What is the {words(a.name)} of the {r.noun} {v}?",
+                f"What is the {self._words(a.name)} of the {r.noun} whose {self._words(name.name)} is {v}?",
+                f"What is the {self._words(a.name)} of the {r.noun} {v}?",
             ),
             f"SELECT {ident(a.name)} FROM {ident(r.table.name)} WHERE {ident(name.name)} = {literal(v)}",
         )
@@ -144,8 +144,8 @@ class _Filters(Tables):
         return (
             self._say(
                 rng,
-                f"Which different {plural(words(c.name))} do {r.nouns} with {words(n.name)} {op_w} {x} have?",
-                f"List the distinct {plural(words(c.name))} of {r.nouns} with {words(n.name)} {op_w} {x}.",
+                f"Which different {plural(self._words(c.name))} do {r.nouns} with {self._words(n.name)} {op_w} {x} have?",
+                f"List the distinct {plural(self._words(c.name))} of {r.nouns} with {self._words(n.name)} {op_w} {x}.",
             ),
             f"SELECT DISTINCT {ident(c.name)} FROM {ident(r.table.name)} WHERE {ident(n.name)} {op} {literal(x)}",
         )
@@ -159,9 +159,9 @@ class _Filters(Tables):
         return (
             self._say(
                 rng,
-                f"Which {r.nouns} have {words(c.name)} {v}? Give their {self._lbl(r)}.",
-                f"Which {r.nouns} have {words(c.name)} {v}?",
-                f"List the {r.nouns} whose {words(c.name)} is {v}.",
+                f"Which {r.nouns} have {self._words(c.name)} {v}? Give their {self._lbl(r)}.",
+                f"Which {r.nouns} have {self._words(c.name)} {v}?",
+                f"List the {r.nouns} whose {self._words(c.name)} is {v}.",
             ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)}",
         )
@@ -173,7 +173,7 @@ class _Filters(Tables):
             return None
         c = rng.choice(r.fks)
         assert c.references is not None
-        parent, v = words(c.references[0]), self._any_value(c, rng)
+        parent, v = self._words(c.references[0]), self._any_value(c, rng)
         return (
             self._say(
                 rng,
@@ -197,9 +197,9 @@ class _Ordering(Tables):
         return (
             self._say(
                 rng,
-                f"Show the {self._lbl(r)} of the {k} {r.nouns} with the {'highest' if high else 'lowest'} {words(n.name)}.",
-                f"What are the {k} {r.nouns} with the {'largest' if high else 'smallest'} {words(n.name)}?",
-                f"Show the {'top' if high else 'bottom'} {k} {r.nouns} by {words(n.name)}.",
+                f"Show the {self._lbl(r)} of the {k} {r.nouns} with the {'highest' if high else 'lowest'} {self._words(n.name)}.",
+                f"What are the {k} {r.nouns} with the {'largest' if high else 'smallest'} {self._words(n.name)}?",
+                f"Show the {'top' if high else 'bottom'} {k} {r.nouns} by {self._words(n.name)}.",
             ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} ORDER BY {ident(n.name)} {'DESC' if high else 'ASC'} LIMIT {k}",
         )
@@ -213,8 +213,8 @@ class _Ordering(Tables):
         return (
             self._say(
                 rng,
-                f"What is the {r.label_words} of the {r.noun} with the {'highest' if high else 'lowest'} {words(n.name)}?",
-                f"Which {r.noun} has the {'largest' if high else 'smallest'} {words(n.name)}?",
+                f"What is the {r.label_words} of the {r.noun} with the {'highest' if high else 'lowest'} {self._words(n.name)}?",
+                f"Which {r.noun} has the {'largest' if high else 'smallest'} {self._words(n.name)}?",
             ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} ORDER BY {ident(n.name)} {'DESC' if high else 'ASC'} LIMIT 1",
         )
@@ -229,8 +229,8 @@ class _Ordering(Tables):
         return (
             self._say(
                 rng,
-                f"List the {self._lbl(r)} of {r.nouns} whose {words(c.name)} is {v}, from {'highest' if high else 'lowest'} to {'lowest' if high else 'highest'} {words(n.name)}.",
-                f"Show the {r.nouns} with {words(c.name)} {v}, sorted by {words(n.name)} in {'descending' if high else 'ascending'} order.",
+                f"List the {self._lbl(r)} of {r.nouns} whose {self._words(c.name)} is {v}, from {'highest' if high else 'lowest'} to {'lowest' if high else 'highest'} {self._words(n.name)}.",
+                f"Show the {r.nouns} with {self._words(c.name)} {v}, sorted by {self._words(n.name)} in {'descending' if high else 'ascending'} order.",
             ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)} ORDER BY {ident(n.name)} {'DESC' if high else 'ASC'}",
         )
@@ -260,8 +260,8 @@ class _Ordering(Tables):
         return (
             self._say(
                 rng,
-                f"Which {r.noun} has the {'earliest' if first else 'latest'} {words(c.name)}? Give its {r.label_words}.",
-                f"Which {r.noun} has the {'earliest' if first else 'latest'} {words(c.name)}?",
+                f"Which {r.noun} has the {'earliest' if first else 'latest'} {self._words(c.name)}? Give its {r.label_words}.",
+                f"Which {r.noun} has the {'earliest' if first else 'latest'} {self._words(c.name)}?",
             ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)}{known} ORDER BY {ident(c.name)} {'ASC' if first else 'DESC'} LIMIT 1",
         )
@@ -286,8 +286,8 @@ class _Aggregates(Tables):
         return (
             self._say(
                 rng,
-                f"How many {r.nouns} have {words(c.name)} {v}?",
-                f"How many {r.nouns} are there whose {words(c.name)} is {v}?",
+                f"How many {r.nouns} have {self._words(c.name)} {v}?",
+                f"How many {r.nouns} are there whose {self._words(c.name)} is {v}?",
             ),
             f"SELECT COUNT(*) FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)}",
         )
@@ -302,8 +302,8 @@ class _Aggregates(Tables):
         return (
             self._say(
                 rng,
-                f"How many {r.nouns} have {words(n.name)} {op_w} {x}?",
-                f"Count the {r.nouns} whose {words(n.name)} is {op_w} {x}.",
+                f"How many {r.nouns} have {self._words(n.name)} {op_w} {x}?",
+                f"Count the {r.nouns} whose {self._words(n.name)} is {op_w} {x}.",
             ),
             f"SELECT COUNT(*) FROM {ident(r.table.name)} WHERE {ident(n.name)} {op} {literal(x)}",
         )
@@ -317,8 +317,8 @@ class _Aggregates(Tables):
         return (
             self._say(
                 rng,
-                f"What is the {agg_w} {words(n.name)} of {r.nouns}?",
-                f"What is the {agg_w} {r.noun} {words(n.name)}?",
+                f"What is the {agg_w} {self._words(n.name)} of {r.nouns}?",
+                f"What is the {agg_w} {r.noun} {self._words(n.name)}?",
             ),
             f"SELECT {agg}({ident(n.name)}) FROM {ident(r.table.name)}",
         )
@@ -333,8 +333,8 @@ class _Aggregates(Tables):
         return (
             self._say(
                 rng,
-                f"What is the {agg_w} {words(n.name)} of {r.nouns} whose {words(c.name)} is {v}?",
-                f"What is the {agg_w} {r.noun} {words(n.name)} for {words(c.name)} {v}?",
+                f"What is the {agg_w} {self._words(n.name)} of {r.nouns} whose {self._words(c.name)} is {v}?",
+                f"What is the {agg_w} {r.noun} {self._words(n.name)} for {self._words(c.name)} {v}?",
             ),
             f"SELECT {agg}({ident(n.name)}) FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)}",
         )
@@ -347,8 +347,8 @@ class _Aggregates(Tables):
         return (
             self._say(
                 rng,
-                f"How many different {plural(words(c.name))} do {r.nouns} have?",
-                f"Count the distinct {plural(words(c.name))} of {r.nouns}.",
+                f"How many different {plural(self._words(c.name))} do {r.nouns} have?",
+                f"Count the distinct {plural(self._words(c.name))} of {r.nouns}.",
             ),
             f"SELECT COUNT(DISTINCT {ident(c.name)}) FROM {ident(r.table.name)}",
         )
@@ -365,9 +365,9 @@ class _Grouping(Tables):
         return (
             self._say(
                 rng,
-                f"How many {r.nouns} are there for each {words(c.name)}?",
-                f"How many {r.nouns} does each {words(c.name)} have?",
-                f"Count the {r.nouns} per {words(c.name)}.",
+                f"How many {r.nouns} are there for each {self._words(c.name)}?",
+                f"How many {r.nouns} does each {self._words(c.name)} have?",
+                f"Count the {r.nouns} per {self._words(c.name)}.",
             ),
             f"SELECT {ident(c.name)}, COUNT(*) FROM {ident(r.table.name)} GROUP BY {ident(c.name)}",
         )
@@ -381,8 +381,8 @@ class _Grouping(Tables):
         return (
             self._say(
                 rng,
-                f"What is the {agg_w} {words(n.name)} of {r.nouns} for each {words(c.name)}?",
-                f"What is the {agg_w} {words(n.name)} per {words(c.name)}?",
+                f"What is the {agg_w} {self._words(n.name)} of {r.nouns} for each {self._words(c.name)}?",
+                f"What is the {agg_w} {self._words(n.name)} per {self._words(c.name)}?",
             ),
             f"SELECT {ident(c.name)}, {agg}({ident(n.name)}) FROM {ident(r.table.name)} GROUP BY {ident(c.name)}",
         )
@@ -396,8 +396,8 @@ class _Grouping(Tables):
         return (
             self._say(
                 rng,
-                f"Which {plural(words(c.name))} have more than {k} {r.nouns}?",
-                f"List the {plural(words(c.name))} with more than {k} {r.nouns}.",
+                f"Which {plural(self._words(c.name))} have more than {k} {r.nouns}?",
+                f"List the {plural(self._words(c.name))} with more than {k} {r.nouns}.",
             ),
             f"SELECT {ident(c.name)} FROM {ident(r.table.name)} GROUP BY {ident(c.name)} HAVING COUNT(*) > {k}",
         )
@@ -411,8 +411,8 @@ class _Grouping(Tables):
         return (
             self._say(
                 rng,
-                f"Which {words(c.name)} has the {'most' if most else 'fewest'} {r.nouns}?",
-                f"Which {words(c.name)} has the {'largest' if most else 'smallest'} number of {r.nouns}?",
+                f"Which {self._words(c.name)} has the {'most' if most else 'fewest'} {r.nouns}?",
+                f"Which {self._words(c.name)} has the {'largest' if most else 'smallest'} number of {r.nouns}?",
             ),
             f"SELECT {ident(c.name)} FROM {ident(r.table.name)} GROUP BY {ident(c.name)} ORDER BY COUNT(*) {'DESC' if most else 'ASC'} LIMIT 1",
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from moe.sql.roles import AGGS, Role, Tables, article, literal, words
+from moe.sql.roles import AGGS, Role, Tables, article, literal
 from moe.sql.sandbox import ident
 
 
@@ -22,8 +22,8 @@ class Joins(Tables):
         return (
             self._say(
                 rng,
-                f"List the {self._lbl(parent)} of {parent.nouns} that have {article(child.noun)} with {words(c.name)} {v}.",
-                f"Which {parent.nouns} have {article(child.noun)} with {words(c.name)} {v}?",
+                f"List the {self._lbl(parent)} of {parent.nouns} that have {article(child.noun)} with {self._words(c.name)} {v}.",
+                f"Which {parent.nouns} have {article(child.noun)} with {self._words(c.name)} {v}?",
             ),
             f"SELECT DISTINCT {self._sel(parent, 'T1.')} FROM {on} WHERE T2.{ident(c.name)} = {literal(v)}",
         )
@@ -54,8 +54,8 @@ class Joins(Tables):
         return (
             self._say(
                 rng,
-                f"What is the {agg_w} {words(n.name)} of {child.nouns} for {parent.nouns} whose {words(c.name)} is {v}?",
-                f"What is the {agg_w} {child.noun} {words(n.name)} for {parent.nouns} with {words(c.name)} {v}?",
+                f"What is the {agg_w} {self._words(n.name)} of {child.nouns} for {parent.nouns} whose {self._words(c.name)} is {v}?",
+                f"What is the {agg_w} {child.noun} {self._words(n.name)} for {parent.nouns} with {self._words(c.name)} {v}?",
             ),
             f"SELECT {agg}(T2.{ident(n.name)}) FROM {on} WHERE T1.{ident(c.name)} = {literal(v)}",
         )
@@ -70,8 +70,8 @@ class Joins(Tables):
         return (
             self._say(
                 rng,
-                f"List the {self._lbl(child)} of {child.nouns} whose {parent.noun} has {words(c.name)} {v}.",
-                f"Which {child.nouns} have {article(parent.noun)} with {words(c.name)} {v}?",
+                f"List the {self._lbl(child)} of {child.nouns} whose {parent.noun} has {self._words(c.name)} {v}.",
+                f"Which {child.nouns} have {article(parent.noun)} with {self._words(c.name)} {v}?",
             ),
             f"SELECT {self._sel(child, 'T2.')} FROM {on} WHERE T1.{ident(c.name)} = {literal(v)}",
         )
@@ -87,8 +87,8 @@ class Joins(Tables):
         return (
             self._say(
                 rng,
-                f"How many {child.nouns} belong to {parent.nouns} with {words(n.name)} {op_w} {x}?",
-                f"Count the {child.nouns} of {parent.nouns} whose {words(n.name)} is {op_w} {x}.",
+                f"How many {child.nouns} belong to {parent.nouns} with {self._words(n.name)} {op_w} {x}?",
+                f"Count the {child.nouns} of {parent.nouns} whose {self._words(n.name)} is {op_w} {x}.",
             ),
             f"SELECT COUNT(*) FROM {on} WHERE T1.{ident(n.name)} {op} {literal(x)}",
         )
@@ -155,8 +155,8 @@ class Joins(Tables):
         return (
             self._say(
                 rng,
-                f"What is the {agg_w} {words(n.name)} of the {child.nouns} of the {parent.noun} {v}?",
-                f"What is the {agg_w} {child.noun} {words(n.name)} of the {parent.noun} {v}?",
+                f"What is the {agg_w} {self._words(n.name)} of the {child.nouns} of the {parent.noun} {v}?",
+                f"What is the {agg_w} {child.noun} {self._words(n.name)} of the {parent.noun} {v}?",
             ),
             f"SELECT {agg}(T2.{ident(n.name)}) FROM {on} WHERE T1.{ident(parent.label.name)} = {literal(v)}",
         )

@@ -25,10 +25,28 @@ _LAST = re.compile(r"^(last|sur|family)_?name$", re.I)
 Template = Callable[[random.Random], tuple[str, str] | None]
 
 
-def words(name: str) -> str:
-    """A column or table name as words: `unit_price` and `UnitPrice` -> 'unit price'."""
+def words(name: str, vocab: frozenset[str] = frozenset()) -> str:
+    """A column or table name as words: `unit_price` and `UnitPrice` -> 'unit price'; a name
+    glued in lower case (`billingcountry`, Chinook's PostgreSQL port) is cut where it ends in
+    another of the schema's words (`vocab`, from `vocabulary`): 'billing country'."""
     s = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", " ", name)
-    return " ".join(s.replace("_", " ").split()).lower()
+    return " ".join(_unglue(w, vocab) for w in s.replace("_", " ").lower().split())
+
+
+def vocabulary(schema: Schema) -> frozenset[str]:
+    """The words of a schema's table and column names (three letters or more), that a glued
+    name is cut at."""
+    names = [t.name for t in schema.tables] + [c.name for t in schema.tables for c in t.columns]
+    return frozenset(w for n in names for w in words(n).split() if len(w) >= 3)
+
+
+def _unglue(word: str, vocab: frozenset[str]) -> str:
+    """`word` cut before the longest other word of `vocab` it ends in, where four letters or
+    more come before it (`billingcity` -> 'billing city'; `surname` stays whole)."""
+    for i in range(4, len(word) - 2):
+        if word[i:] in vocab:
+            return f"{word[:i]} {word[i:]}"
+    return word
 
 
 def plural(phrase: str) -> str:
@@ -86,11 +104,12 @@ class Role:
     dates: list[Column]  # dates and times: ordered (earliest, latest), never a name
     attrs: list[Column]  # other text with values (a composer, a city): filtered by equality
     fks: list[Column]  # foreign-key columns with values: filtered by the parent's key
+    vocab: frozenset[str] = frozenset()  # the schema's words, that glued names are cut at
 
     @property
     def label_words(self) -> str:
         """The label in a question: 'title', or 'name' for a first and last name."""
-        return "name" if len(self.labels) > 1 else words(self.label.name)
+        return "name" if len(self.labels) > 1 else words(self.label.name, self.vocab)
 
     @property
     def named(self) -> bool:
@@ -100,6 +119,7 @@ class Role:
 
 def table_roles(schema: Schema) -> dict[str, Role]:
     out = {}
+    vocab = vocabulary(schema)
     for t in schema.tables:
         if not t.rows or not t.columns:
             continue
@@ -131,10 +151,10 @@ def table_roles(schema: Schema) -> dict[str, Role]:
         if first and last:  # a person: their name is both columns
             label, labels = first, [first, last]
         fks = [c for c in t.columns if c.references and c.values and not c.pk]
-        noun = words(t.name)
+        noun = words(t.name, vocab)
         out[t.name] = Role(
             t, noun, plural(noun), label, labels, key, nums, cats, names, dates,
-            attrs, fks,
+            attrs, fks, vocab,
         )  # fmt: skip
     return out
 
@@ -145,6 +165,7 @@ class Tables:
 
     def __init__(self, schema: Schema) -> None:
         self.schema = schema
+        self.vocab = vocabulary(schema)
         self.roles = table_roles(schema)
         self.joins = [
             (self.roles[child], fk, self.roles[parent], pcol)
@@ -175,6 +196,10 @@ class Tables:
 
     def _lbl(self, r: Role) -> str:
         return plural(r.label_words)
+
+    def _words(self, name: str) -> str:
+        """A name of this schema as words (`words`, glued names cut at the schema's words)."""
+        return words(name, self.vocab)
 
     @staticmethod
     def _say(rng: random.Random, *wordings: str) -> str:
