@@ -518,29 +518,42 @@ def test_a_template_asks_in_the_words_people_use_too(chinook_db: Path) -> None:
     assert len(said[">"]) > 1 and len(said["<"]) > 1, said
 
 
-def test_a_glued_name_is_asked_in_its_words(chinook_db: Path) -> None:
+def test_a_glued_name_is_asked_in_its_words(chinook_db: Path, tmp_path: Path) -> None:
     """Chinook's port glues its names (`billingcountry`); a question says them as people
-    write them ("per billing country", the hand-written set's words), cut where the name ends
-    in another of the schema's words, and leaves a name whole where no such word ends it."""
+    write them ("per billing country", the hand-written set's words): cut where the name ends
+    in another of the schema's words and what comes before it is a word too, or begins
+    another glued name. A word that merely ends like one (`capacity` beside a `city`) and
+    every CamelCase name stay whole."""
     import random
+    import sqlite3
 
     from moe.sql.generator import QuestionGenerator
-    from moe.sql.roles import vocabulary, words
+    from moe.sql.roles import glued, words
+    from moe.sql.sandbox import inspect_database
 
     with ReadOnlyDb(chinook_db) as ro:
         schema = ro.schema()
-        asked = [
-            q for q, _ in itertools.islice(QuestionGenerator(schema).stream(random.Random(3)), 600)
-        ]
-    vocab = vocabulary(schema)
-    assert {"city", "country", "state", "name"} <= vocab
-    assert words("billingcountry", vocab) == "billing country"
-    assert words("billingcity", vocab) == "billing city"
-    assert words("surname", vocab) == "surname"  # 'sur' is too short to stand alone
-    assert words("hiredate", vocab) == "hiredate"  # no name of Chinook's is 'date'
+        stream = QuestionGenerator(schema).stream(random.Random(3))
+        asked = [q for q, _ in itertools.islice(stream, 600)]
+    cuts = glued(schema)
+    assert cuts["billingcountry"] == "billing country" and cuts["billingcity"] == "billing city"
+    assert words("billingstate_id", cuts) == "billing state id"
+    assert "hiredate" not in cuts and "firstname" not in cuts  # no 'date' column; 'first'
     said = " ".join(asked)
     assert "billing cit" in said or "billing countr" in said or "billing state" in said, asked
     assert not any(w in said for w in ("billingcity", "billingcountr", "billingstate")), asked
+    hall = tmp_path / "hall.sqlite"
+    con = sqlite3.connect(hall)
+    con.execute(
+        "CREATE TABLE hall (id INTEGER PRIMARY KEY, capacity INT, city TEXT, forename TEXT,"
+        " name TEXT, Average REAL, age INT, userage INT, username TEXT)"
+    )
+    con.commit()
+    cuts = glued(inspect_database(con))
+    con.close()
+    # 'user' begins two glued names, so both are cut; 'capa', 'fore', 'Aver' are not words
+    assert cuts == {"userage": "user age", "username": "user name"}, cuts
+    assert words("Average", cuts) == "average" and words("AverAge", cuts) == "aver age"
 
 
 def test_domain_pairs_problems_are_named(tmp_path: Path, tok, chinook_db: Path) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from moe.sql.sandbox import Column, Schema, Table, ident
@@ -25,28 +25,33 @@ _LAST = re.compile(r"^(last|sur|family)_?name$", re.I)
 Template = Callable[[random.Random], tuple[str, str] | None]
 
 
-def words(name: str, vocab: frozenset[str] = frozenset()) -> str:
-    """A column or table name as words: `unit_price` and `UnitPrice` -> 'unit price'; a name
-    glued in lower case (`billingcountry`, Chinook's PostgreSQL port) is cut where it ends in
-    another of the schema's words (`vocab`, from `vocabulary`): 'billing country'."""
+def words(name: str, cuts: Mapping[str, str] | None = None) -> str:
+    """A column or table name as words: `unit_price` and `UnitPrice` -> 'unit price'; a part
+    glued in lower case that the schema's `cuts` (from `glued`) knows is cut there:
+    `billingcountry` -> 'billing country'."""
     s = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", " ", name)
-    return " ".join(_unglue(w, vocab) for w in s.replace("_", " ").lower().split())
+    parts = s.replace("_", " ").split()
+    return " ".join((cuts or {}).get(w, w) for w in parts).lower()
 
 
-def vocabulary(schema: Schema) -> frozenset[str]:
-    """The words of a schema's table and column names (three letters or more), that a glued
-    name is cut at."""
+def glued(schema: Schema) -> dict[str, str]:
+    """The schema's names (and parts between underscores) written in lower case and glued
+    (`billingcountry`, Chinook's PostgreSQL port), cut before the longest other word of the
+    schema they end in, where what comes before it is also a word of the schema or begins
+    another such name too (`billing`: five of Chinook's). So `capacity` beside a `city` stays
+    whole (`capa` is neither), as do `forename`, `average` and every CamelCase name."""
     names = [t.name for t in schema.tables] + [c.name for t in schema.tables for c in t.columns]
-    return frozenset(w for n in names for w in words(n).split() if len(w) >= 3)
-
-
-def _unglue(word: str, vocab: frozenset[str]) -> str:
-    """`word` cut before the longest other word of `vocab` it ends in, where four letters or
-    more come before it (`billingcity` -> 'billing city'; `surname` stays whole)."""
-    for i in range(4, len(word) - 2):
-        if word[i:] in vocab:
-            return f"{word[:i]} {word[i:]}"
-    return word
+    vocab = {w for n in names for w in words(n).lower().split() if len(w) >= 3}
+    flat = {p for n in names if n == n.lower() for p in n.split("_") if p.isalnum()}
+    out = {}
+    for w in sorted(flat):
+        for i in range(4, len(w) - 2):
+            head, tail = w[:i], w[i:]
+            shared = any(m != w and m.startswith(head) for m in flat)
+            if tail in vocab and (head in vocab or shared):
+                out[w] = f"{head} {tail}"
+                break
+    return out
 
 
 def plural(phrase: str) -> str:
@@ -104,12 +109,12 @@ class Role:
     dates: list[Column]  # dates and times: ordered (earliest, latest), never a name
     attrs: list[Column]  # other text with values (a composer, a city): filtered by equality
     fks: list[Column]  # foreign-key columns with values: filtered by the parent's key
-    vocab: frozenset[str] = frozenset()  # the schema's words, that glued names are cut at
+    cuts: Mapping[str, str] | None = None  # the schema's glued names in words (`glued`)
 
     @property
     def label_words(self) -> str:
         """The label in a question: 'title', or 'name' for a first and last name."""
-        return "name" if len(self.labels) > 1 else words(self.label.name, self.vocab)
+        return "name" if len(self.labels) > 1 else words(self.label.name, self.cuts)
 
     @property
     def named(self) -> bool:
@@ -119,7 +124,7 @@ class Role:
 
 def table_roles(schema: Schema) -> dict[str, Role]:
     out = {}
-    vocab = vocabulary(schema)
+    cuts = glued(schema)
     for t in schema.tables:
         if not t.rows or not t.columns:
             continue
@@ -151,10 +156,10 @@ def table_roles(schema: Schema) -> dict[str, Role]:
         if first and last:  # a person: their name is both columns
             label, labels = first, [first, last]
         fks = [c for c in t.columns if c.references and c.values and not c.pk]
-        noun = words(t.name, vocab)
+        noun = words(t.name, cuts)
         out[t.name] = Role(
             t, noun, plural(noun), label, labels, key, nums, cats, names, dates,
-            attrs, fks, vocab,
+            attrs, fks, cuts,
         )  # fmt: skip
     return out
 
@@ -165,8 +170,8 @@ class Tables:
 
     def __init__(self, schema: Schema) -> None:
         self.schema = schema
-        self.vocab = vocabulary(schema)
         self.roles = table_roles(schema)
+        self.cuts = glued(schema)
         self.joins = [
             (self.roles[child], fk, self.roles[parent], pcol)
             for child, fk, parent, pcol in schema.foreign_keys
@@ -198,8 +203,8 @@ class Tables:
         return plural(r.label_words)
 
     def _words(self, name: str) -> str:
-        """A name of this schema as words (`words`, glued names cut at the schema's words)."""
-        return words(name, self.vocab)
+        """A name of this schema as words (`words`, its glued names cut: `glued`)."""
+        return words(name, self.cuts)
 
     @staticmethod
     def _say(rng: random.Random, *wordings: str) -> str:
