@@ -518,7 +518,7 @@ def test_a_template_asks_in_the_words_people_use_too(chinook_db: Path) -> None:
     assert len(said[">"]) > 1 and len(said["<"]) > 1, said
 
 
-def test_a_glued_name_is_asked_in_its_words(chinook_db: Path, tmp_path: Path) -> None:
+def test_a_glued_name_is_asked_in_its_words(chinook_db: Path) -> None:
     """Chinook's port glues its names (`billingcountry`); a question says them as people
     write them ("per billing country", the hand-written set's words): cut where the name ends
     in another of the schema's words and what comes before it is a word too, or begins
@@ -542,13 +542,11 @@ def test_a_glued_name_is_asked_in_its_words(chinook_db: Path, tmp_path: Path) ->
     said = " ".join(asked)
     assert "billing cit" in said or "billing countr" in said or "billing state" in said, asked
     assert not any(w in said for w in ("billingcity", "billingcountr", "billingstate")), asked
-    hall = tmp_path / "hall.sqlite"
-    con = sqlite3.connect(hall)
+    con = sqlite3.connect(":memory:")
     con.execute(
         "CREATE TABLE hall (id INTEGER PRIMARY KEY, capacity INT, city TEXT, forename TEXT,"
         " name TEXT, Average REAL, age INT, userage INT, username TEXT)"
     )
-    con.commit()
     cuts = glued(inspect_database(con))
     con.close()
     # 'user' begins two glued names, so both are cut; 'capa', 'fore', 'Aver' are not words

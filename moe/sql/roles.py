@@ -41,7 +41,7 @@ def glued(schema: Schema) -> dict[str, str]:
     another such name too (`billing`: five of Chinook's). So `capacity` beside a `city` stays
     whole (`capa` is neither), as do `forename`, `average` and every CamelCase name."""
     names = [t.name for t in schema.tables] + [c.name for t in schema.tables for c in t.columns]
-    vocab = {w for n in names for w in words(n).lower().split() if len(w) >= 3}
+    vocab = {w for n in names for w in words(n).split() if len(w) >= 3}
     flat = {p for n in names if n == n.lower() for p in n.split("_") if p.isalnum()}
     out = {}
     for w in sorted(flat):
@@ -122,9 +122,10 @@ class Role:
         return self.label in self.names
 
 
-def table_roles(schema: Schema) -> dict[str, Role]:
+def table_roles(schema: Schema, cuts: Mapping[str, str] | None = None) -> dict[str, Role]:
+    """Each table's role; `cuts`: the schema's glued names (`glued`), read here when not given."""
     out = {}
-    cuts = glued(schema)
+    cuts = glued(schema) if cuts is None else cuts
     for t in schema.tables:
         if not t.rows or not t.columns:
             continue
@@ -170,8 +171,8 @@ class Tables:
 
     def __init__(self, schema: Schema) -> None:
         self.schema = schema
-        self.roles = table_roles(schema)
         self.cuts = glued(schema)
+        self.roles = table_roles(schema, self.cuts)
         self.joins = [
             (self.roles[child], fk, self.roles[parent], pcol)
             for child, fk, parent, pcol in schema.foreign_keys
