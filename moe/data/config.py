@@ -59,6 +59,11 @@ class DataConfig:
     # generator (moe/sql/generator.py) over its training databases, beside its own pairs; never
     # on a held-out database, and sharing no question or SQL with any test pair.
     sql_generic_generated: int = knob(0, ge=0)
+    # How the generator says the questions of stage one's generated pairs: "varied" (each
+    # template draws one of its wordings: the formal one that names what the SELECT lists, or
+    # plainer ones people write) or "formal" (the first alone). With Spider's formal questions
+    # as the test, "formal" kept more of held-out Spider (bench/RESULTS.md).
+    sql_generic_wordings: str = knob("varied", pattern="varied|formal", note="varied or formal")
     # Stage two: the target domain. A sqlite file of the user's ("" = the embedded default's
     # generated database; only read, never written: the pipeline works on a copy), or a
     # database on a server by SQLAlchemy URL, without a password: postgresql+psycopg://
@@ -81,6 +86,9 @@ class DataConfig:
     # Domain training pairs: the user's, then pairs generated from the database's own schema
     # and rows up to this many in all.
     sql_domain_train_pairs: int = knob(500, ge=1)
+    # How the generator says the domain's generated questions ("varied" or "formal", as
+    # sql_generic_wordings); a user's people ask plainly, and "varied" read them better.
+    sql_domain_wordings: str = knob("varied", pattern="varied|formal", note="varied or formal")
     # Generated held-out domain questions (used when the user gives none).
     sql_domain_test_pairs: int = knob(
         200, ge=1, note=" (generated test questions, when the user gives none)"

@@ -425,8 +425,8 @@ class QuestionGenerator(_Filters, _Ordering, _Aggregates, _Grouping, Joins):
     the kinds drawn in turn; `kinds` says which the schema supports, `in_dialect` rewrites a
     statement for the database's own engine."""
 
-    def __init__(self, schema: Schema) -> None:
-        super().__init__(schema)
+    def __init__(self, schema: Schema, wordings: str = "varied") -> None:
+        super().__init__(schema, wordings)
         self.templates: dict[str, list[Template]] = {
             "filters": [self._f_cat, self._f_num, self._f_both, self._f_named, self._f_distinct,
                         self._f_attr, self._f_key],

@@ -169,8 +169,9 @@ class Tables:
     """What a database's schema offers the templates: each table's role, the foreign keys
     to join on, and the pieces every template uses."""
 
-    def __init__(self, schema: Schema) -> None:
+    def __init__(self, schema: Schema, wordings: str = "varied") -> None:
         self.schema = schema
+        self.varied = wordings == "varied"  # "formal": every question in its first wording
         self.cuts = glued(schema)
         self.roles = table_roles(schema, self.cuts)
         self.joins = [
@@ -207,19 +208,19 @@ class Tables:
         """A name of this schema as words (`words`, its glued names cut: `glued`)."""
         return words(name, self.cuts)
 
-    @staticmethod
-    def _say(rng: random.Random, *wordings: str) -> str:
+    def _say(self, rng: random.Random, *wordings: str) -> str:
         """One of a question's wordings, drawn evenly: the first names what the SELECT lists
         ("List the names of tracks whose ..."); the others say it as people ask it ("Which
         tracks have ...?": the table's label, as Spider's questions mean it). A model that
-        saw only the first misread the plainer questions of a user (bench/RESULTS.md)."""
-        return rng.choice(wordings)
+        saw only the first misread the plainer questions of a user (bench/RESULTS.md).
+        "formal" wordings keep the first and draw nothing, so the stream is the one written
+        before the plainer wordings came."""
+        return rng.choice(wordings) if self.varied else wordings[0]
 
-    @staticmethod
-    def _op(rng: random.Random) -> tuple[str, str]:
-        """A comparison and one of the words that say it."""
+    def _op(self, rng: random.Random) -> tuple[str, str]:
+        """A comparison and one of the words that say it (the first when "formal")."""
         op, said = rng.choice(OPS)
-        return op, rng.choice(_OP_WORDS.get(op, (said,)))
+        return op, rng.choice(_OP_WORDS.get(op, (said,))) if self.varied else said
 
     @staticmethod
     def _sel(r: Role, alias: str = "") -> str:

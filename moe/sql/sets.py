@@ -120,7 +120,10 @@ def _generic(
     """The generic sets of `data.sql_generic_source`, and the source's name; bad records
     are refused or counted (data.on_bad_record)."""
     if d.sql_generic_source == "generated":
-        g = generated_generic(dbs_dir, dbs, rng, d.sql_generic_pairs, d.sql_generic_test_pairs)
+        g = generated_generic(
+            dbs_dir, dbs, rng, d.sql_generic_pairs, d.sql_generic_test_pairs,
+            d.sql_generic_wordings,
+        )  # fmt: skip
         gsrc = "generated"
     else:
         g = outside_generic(d, dbs, rng, bad, dropped)

@@ -55,12 +55,13 @@ def generate_records(
     rng: random.Random,
     count: int,
     seen: set[tuple[Path, str]],
+    wordings: str = "varied",
 ) -> list[Record]:
     """Up to `count` new (question, SQL) pairs generated from the database's own schema and
     rows, in its engine's dialect, each executed before it is kept; `seen` holds what any set
-    already has."""
+    already has; `wordings` is the generator's (`data.sql_generic_wordings`)."""
     db = dbs.get(db_path)
-    gen = QuestionGenerator(db.schema())
+    gen = QuestionGenerator(db.schema(), wordings)
     stream = gen.stream(rng)
     out: list[Record] = []
     for _ in range(count * 50):
@@ -143,7 +144,12 @@ def _split_pool(pool: list[Record], n_test: int, n_train: int) -> tuple[list[Rec
 
 
 def generated_generic(
-    dbs_dir: Path, dbs: Databases, rng: random.Random, n_train: int, n_test: int
+    dbs_dir: Path,
+    dbs: Databases,
+    rng: random.Random,
+    n_train: int,
+    n_test: int,
+    wordings: str = "varied",
 ) -> Split:
     """The embedded default's generic sets: databases built from the training themes (three
     of each) and their generated pairs, test questions new to training on those databases
@@ -160,7 +166,7 @@ def generated_generic(
         for inst in range(instances):
             path = dbs_dir / f"generic_{ti:02d}_{inst}.sqlite"
             build_database(path, theme, rng)
-            got = generate_records(path, dbs, rng, per_db + extra, seen)
+            got = generate_records(path, dbs, rng, per_db + extra, seen, wordings)
             tr, te = _split_pool(got, extra, per_db)  # every kind among the test candidates
             train += tr
             candidates += te
@@ -178,7 +184,7 @@ def generated_generic(
     for hi, theme in enumerate(GENERIC_THEMES[-HELD_OUT_THEMES:]):
         path = dbs_dir / f"generic_heldout_{hi:02d}.sqlite"
         build_database(path, theme, rng)
-        held += generate_records(path, dbs, rng, 3 * (n_test - len(test_seen)), seen)
+        held += generate_records(path, dbs, rng, 3 * (n_test - len(test_seen)), seen, wordings)
     rng.shuffle(held)
     return train, test_seen, _stratified(held, n_test - len(test_seen))
 
@@ -205,7 +211,9 @@ def outside_generic(
     test = _drop_repeats(test, train, dropped)
     train_dbs = {r.db for r in train}
     if d.sql_generic_generated:
-        train += generated_beside(train, test, dbs, rng, d.sql_generic_generated)
+        train += generated_beside(
+            train, test, dbs, rng, d.sql_generic_generated, d.sql_generic_wordings
+        )
     n = d.sql_generic_test_pairs
     seen = _stratified([r for r in test if r.db in train_dbs], n // 2)
     held = _stratified([r for r in test if r.db not in train_dbs], n - len(seen))
@@ -215,7 +223,12 @@ def outside_generic(
 
 
 def generated_beside(
-    train: list[Record], test: list[Record], dbs: Databases, rng: random.Random, count: int
+    train: list[Record],
+    test: list[Record],
+    dbs: Databases,
+    rng: random.Random,
+    count: int,
+    wordings: str = "varied",
 ) -> list[Record]:
     """Up to `count` pairs the generator writes over the databases `train` is on, in even
     shares and shuffled, none repeating a question or a SQL text of `train` on the same
@@ -230,7 +243,7 @@ def generated_beside(
     per_db = -(-count // len(paths)) if paths else 0
     out: list[Record] = []
     for path in paths:
-        got = generate_records(path, dbs, rng, per_db, seen)
+        got = generate_records(path, dbs, rng, per_db, seen, wordings)
         out += [r for r in got if not {norm_question(r.question), norm_sql(r.sql)} & tested]
     rng.shuffle(out)
     return out[:count]
@@ -318,10 +331,11 @@ def domain_records(
     seen |= {(r.db, norm_question(r.question)) for r in user_train + user_test}
     n_gen = max(0, d.sql_domain_train_pairs - len(user_train))
     if user_test:
-        generated = generate_records(path, dbs, rng, n_gen, seen)
+        generated = generate_records(path, dbs, rng, n_gen, seen, d.sql_domain_wordings)
         test = user_test
     else:
-        pool = generate_records(path, dbs, rng, n_gen + 3 * d.sql_domain_test_pairs, seen)
+        n_pool = n_gen + 3 * d.sql_domain_test_pairs
+        pool = generate_records(path, dbs, rng, n_pool, seen, d.sql_domain_wordings)
         generated, test = _split_pool(pool, d.sql_domain_test_pairs, n_gen)
     src["domain_generated_pairs"] = str(len(generated))
     return user_train + generated, test, src
