@@ -518,6 +518,34 @@ def test_a_template_asks_in_the_words_people_use_too(chinook_db: Path) -> None:
     assert len(said[">"]) > 1 and len(said["<"]) > 1, said
 
 
+def test_each_stage_says_its_generated_questions_in_its_own_wordings(tmp_path: Path, tok) -> None:
+    """`data.sql_generic_wordings=formal` keeps stage one's generated questions on each
+    template's first wording (Spider's formal kind) while the domain's stay varied, and the
+    other way round (a value neither names is refused by tests/test_config.py's probe)."""
+    import re
+
+    plain = re.compile(
+        r"^Show the (top|bottom) |^Count the .* per | (above|under|below) \d|^Which \w+ belong to "
+    )
+
+    def said(out: Path, name: str) -> list[str]:
+        return [p.question for p in load_pairs(out / f"{name}.jsonl")]
+
+    build_sql_sets(small(sql_generic_wordings="formal"), tmp_path / "f", limits(tok))
+    build_sql_sets(small(sql_domain_wordings="formal"), tmp_path / "d", limits(tok))
+    formal_generic, varied_domain = (
+        said(tmp_path / "f", "generic"),
+        said(tmp_path / "f", "domain_train"),
+    )
+    varied_generic, formal_domain = (
+        said(tmp_path / "d", "generic"),
+        said(tmp_path / "d", "domain_train"),
+    )
+    assert not any(plain.search(q) for q in formal_generic + formal_domain)
+    for qs in (varied_generic, varied_domain):
+        assert sum(bool(plain.search(q)) for q in qs) >= len(qs) // 20, qs[:20]
+
+
 def test_a_glued_name_is_asked_in_its_words(chinook_db: Path) -> None:
     """Chinook's port glues its names (`billingcountry`); a question says them as people
     write them ("per billing country", the hand-written set's words): cut where the name ends
