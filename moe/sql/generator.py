@@ -21,7 +21,9 @@ parent's children). A date is ordered (earliest, latest), never asked as if it w
 Each template says its question in one of a few wordings, drawn evenly (`Tables._say`): one
 that names what the SELECT lists ("List the names of tracks whose composer is X.") and plainer
 ones people write ("Which tracks have composer X?", "Count the customers per country."),
-where the table's label is what "which tracks" asks for, as in Spider's questions. A name is
+where the table's label is what "which tracks" asks for, as in Spider's questions; with
+`wordings="formal"` (`data.sql_generic_wordings`, `data.sql_domain_wordings`) the first alone,
+and the stream is the one written before the others came. A name is
 said in words (`Tables._words`): `unit_price` as "unit price", and a name glued in lower case
 cut where the schema shows it (`billingcountry` as "billing country", moe/sql/roles.py `glued`).
 
