@@ -61,8 +61,8 @@ class DataConfig:
     sql_generic_generated: int = knob(0, ge=0)
     # How the generator says the questions of stage one's generated pairs: "varied" (each
     # template draws one of its wordings: the formal one that names what the SELECT lists, or
-    # plainer ones people write) or "formal" (the first alone). With Spider's formal questions
-    # as the test, "formal" kept more of held-out Spider (bench/RESULTS.md).
+    # plainer ones people write) or "formal" (the first alone, the way Spider's questions are
+    # written). What each gave SmolLM2 on held-out Spider: bench/RESULTS.md.
     sql_generic_wordings: str = knob("varied", pattern="varied|formal", note="varied or formal")
     # Stage two: the target domain. A sqlite file of the user's ("" = the embedded default's
     # generated database; only read, never written: the pipeline works on a copy), or a
