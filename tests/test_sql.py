@@ -544,6 +544,26 @@ def test_each_stage_says_its_generated_questions_in_its_own_wordings(tmp_path: P
     assert not any(plain.search(q) for q in formal_generic + formal_domain)
     for qs in (varied_generic, varied_domain):
         assert sum(bool(plain.search(q)) for q in qs) >= len(qs) // 20, qs[:20]
+    # formal draws nothing for the wording, so the draws are those made before the wordings came
+    import random
+    import sqlite3
+
+    from moe.sql.generator import QuestionGenerator
+    from moe.sql.roles import OPS
+    from moe.sql.sandbox import inspect_database
+
+    con = sqlite3.connect(":memory:")
+    con.execute("CREATE TABLE pet (id INTEGER PRIMARY KEY, name TEXT, age INT)")
+    schema = inspect_database(con)
+    con.close()
+    for wordings in ("formal", "varied"):
+        rng, ref = random.Random(5), random.Random(5)
+        gen = QuestionGenerator(schema, wordings)
+        said = gen._say(rng, "first", "second")
+        gen._op(rng)
+        ref.choice(OPS)  # the one draw the code before the wordings made: the comparison
+        same = rng.getstate() == ref.getstate()
+        assert (said, same) == ("first", True) if wordings == "formal" else not same
 
 
 def test_a_glued_name_is_asked_in_its_words(chinook_db: Path) -> None:

@@ -23,7 +23,8 @@ that names what the SELECT lists ("List the names of tracks whose composer is X.
 ones people write ("Which tracks have composer X?", "Count the customers per country."),
 where the table's label is what "which tracks" asks for, as in Spider's questions; with
 `wordings="formal"` (`data.sql_generic_wordings`, `data.sql_domain_wordings`) the first alone,
-and the stream is the one written before the others came. A name is
+drawing nothing for it, so the random draws are those made before the others came (the text
+differs only where a glued name is now cut). A name is
 said in words (`Tables._words`): `unit_price` as "unit price", and a name glued in lower case
 cut where the schema shows it (`billingcountry` as "billing country", moe/sql/roles.py `glued`).
 

@@ -213,7 +213,7 @@ class Tables:
         ("List the names of tracks whose ..."); the others say it as people ask it ("Which
         tracks have ...?": the table's label, as Spider's questions mean it). A model that
         saw only the first misread the plainer questions of a user (bench/RESULTS.md).
-        "formal" wordings keep the first and draw nothing, so the stream is the one written
+        "formal" wordings keep the first and draw nothing, so the draws are those made
         before the plainer wordings came."""
         return rng.choice(wordings) if self.varied else wordings[0]
 
