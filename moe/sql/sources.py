@@ -59,7 +59,7 @@ def generate_records(
 ) -> list[Record]:
     """Up to `count` new (question, SQL) pairs generated from the database's own schema and
     rows, in its engine's dialect, each executed before it is kept; `seen` holds what any set
-    already has; `wordings` is the generator's (`data.sql_generic_wordings`)."""
+    already has; `wordings` is the stage's (`data.sql_generic_wordings` or `sql_domain_wordings`)."""
     db = dbs.get(db_path)
     gen = QuestionGenerator(db.schema(), wordings)
     stream = gen.stream(rng)
