@@ -559,11 +559,11 @@ def test_each_stage_says_its_generated_questions_in_its_own_wordings(tmp_path: P
     for wordings in ("formal", "varied"):
         rng, ref = random.Random(5), random.Random(5)
         gen = QuestionGenerator(schema, wordings)
-        said = gen._say(rng, "first", "second")
+        wording = gen._say(rng, "first", "second")
         gen._op(rng)
         ref.choice(OPS)  # the one draw the code before the wordings made: the comparison
         same = rng.getstate() == ref.getstate()
-        assert (said, same) == ("first", True) if wordings == "formal" else not same
+        assert (wording, same) == ("first", True) if wordings == "formal" else not same
 
 
 def test_a_glued_name_is_asked_in_its_words(chinook_db: Path) -> None:
