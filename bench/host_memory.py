@@ -1,0 +1,135 @@
+"""Host memory of a CPU training step over many steps, by how freed memory is handed back:
+the SQL stage's resident memory grew ~60 MB a step (bench/RESULTS.md, sixth session).
+
+    .venv/bin/python bench/host_memory.py MODEL_DIR [--steps 12] [--rounds 2] [--arms ...]
+
+MODEL_DIR is a model directory `load_model_dir` reads (a bench/sql_real.py project's
+models/finetune_sql, SmolLM2-135M). Each arm runs in a process of its own, the arms taking
+turns (A B C A B C ...); every process trains the same steps: `--rows` rows of random tokens
+as wide as the SQL stage's batches (200 to 640, a new width each step, drawn from one seed),
+loss on the second half, bf16 autocast, AdamW. Arms:
+
+- `glibc`: the C library as it comes;
+- `trim`: `moe.train.memory.return_freed_memory(collect=False)` after each step; `trimN`
+  after every N-th step (what the trainer does on CPU, N = moe/train/ranks.py TRIM_EVERY);
+- `mmap`: glibc with a fixed mmap threshold of 1 MiB (`MALLOC_MMAP_THRESHOLD_`), so every
+  large tensor is its own mapping, unmapped when freed;
+- `jemalloc`: jemalloc preloaded (`LD_PRELOAD`; skipped where the library is absent).
+
+Per step: the peak resident size during the step (`/proc/self/clear_refs` resets it before
+the step) and the step's time. Reported per arm: the largest step peak in the first and the
+second half of the steps (growth shows as the second above the first), the resident size
+after the last step, and the median step time over the steps after the first two, with its
+ratio to `glibc`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+JEMALLOC = Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+
+
+def _vm(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def worker(model_dir: str, steps: int, rows: int, trim_every: int) -> None:
+    import numpy as np
+    import torch
+
+    from moe.hf.model_dir import load_model_dir
+    from moe.train.memory import return_freed_memory
+
+    torch.manual_seed(0)
+    model = load_model_dir(model_dir, dtype=torch.float32).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    rng = np.random.default_rng(0)
+    vocab = model.vocab_size
+    for step in range(steps):
+        width = int(rng.integers(200, 641))
+        x = torch.randint(0, vocab, (rows, width))
+        y = x.clone()
+        y[:, : width // 2] = -100
+        Path("/proc/self/clear_refs").write_text("5")
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss, aux = model(x, y, torch.ones_like(y, dtype=torch.float32), logits=False)
+        (loss + aux.balance_loss).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if trim_every and (step + 1) % trim_every == 0:
+            return_freed_memory(collect=False)
+        dt = time.perf_counter() - t0
+        row = {"step": step, "width": width, "s": dt, "peak": _vm("VmHWM"), "rss": _vm("VmRSS")}
+        print(json.dumps(row), flush=True)
+
+
+def run_arm(arm: str, a: argparse.Namespace) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if arm == "mmap":
+        env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+    if arm == "jemalloc":
+        env["LD_PRELOAD"] = str(JEMALLOC)
+    cmd = [sys.executable, __file__, a.model, "--worker", "--steps", str(a.steps)]
+    every = int(arm[4:] or 1) if arm.startswith("trim") else 0
+    cmd += ["--rows", str(a.rows), "--trim-every", str(every)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"arm {arm} failed:\n{out.stderr[-3000:]}")
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rows", type=int, default=10)  # 8 pairs + 2 replay rows, the bench's
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--arms", nargs="+", default=["glibc", "trim", "mmap", "jemalloc"])
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--trim-every", type=int, default=0)
+    ap.add_argument("--trim", dest="trim_every", action="store_const", const=1)  # = every 1
+    a = ap.parse_args()
+    if a.worker:
+        worker(a.model, a.steps, a.rows, a.trim_every)
+        return
+    arms = [x for x in a.arms if x != "jemalloc" or JEMALLOC.exists()]
+    runs: dict[str, list[list[dict]]] = {arm: [] for arm in arms}
+    for r in range(a.rounds):
+        for arm in arms:
+            runs[arm].append(run_arm(arm, a))
+            last = runs[arm][-1]
+            print(f"round {r} {arm}: peak {max(s['peak'] for s in last) / 2**30:.2f} GiB,"
+                  f" median step {statistics.median(s['s'] for s in last[2:]):.1f} s",
+                  flush=True)  # fmt: skip
+    half = a.steps // 2
+    gib = 2**30
+    report = {}
+    for arm, rs in runs.items():
+        report[arm] = {
+            "peak_first_half_gib": round(max(s["peak"] for r in rs for s in r[:half]) / gib, 2),
+            "peak_second_half_gib": round(max(s["peak"] for r in rs for s in r[half:]) / gib, 2),
+            "rss_after_last_step_gib": round(max(r[-1]["rss"] for r in rs) / gib, 2),
+            "median_step_s": round(statistics.median(s["s"] for r in rs for s in r[2:]), 2),
+        }
+    base = report.get("glibc", {}).get("median_step_s")
+    for row in report.values():
+        if base:
+            row["step_time_ratio"] = round(row["median_step_s"] / base, 3)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
