@@ -10,17 +10,26 @@ as wide as the SQL stage's batches (200 to 640, a new width each step, drawn fro
 loss on the second half, bf16 autocast, AdamW. Arms:
 
 - `glibc`: the C library as it comes;
-- `trim`: `moe.train.memory.return_freed_memory(collect=False)` after each step; `trimN`
-  after every N-th step (what the trainer does on CPU, N = moe/train/ranks.py TRIM_EVERY);
-- `mmap`: glibc with a fixed mmap threshold of 1 MiB (`MALLOC_MMAP_THRESHOLD_`), so every
-  large tensor is its own mapping, unmapped when freed;
-- `jemalloc`: jemalloc preloaded (`LD_PRELOAD`; skipped where the library is absent).
+- `trim`: `flows.stages.return_freed_memory()` (what `moe-pipeline run` calls between
+  stages: a collection, then glibc's `malloc_trim(0)`) after each step; `trimN` after every
+  N-th step;
+- `mmap`: glibc with a fixed mmap threshold of 1 MiB (`MALLOC_MMAP_THRESHOLD_`; `mmapN`: N
+  MiB), so every large tensor is its own mapping, unmapped when freed;
+- `arenaN`: glibc with at most N arenas (`MALLOC_ARENA_MAX`);
+- `jemalloc`: jemalloc preloaded (`LD_PRELOAD`; skipped where the library is absent);
+  `jemalloc+keep` with its decay off (`MALLOC_CONF`: freed pages stay for reuse);
+- `onednnN`: oneDNN's primitive cache held to N primitives (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`,
+  1024 by default): a bf16 matmul's primitive is made per shape, and the widths change;
+- `lruN`: PyTorch's own cache of oneDNN computations (ideep's, `LRU_CACHE_CAPACITY`, 1024).
+
+Arms combine with `+` (`mmap+onednn0`).
 
 Per step: the peak resident size during the step (`/proc/self/clear_refs` resets it before
 the step) and the step's time. Reported per arm: the largest step peak in the first and the
 second half of the steps (growth shows as the second above the first), the resident size
-after the last step, and the median step time over the steps after the first two, with its
-ratio to `glibc`'s.
+after the last step and its growth a step from the third step on (what stays: with a trim,
+read where the step trimmed), and the median step time over the steps after the first two,
+with its ratio to `glibc`'s.
 """
 
 from __future__ import annotations
@@ -50,7 +59,6 @@ def worker(model_dir: str, steps: int, rows: int, trim_every: int) -> None:
     import torch
 
     from moe.hf.model_dir import load_model_dir
-    from moe.train.memory import return_freed_memory
 
     torch.manual_seed(0)
     model = load_model_dir(model_dir, dtype=torch.float32).train()
@@ -70,7 +78,9 @@ def worker(model_dir: str, steps: int, rows: int, trim_every: int) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         if trim_every and (step + 1) % trim_every == 0:
-            return_freed_memory(collect=False)
+            from flows.stages import return_freed_memory  # Prefect's import: only where used
+
+            return_freed_memory()
         dt = time.perf_counter() - t0
         row = {"step": step, "width": width, "s": dt, "peak": _vm("VmHWM"), "rss": _vm("VmRSS")}
         print(json.dumps(row), flush=True)
@@ -78,12 +88,23 @@ def worker(model_dir: str, steps: int, rows: int, trim_every: int) -> None:
 
 def run_arm(arm: str, a: argparse.Namespace) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    if arm == "mmap":
-        env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
-    if arm == "jemalloc":
-        env["LD_PRELOAD"] = str(JEMALLOC)
+    every = 0
+    for part in arm.split("+"):  # glibc, trim[N], mmap[N], arenaN, jemalloc, keep, onednnN, lruN; +
+        if part.startswith("mmap"):
+            env["MALLOC_MMAP_THRESHOLD_"] = str(int(part[4:] or 1) << 20)
+        elif part.startswith("arena"):
+            env["MALLOC_ARENA_MAX"] = part[5:]
+        elif part == "keep":  # jemalloc keeps what is freed (no decay back to the system)
+            env["MALLOC_CONF"] = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+        elif part == "jemalloc":
+            env["LD_PRELOAD"] = str(JEMALLOC)
+        elif part.startswith("trim"):
+            every = int(part[4:] or 1)
+        elif part.startswith("onednn"):
+            env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = part[6:]
+        elif part.startswith("lru"):
+            env["LRU_CACHE_CAPACITY"] = part[3:]
     cmd = [sys.executable, __file__, a.model, "--worker", "--steps", str(a.steps)]
-    every = int(arm[4:] or 1) if arm.startswith("trim") else 0
     cmd += ["--rows", str(a.rows), "--trim-every", str(every)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode:
@@ -105,7 +126,7 @@ def main() -> None:
     if a.worker:
         worker(a.model, a.steps, a.rows, a.trim_every)
         return
-    arms = [x for x in a.arms if x != "jemalloc" or JEMALLOC.exists()]
+    arms = [x for x in a.arms if "jemalloc" not in x or JEMALLOC.exists()]
     runs: dict[str, list[list[dict]]] = {arm: [] for arm in arms}
     for r in range(a.rounds):
         for arm in arms:
@@ -123,6 +144,11 @@ def main() -> None:
             "peak_second_half_gib": round(max(s["peak"] for r in rs for s in r[half:]) / gib, 2),
             "rss_after_last_step_gib": round(max(r[-1]["rss"] for r in rs) / gib, 2),
             "median_step_s": round(statistics.median(s["s"] for r in rs for s in r[2:]), 2),
+            # what stays after a step, step 2 to the last (trim arms: read after a trim)
+            "rss_growth_mb_per_step": round(
+                statistics.median((r[-1]["rss"] - r[2]["rss"]) / (len(r) - 3) for r in rs) / 2**20,
+                1,
+            ),
         }
     base = report.get("glibc", {}).get("median_step_s")
     for row in report.values():

@@ -26,6 +26,9 @@ work, and saves the resolved configuration beside its outputs.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 from pathlib import Path
 from typing import Any
@@ -40,7 +43,6 @@ from flows.bodies.pretrain import PRETRAIN
 from flows.bodies.publish import PUBLISH
 from flows.stage import REPORTS, Done, Stage, log
 from moe.errors import InputError
-from moe.train.memory import return_freed_memory
 from tasks import quiet_input_errors
 from tasks.config import Config, load_config
 from tasks.events import STAGE_COMPLETED, emit
@@ -115,6 +117,26 @@ def _skipped(
     publish_artifacts(stage.name, {"skipped": True, "unchanged_since": rec.get("ended")})
     _hand_off(cfg, stage, handoff)
     return {**rec.get("metrics", {}), "skipped": True}
+
+
+def return_freed_memory() -> bool:
+    """Hand the memory a finished stage freed back to the system. `moe-pipeline run` runs
+    every stage in one process, and glibc keeps freed heap pages for reuse: a training stage
+    frees gigabytes of tensors in pieces below its mmap threshold, and the process went on
+    holding them (7.2 GB of SmolLM2's 8.2 GB peak between its two finetune stages; 0.5 GB
+    after this, bench/RESULTS.md). That memory is then free for the other processes of the
+    machine (another run, a scorer) while this one waits or loads. The next stage's own peak
+    is not lowered: glibc would have reused those pages. `malloc_trim(0)` releases every free
+    page of every arena. False where the C library has no malloc_trim (musl, macOS)."""
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def run_stage(

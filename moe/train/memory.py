@@ -28,10 +28,6 @@ buffers). `peak_bytes` is held to `measure_peak` (a real step, every storage tra
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
-import gc
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,33 +46,6 @@ NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # per weight: codes, block scales, th
 # Bytes a weight while torchao dequantises an NF4 weight for its product (its temporaries,
 # the fp32 result, the bf16 cast): measured 21.06 on the CPU (bench/RESULTS.md).
 NF4_DEQUANT_PEAK = 21.0
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    return None if name is None else getattr(ctypes.CDLL(name), "malloc_trim", None)
-
-
-def return_freed_memory(collect: bool = True) -> bool:
-    """Hand the memory the process freed back to the system (`malloc_trim(0)`: every free
-    page of every glibc arena), after a garbage collection unless `collect` is False. False
-    where the C library has no malloc_trim (musl, macOS).
-
-    glibc keeps freed heap pages for reuse, but reuses them badly when the tensors' sizes
-    change: on CPU a training step's batches differ in width, and SmolLM2's SQL stage grew
-    ~60 MB a step, from 9.6 GB at step 10 to 20.3 GB at step 175 (bench/host_memory.py,
-    bench/RESULTS.md). The trainer calls this after every CPU step (`collect=False`: the
-    tensors are freed by then); `moe-pipeline run` after every stage, which runs them all in
-    one process (7.2 GB of SmolLM2's 8.2 GB peak was still held between its two finetune
-    stages, 0.5 GB after), so the next stage or another process of the machine has it."""
-    if collect:
-        gc.collect()
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
 
 
 @dataclass(frozen=True)

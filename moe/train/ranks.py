@@ -15,13 +15,6 @@ from moe.model.buffers import init_buffers
 from moe.model.transformer import MoETransformer
 from moe.train import distributed as D
 from moe.train.config import OptimConfig
-from moe.train.memory import return_freed_memory
-
-# Batches of varying width fragment glibc's heap on the CPU: a SmolLM2 stage held ~60 MB more
-# with every step (20 GB by step 175). Handing the freed heap back costs the next step the
-# page faults of taking it again (+21% on SmolLM2 when done every step), so it is done every
-# TRIM_EVERY steps (bench/host_memory.py, bench/RESULTS.md).
-TRIM_EVERY = 10
 
 
 def resolve_device(name: str, setting: str = "pretrain.device") -> torch.device:
@@ -91,12 +84,6 @@ class Ranks:
             for layer in model.moe_layers:  # the balancing loss inside the recomputed block
                 layer.aux_grad_scale = 1.0 / cfg.grad_accum
         model.to(self.device)
-
-    def step_done(self, step: int) -> None:
-        """After optimizer step `step`, on the CPU, every TRIM_EVERY steps: hand the freed
-        heap back to the system (moe/train/memory.py return_freed_memory)."""
-        if self.device.type == "cpu" and step % TRIM_EVERY == 0:
-            return_freed_memory(collect=False)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.amp_dtype is None:

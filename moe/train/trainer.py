@@ -293,7 +293,8 @@ class Trainer:
         return loss_sum / cfg.grad_accum, step_counts
 
     def _optimizer_step(self, run: _Run, counts: list[torch.Tensor]) -> float:
-        """Clip, step, update routing; grow or prune experts where due; returns the unclipped norm."""
+        """Clip, step, update routing; grow or prune experts where due. Returns the
+        gradient norm before clipping."""
         growth, meshes = self.state.growth, self.ranks.meshes
         if growth:
             growth.observe(counts)  # before the step: the gradients are here
@@ -307,7 +308,6 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.progress.step += 1
-        self.ranks.step_done(self.step)
         D.sync_routing_load(self.model, self.ranks.world)
         with implicit_replication() if meshes else contextlib.nullcontext():
             # The gate recalibration scales sharded router rows by a replicated factor.
