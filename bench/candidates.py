@@ -7,10 +7,11 @@ Scores a model folder (default: the demo's `models/finetune_domain`) on a prepar
 database, the largest group of equal results), at each of `--seeds` sampling seeds, each
 with the identifiers free and, with `--constrain off on`, held to the question's schema
 (moe/sql/constrain.py; `qualified`: only the names after FROM, JOIN and `alias.`, not the bare
-words). `--dump FILE` writes every answer of every setting (JSONL). Prints execution and
-test-suite accuracy, valid SQL, the agreement and the wall time of each, and their ratio to
-greedy's. Rounds interleave the settings (1 4 8 1 4 8 ...); times are medians. A setting is
-named by its candidates, `+held` when constrained (`+qualified`).
+words) and, with `--vote plain rows`, the vote as it is and with results that have rows before
+empty ones (`+rows`, moe/sql/consistency.py `prefer_rows`). `--dump FILE` writes every answer
+of every setting (JSONL). Prints execution and test-suite accuracy, valid SQL, the agreement
+and the wall time of each, and their ratio to greedy's. Rounds interleave the settings (1 4 8
+1 4 8 ...); times are medians. A setting is named by its candidates, `+held` when constrained (`+qualified`), `+rows` for that vote.
 
 Run: `.venv/bin/python bench/candidates.py [--model DIR] [--data DIR] [--set domain_test]`.
 JSON last.
@@ -44,6 +45,8 @@ def main() -> None:
     ap.add_argument("--test-suite", type=int, default=3)
     ap.add_argument("--constrain", nargs="+", choices=["off", "qualified", "on"], default=["off"],
                     help="on: every rule; qualified: names after FROM, JOIN and alias. only")  # fmt: skip
+    ap.add_argument("--vote", nargs="+", choices=["plain", "rows"], default=["plain"],
+                    help="rows: a result with rows wins over an empty one (candidates > 1)")  # fmt: skip
     ap.add_argument("--dump", type=Path, default=None, help="a JSONL file of every answer")
     ap.add_argument("--limit", type=int, default=0, help="the set's first N questions (0: all)")
     a = ap.parse_args()
@@ -52,11 +55,16 @@ def main() -> None:
     tok = load_tokenizer(a.data / "tokenizer.json")
     sp = specials(tok, a.data / "tokenizer.json")
     pairs = load_pairs(a.data / "sql" / f"{a.set}.jsonl")[: a.limit or None]
-    settings = [(n, held) for n in a.candidates for held in a.constrain]
-    runs: dict[str, list[dict]] = {_name(n, held): [] for n, held in settings}
+    settings = [
+        (n, held, vote)
+        for n in a.candidates
+        for held in a.constrain
+        for vote in (a.vote if n > 1 else ["plain"])  # one candidate: no vote
+    ]
+    runs: dict[str, list[dict]] = {_name(*s): [] for s in settings}
     for seed in a.seeds:
-        for n, held in settings:  # interleaved
-            name = _name(n, held)
+        for n, held, vote in settings:  # interleaved
+            name = _name(n, held, vote)
             if n == 1 and seed != a.seeds[0] and len(runs[name]) >= 2:
                 continue  # greedy does not depend on the seed: two timings are enough
             answers: list[dict] = []
@@ -64,7 +72,8 @@ def main() -> None:
             got = sql_accuracy(
                 model, tok, pairs, a.data / "sql" / "dbs", a.max_new_tokens, sp.eos,
                 prefix=sp.prefix, test_suite=a.test_suite, chat=sp.chat, candidates=n,
-                temperature=a.temperature, seed=seed, constrain=held != "off",
+                temperature=a.temperature, seed=seed, prefer_rows=vote == "rows",
+                constrain=held != "off",
                 constrain_bare=held == "on", answers=answers,
             )  # fmt: skip
             wall = time.perf_counter() - t0
@@ -96,8 +105,9 @@ def main() -> None:
     print(json.dumps({"model": str(a.model), "set": a.set, "examples": len(pairs), **out}))
 
 
-def _name(n: int, held: str) -> str:
-    return {"off": str(n), "on": f"{n}+held", "qualified": f"{n}+qualified"}[held]
+def _name(n: int, held: str, vote: str = "plain") -> str:
+    name = {"off": str(n), "on": f"{n}+held", "qualified": f"{n}+qualified"}[held]
+    return name + ("+rows" if vote == "rows" else "")
 
 
 if __name__ == "__main__":

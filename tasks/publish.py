@@ -220,6 +220,7 @@ def ask(
     candidates: int = 1,
     temperature: float = 0.8,
     constrain: bool = False,
+    prefer_rows: bool = False,
 ) -> dict[str, Any]:
     """The SQL the model writes for `question` over the database `db` (a sqlite file, or a
     server's URL with its password from `password`: data.sql_domain_password; `ask_prompt`
@@ -227,8 +228,9 @@ def ask(
     row-limited connection (moe/sql/databases.py `open_database`), and what pruning left
     out ("" when nothing). With `candidates` > 1, execution-guided self-consistency
     (moe/sql/consistency.py): the answer most of the greedy and the sampled queries agree
-    on, and how many agreed. With `constrain`, identifiers are held to the database's
-    tables and columns while decoding (moe/sql/constrain.py)."""
+    on, and how many agreed (`prefer_rows`: results with rows before empty ones). With
+    `constrain`, identifiers are held to the database's tables and columns while decoding
+    (moe/sql/constrain.py)."""
     import torch
 
     from moe.sql.consistency import choose
@@ -252,7 +254,7 @@ def ask(
         if candidates > 1:
             cands = Candidates(model, tok, min(max_new_tokens, room), stop, candidates,
                                temperature, 0)([prompt], pieces, names)[0]  # fmt: skip
-            c = choose(ro, cands, getattr(ro, "dialect", "sqlite"))
+            c = choose(ro, cands, getattr(ro, "dialect", "sqlite"), prefer_rows)
             got = {"sql": c.sql, "agreed": c.agreed, "ran": c.ran, "candidates": candidates}
         else:
             held = IdentifierConstraint(tok, pieces, names) if pieces and names else None

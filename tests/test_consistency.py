@@ -74,6 +74,26 @@ def test_a_tie_goes_to_the_models_best_and_nothing_running_leaves_the_greedy(
     assert (ordered.sql, ordered.agreed) == ("SELECT name FROM item ORDER BY price DESC", 2)
 
 
+def test_with_prefer_rows_a_result_with_rows_outvotes_empty_ones(shop: ReadOnlyDb) -> None:
+    """A filter on the wrong column runs and returns nothing; two such candidates outvote the
+    one that returns rows, unless results with rows come first (a row of NULLs is empty).
+    Nothing but empty results leaves the vote as it was."""
+    cands = [
+        ("SELECT name FROM item WHERE id = 'ink'", -1.0),  # the wrong column: no rows
+        ("SELECT name FROM item WHERE id = 'ink' LIMIT 5", -1.5),  # no rows, agreeing
+        ("SELECT max(name) FROM item WHERE id = 'ink'", -1.2),  # one row of NULL: empty too
+        ("SELECT name FROM item WHERE name = 'ink'", -2.0),  # the one with rows
+    ]
+    plain = choose(shop, cands)
+    assert (plain.sql, plain.agreed) == ("SELECT name FROM item WHERE id = 'ink'", 2)
+    rows = choose(shop, cands, prefer_rows=True)
+    assert (rows.sql, rows.agreed, rows.ran) == ("SELECT name FROM item WHERE name = 'ink'", 1, 4)
+    empty = choose(
+        shop, cands[:2] + [("SELECT name FROM item WHERE price > 99", -0.5)], prefer_rows=True
+    )
+    assert (empty.sql, empty.agreed) == ("SELECT name FROM item WHERE price > 99", 3)
+
+
 def _model() -> MoETransformer:
     torch.manual_seed(0)
     return MoETransformer(

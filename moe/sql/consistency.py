@@ -9,6 +9,13 @@ largest group wins (self-consistency, as SLM-SQL votes); a tie goes to the group
 candidate the model scored highest, and the answer is that group's highest-scored query.
 With no candidate that runs, the highest-scored one is the answer, as greedy decoding would
 give.
+
+With `prefer_rows`, a group whose result has rows wins over an empty one, whatever their
+sizes (the execution guidance of Wang et al. 2018, which also drops candidates that return
+nothing): a filter on the wrong column (`genre_id = 'Rock'`) runs, returns nothing, and
+otherwise outvotes the one candidate that joined the genre's name. Rows of nothing but NULLs
+(`max(...)` over no rows) count as empty; a count of 0 does not. An empty result is the
+answer only when every candidate that ran returned nothing.
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ class Choice:
     candidates: int
 
 
-def choose(db: Any, candidates: list[tuple[str, float]], dialect: str = "sqlite") -> Choice:
+def choose(
+    db: Any, candidates: list[tuple[str, float]], dialect: str = "sqlite", prefer_rows: bool = False
+) -> Choice:
     """The answer of `candidates` ((query, the model's log-probability of it)) on `db` (a
-    sandbox with `run`)."""
+    sandbox with `run`); with `prefer_rows`, results with rows before empty ones."""
     ranked = sorted(candidates, key=lambda c: -c[1])  # the model's best first
     groups: list[tuple[list[Any], bool, list[str]]] = []  # (rows, ordered, queries)
     seen: dict[str, int | None] = {}  # a query text already run -> its group
@@ -57,7 +66,16 @@ def choose(db: Any, candidates: list[tuple[str, float]], dialect: str = "sqlite"
             groups.append((rows, ordered, [sql]))
     if not groups:
         return Choice(ranked[0][0] if ranked else "", 0, 0, len(candidates))
-    # the largest group; among equals the first formed, whose first member scored highest
-    best = max(range(len(groups)), key=lambda i: (len(groups[i][2]), -i))
+    # the largest group (of those with rows first, with `prefer_rows`); among equals the first
+    # formed, whose first member scored highest
+    best = max(
+        range(len(groups)),
+        key=lambda i: (prefer_rows and _has_values(groups[i][0]), len(groups[i][2]), -i),
+    )
     members = groups[best][2]
     return Choice(members[0], len(members), ran, len(candidates))
+
+
+def _has_values(rows: list[Any]) -> bool:
+    """Whether a result holds a value: a row with something other than NULL."""
+    return any(any(v is not None for v in row) for row in rows)

@@ -49,6 +49,7 @@ def sql_accuracy(
     candidates: int = 1,
     temperature: float = 0.8,
     seed: int = 0,
+    prefer_rows: bool = False,
     constrain: bool = False,
     constrain_bare: bool = True,
     answers: list[dict[str, Any]] | None = None,
@@ -71,7 +72,8 @@ def sql_accuracy(
     With `candidates` > 1, execution-guided self-consistency (moe/sql/consistency.py): the
     greedy answer and `candidates - 1` sampled at `temperature` (seeded by `seed`), each run
     on the pair's database, the answer the most of them agree on; each row says how many
-    agreed. One candidate is the greedy path, unchanged.
+    agreed. One candidate is the greedy path, unchanged. `prefer_rows`: a result with rows
+    wins over an empty one (consistency.py).
 
     With `constrain`, identifiers are held to each question's schema while decoding
     (moe/sql/constrain.py; `constrain_bare`: the bare words too). `answers` gets every row."""
@@ -95,7 +97,8 @@ def sql_accuracy(
             names = [scorer.names(p) for p in chunk] if pieces is not None else None
             if candidates > 1:
                 for pair, cands in zip(chunk, sampler(prompts, pieces, names), strict=True):
-                    choice = choose(scorer.db(pair), cands, scorer.dialect(pair))
+                    db, dialect = scorer.db(pair), scorer.dialect(pair)
+                    choice = choose(db, cands, dialect, prefer_rows)
                     row = scorer.score(pair, choice.sql)
                     rows.append({**row, "agreed": choice.agreed, "ran": choice.ran})
             else:
@@ -110,12 +113,16 @@ def sql_accuracy(
     if answers is not None:
         answers.extend(rows)
     report = _report(rows, max_new_tokens, test_suite)
-    report["decoding"] |= _decoding(rows, candidates, temperature, constrain)
+    report["decoding"] |= _decoding(rows, candidates, temperature, constrain, prefer_rows)
     return report
 
 
 def _decoding(
-    rows: list[dict[str, Any]], candidates: int, temperature: float, constrain: bool
+    rows: list[dict[str, Any]],
+    candidates: int,
+    temperature: float,
+    constrain: bool,
+    prefer_rows: bool = False,
 ) -> dict[str, Any]:
     """How the answers were decoded, beyond greedy's own record."""
     out: dict[str, Any] = {}
@@ -128,6 +135,8 @@ def _decoding(
             "sampled": f"{candidates - 1} at temperature {temperature:g}, beside the greedy one",
             "agreement": sum(r["agreed"] for r in rows) / max(1, len(rows)) / candidates,
         }
+        if prefer_rows:
+            out["vote"] = "a result with rows before an empty one"
     return out
 
 
