@@ -247,6 +247,25 @@ def test_bf16_autocast_on_cpu_learns(tmp_path: Path) -> None:
     assert all(p.dtype == torch.float32 for p in t.model.parameters())
 
 
+def test_bf16_on_a_cpu_without_bf16_instructions_is_warned(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dtype: bfloat16` on a CPU that emulates bf16 (AVX2 alone) runs several times slower
+    than float32: the stage says so, and still does what was asked. A CPU's instructions
+    cannot be chosen from a test, so oneDNN's probe is replaced for each answer (the real
+    probe runs too); `auto` on the CPU stays float32 and says nothing."""
+    from moe.train import ranks
+
+    assert isinstance(ranks.cpu_bf16_native(), bool)  # the real probe, on this CPU
+    for native in (True, False):
+        monkeypatch.setattr(ranks, "cpu_bf16_native", lambda n=native: n)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="moe.train.ranks"):
+            assert ranks.autocast_dtype(torch.device("cpu"), "bfloat16") == torch.bfloat16
+            assert ranks.autocast_dtype(torch.device("cpu"), "auto") is None
+        assert ("without bf16 instructions" in caplog.text) == (not native), caplog.text
+
+
 def test_checkpoints_from_other_params_are_not_resumed(tmp_path: Path) -> None:
     data = _data(tmp_path / "data")
     _trainer(data, tmp_path / "d", 6).fit()

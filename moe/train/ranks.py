@@ -5,6 +5,8 @@ and the few collectives the loop needs (this rank's rows of a batch, a mean over
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,8 @@ from moe.model.buffers import init_buffers
 from moe.model.transformer import MoETransformer
 from moe.train import distributed as D
 from moe.train.config import OptimConfig
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str, setting: str = "pretrain.device") -> torch.device:
@@ -29,10 +33,24 @@ def resolve_device(name: str, setting: str = "pretrain.device") -> torch.device:
 
 
 def autocast_dtype(device: torch.device, dtype: str) -> torch.dtype | None:
-    """bf16 autocast on CUDA by default; on CPU only when asked (`dtype: bfloat16`)."""
+    """bf16 autocast on CUDA by default; on CPU only when asked (`dtype: bfloat16`), with a
+    warning where the CPU has no bf16 instructions (`cpu_bf16_native`)."""
     if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
+        if device.type == "cpu" and not cpu_bf16_native():
+            log.warning(
+                "dtype: bfloat16 on a CPU without bf16 instructions (no AVX512-BF16 or AMX):"
+                " oneDNN emulates them, and training runs several times slower than in float32"
+                " (bench/cpu_bf16.py measures it on this CPU); set the stage's dtype to auto or"
+                " float32 on this machine"
+            )
         return torch.bfloat16
     return None
+
+
+@functools.cache
+def cpu_bf16_native() -> bool:
+    """Whether this CPU computes bf16 natively (oneDNN's own check: AVX512-BF16 or AMX)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Ranks:
