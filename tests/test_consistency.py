@@ -162,3 +162,8 @@ def test_the_evaluation_votes_over_candidates_and_one_candidate_is_greedy(
     assert voted["decoding"]["method"] == "execution-guided self-consistency"
     assert voted["decoding"]["candidates"] == 4 and 0 <= voted["decoding"]["agreement"] <= 1
     assert voted["examples"] == 2
+    assert "vote" not in voted["decoding"]
+    rows = sql_accuracy(
+        *args, test_suite=0, candidates=4, temperature=1.0, seed=1, prefer_rows=True
+    )
+    assert rows["decoding"]["vote"] == "a result with rows before an empty one"
