@@ -66,14 +66,12 @@ def sql_accuracy(
     renders it in the model's chat template when it has one.
 
     With `test_suite` > 0, also test-suite accuracy: a prediction that matches must match on
-    that many differently filled copies of its database too (moe/sql/testsuite.py), built in
-    a temporary folder from the gold queries of `pairs`.
+    that many differently filled copies of its database (testsuite.py; gold queries' values).
 
     With `candidates` > 1, execution-guided self-consistency (moe/sql/consistency.py): the
     greedy answer and `candidates - 1` sampled at `temperature` (seeded by `seed`), each run
     on the pair's database, the answer the most of them agree on; each row says how many
-    agreed. One candidate is the greedy path, unchanged. `prefer_rows`: a result with rows
-    wins over an empty one (consistency.py).
+    agreed (`prefer_rows`: rows outvote empty results). One candidate is greedy, unchanged.
 
     With `constrain`, identifiers are held to each question's schema while decoding
     (moe/sql/constrain.py; `constrain_bare`: the bare words too). `answers` gets every row."""
@@ -97,8 +95,7 @@ def sql_accuracy(
             names = [scorer.names(p) for p in chunk] if pieces is not None else None
             if candidates > 1:
                 for pair, cands in zip(chunk, sampler(prompts, pieces, names), strict=True):
-                    db, dialect = scorer.db(pair), scorer.dialect(pair)
-                    choice = choose(db, cands, dialect, prefer_rows)
+                    choice = choose(scorer.db(pair), cands, scorer.dialect(pair), prefer_rows)
                     row = scorer.score(pair, choice.sql)
                     rows.append({**row, "agreed": choice.agreed, "ran": choice.ran})
             else:
