@@ -7,11 +7,12 @@ Scores a model folder (default: the demo's `models/finetune_domain`) on a prepar
 database, the largest group of equal results), at each of `--seeds` sampling seeds, each
 with the identifiers free and, with `--constrain off on`, held to the question's schema
 (moe/sql/constrain.py; `qualified`: only the names after FROM, JOIN and `alias.`, not the bare
-words) and, with `--vote plain rows`, the vote as it is and with results that have rows before
-empty ones (`+rows`, moe/sql/consistency.py `prefer_rows`). `--dump FILE` writes every answer
+words) and, with `--vote plain rows grounded`, the vote as it is, with results that have rows
+before empty ones (`+rows`) and with a vote only for candidates whose compared values the
+database holds (`+grounded`; moe/sql/consistency.py `VOTES`). `--dump FILE` writes every answer
 of every setting (JSONL). Prints execution and test-suite accuracy, valid SQL, the agreement
 and the wall time of each, and their ratio to greedy's. Rounds interleave the settings (1 4 8
-1 4 8 ...); times are medians. A setting is named by its candidates, `+held` when constrained (`+qualified`), `+rows` for that vote.
+1 4 8 ...); times are medians. A setting is named by its candidates, `+held` when constrained (`+qualified`), then its vote.
 
 Run: `.venv/bin/python bench/candidates.py [--model DIR] [--data DIR] [--set domain_test]`.
 JSON last.
@@ -29,6 +30,7 @@ import torch
 
 from moe.data.tokenizer import load_tokenizer, specials
 from moe.hf.model_dir import load_model_dir
+from moe.sql.consistency import VOTES
 from moe.sql.evaluate import sql_accuracy
 from moe.sql.records import load_pairs
 
@@ -45,8 +47,8 @@ def main() -> None:
     ap.add_argument("--test-suite", type=int, default=3)
     ap.add_argument("--constrain", nargs="+", choices=["off", "qualified", "on"], default=["off"],
                     help="on: every rule; qualified: names after FROM, JOIN and alias. only")  # fmt: skip
-    ap.add_argument("--vote", nargs="+", choices=["plain", "rows"], default=["plain"],
-                    help="rows: a result with rows wins over an empty one (candidates > 1)")  # fmt: skip
+    ap.add_argument("--vote", nargs="+", choices=list(VOTES), default=["plain"],
+                    help="how the candidates vote (candidates > 1): " + "; ".join(f"{k}: {v}" for k, v in VOTES.items()))  # fmt: skip
     ap.add_argument("--dump", type=Path, default=None, help="a JSONL file of every answer")
     ap.add_argument("--limit", type=int, default=0, help="the set's first N questions (0: all)")
     a = ap.parse_args()
@@ -72,7 +74,7 @@ def main() -> None:
             got = sql_accuracy(
                 model, tok, pairs, a.data / "sql" / "dbs", a.max_new_tokens, sp.eos,
                 prefix=sp.prefix, test_suite=a.test_suite, chat=sp.chat, candidates=n,
-                temperature=a.temperature, seed=seed, prefer_rows=vote == "rows",
+                temperature=a.temperature, seed=seed, vote=vote,
                 constrain=held != "off",
                 constrain_bare=held == "on", answers=answers,
             )  # fmt: skip
@@ -107,7 +109,7 @@ def main() -> None:
 
 def _name(n: int, held: str, vote: str = "plain") -> str:
     name = {"off": str(n), "on": f"{n}+held", "qualified": f"{n}+qualified"}[held]
-    return name + ("+rows" if vote == "rows" else "")
+    return name + ("" if vote == "plain" else f"+{vote}")
 
 
 if __name__ == "__main__":

@@ -220,7 +220,7 @@ def ask(
     candidates: int = 1,
     temperature: float = 0.8,
     constrain: bool = False,
-    prefer_rows: bool = False,
+    vote: str = "plain",
 ) -> dict[str, Any]:
     """The SQL the model writes for `question` over the database `db` (a sqlite file, or a
     server's URL with its password from `password`: data.sql_domain_password; `ask_prompt`
@@ -228,7 +228,7 @@ def ask(
     row-limited connection (moe/sql/databases.py `open_database`), and what pruning left
     out ("" when nothing). With `candidates` > 1, execution-guided self-consistency
     (moe/sql/consistency.py): the answer most of the greedy and the sampled queries agree
-    on, and how many agreed (`prefer_rows`: results with rows before empty ones). With
+    on (by `vote`: moe/sql/consistency.py `VOTES`), and how many agreed. With
     `constrain`, identifiers are held to the database's tables and columns while decoding
     (moe/sql/constrain.py)."""
     import torch
@@ -237,6 +237,7 @@ def ask(
     from moe.sql.constrain import IdentifierConstraint, Names, Pieces
     from moe.sql.databases import open_database
     from moe.sql.evaluate import Candidates, stop_ids
+    from moe.sql.grounding import for_database
     from tasks.databases import remember_password
 
     remember_password(password)
@@ -254,7 +255,9 @@ def ask(
         if candidates > 1:
             cands = Candidates(model, tok, min(max_new_tokens, room), stop, candidates,
                                temperature, 0)([prompt], pieces, names)[0]  # fmt: skip
-            c = choose(ro, cands, getattr(ro, "dialect", "sqlite"), prefer_rows)
+            test = for_database(ro) if vote == "grounded" else None
+            held = (lambda sql: test(sql, question)) if test else None
+            c = choose(ro, cands, getattr(ro, "dialect", "sqlite"), vote == "rows", held)
             got = {"sql": c.sql, "agreed": c.agreed, "ran": c.ran, "candidates": candidates}
         else:
             held = IdentifierConstraint(tok, pieces, names) if pieces and names else None

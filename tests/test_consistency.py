@@ -12,7 +12,7 @@ import torch
 
 from moe.model.config import ModelConfig, MoEConfig
 from moe.model.transformer import MoETransformer
-from moe.sql.consistency import choose
+from moe.sql.consistency import VOTES, choose
 from moe.sql.sandbox import ReadOnlyDb
 from tests.test_sql import tok  # noqa: F401 (a fixture)
 
@@ -163,7 +163,6 @@ def test_the_evaluation_votes_over_candidates_and_one_candidate_is_greedy(
     assert voted["decoding"]["candidates"] == 4 and 0 <= voted["decoding"]["agreement"] <= 1
     assert voted["examples"] == 2
     assert "vote" not in voted["decoding"]
-    rows = sql_accuracy(
-        *args, test_suite=0, candidates=4, temperature=1.0, seed=1, prefer_rows=True
-    )
-    assert rows["decoding"]["vote"] == "a result with rows before an empty one"
+    for vote in ("rows", "grounded"):
+        other = sql_accuracy(*args, test_suite=0, candidates=4, temperature=1.0, seed=1, vote=vote)
+        assert other["decoding"]["vote"] == VOTES[vote] and other["examples"] == 2

@@ -223,7 +223,7 @@ def answer(args: argparse.Namespace) -> int:
         args.candidates or cfg.evaluate.candidates,
         cfg.evaluate.temperature,
         cfg.evaluate.constrain_identifiers,
-        cfg.evaluate.prefer_rows,
+        cfg.evaluate.vote,
     )
     if got["pruned"]:
         print(f"-- {got['pruned']}")

@@ -89,7 +89,7 @@ def sql_scores(
             candidates=e.candidates,
             temperature=e.temperature,
             seed=d.seed,
-            prefer_rows=e.prefer_rows,
+            vote=e.vote,
             constrain=e.constrain_identifiers,
         )
         done += len(pairs)

@@ -5,6 +5,7 @@ consistency.py, testsuite.py), exported and published.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from moe.config import DEVICE, knob
 
@@ -23,9 +24,11 @@ class EvaluateConfig:
     # answer most of them agree on. 1 = greedy decoding alone.
     candidates: int = knob(1, ge=1, le=32)
     temperature: float = knob(0.8, gt=0, le=2)  # of the sampled candidates
-    # With candidates > 1: a result with rows outvotes an empty one, whatever the counts (a
-    # filter on the wrong column returns nothing, and often agrees with itself).
-    prefer_rows: bool = False
+    # How the candidates vote (moe/sql/consistency.py): plain, the largest group of equal
+    # results; rows, a result with rows outvotes an empty one whatever the counts; grounded,
+    # a candidate comparing a column with a value the database does not hold has no vote
+    # (moe/sql/grounding.py: `genre_id = 'Rock'`, a miscopied name).
+    vote: Literal["plain", "rows", "grounded"] = "plain"
     # Identifiers held to each question's (pruned) schema while decoding
     # (moe/sql/constrain.py): after FROM or JOIN one of its tables, after `alias.` one of
     # that table's columns, a bare word where an operand starts one of the columns (after

@@ -16,14 +16,27 @@ nothing): a filter on the wrong column (`genre_id = 'Rock'`) runs, returns nothi
 otherwise outvotes the one candidate that joined the genre's name. Rows of nothing but NULLs
 (`max(...)` over no rows) count as empty; a count of 0 does not. An empty result is the
 answer only when every candidate that ran returned nothing.
+
+With `grounded` (a test of one query: moe/sql/grounding.py), a candidate that compares a
+column with a value the database does not hold gets no vote: groups are weighed by their
+grounded members, and a group's answer is its best grounded query. A filter on a real value
+that returns nothing keeps its vote.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from moe.sql.sandbox import orders, same_result
+
+# `evaluate.vote`: how the candidates vote, as the evaluation's report says it
+VOTES = {
+    "plain": "the largest group of equal results",
+    "rows": "a result with rows before an empty one",
+    "grounded": "only candidates whose compared values the database holds",
+}
 
 
 @dataclass(frozen=True)
@@ -35,10 +48,15 @@ class Choice:
 
 
 def choose(
-    db: Any, candidates: list[tuple[str, float]], dialect: str = "sqlite", prefer_rows: bool = False
+    db: Any,
+    candidates: list[tuple[str, float]],
+    dialect: str = "sqlite",
+    prefer_rows: bool = False,
+    grounded: Callable[[str], bool] | None = None,
 ) -> Choice:
     """The answer of `candidates` ((query, the model's log-probability of it)) on `db` (a
-    sandbox with `run`); with `prefer_rows`, results with rows before empty ones."""
+    sandbox with `run`); with `prefer_rows`, results with rows before empty ones; with
+    `grounded`, only the queries it passes vote."""
     ranked = sorted(candidates, key=lambda c: -c[1])  # the model's best first
     groups: list[tuple[list[Any], bool, list[str]]] = []  # (rows, ordered, queries)
     seen: dict[str, int | None] = {}  # a query text already run -> its group
@@ -68,12 +86,15 @@ def choose(
         return Choice(ranked[0][0] if ranked else "", 0, 0, len(candidates))
     # the largest group (of those with rows first, with `prefer_rows`); among equals the first
     # formed, whose first member scored highest
+    held = {q: grounded(q) for q in seen} if grounded else {}
+    votes = [sum(held.get(q, True) for q in g[2]) for g in groups]
     best = max(
         range(len(groups)),
-        key=lambda i: (prefer_rows and _has_values(groups[i][0]), len(groups[i][2]), -i),
+        key=lambda i: (prefer_rows and _has_values(groups[i][0]), votes[i], len(groups[i][2]), -i),
     )
     members = groups[best][2]
-    return Choice(members[0], len(members), ran, len(candidates))
+    answer = next((q for q in members if held.get(q, True)), members[0])
+    return Choice(answer, len(members), ran, len(candidates))
 
 
 def _has_values(rows: list[Any]) -> bool:

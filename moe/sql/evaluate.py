@@ -13,10 +13,11 @@ import torch
 
 from moe.errors import InputError
 from moe.model.transformer import MoETransformer
-from moe.sql.consistency import choose
+from moe.sql.consistency import VOTES, Choice, choose
 from moe.sql.constrain import IdentifierConstraint, Names, Pieces
 from moe.sql.databases import open_database
 from moe.sql.generator import KINDS
+from moe.sql.grounding import for_database
 from moe.sql.hardness import LEVELS, hardness
 from moe.sql.prompts import prompt_text
 from moe.sql.records import SqlPair
@@ -49,7 +50,7 @@ def sql_accuracy(
     candidates: int = 1,
     temperature: float = 0.8,
     seed: int = 0,
-    prefer_rows: bool = False,
+    vote: str = "plain",
     constrain: bool = False,
     constrain_bare: bool = True,
     answers: list[dict[str, Any]] | None = None,
@@ -71,7 +72,7 @@ def sql_accuracy(
     With `candidates` > 1, execution-guided self-consistency (moe/sql/consistency.py): the
     greedy answer and `candidates - 1` sampled at `temperature` (seeded by `seed`), each run
     on the pair's database, the answer the most of them agree on; each row says how many
-    agreed (`prefer_rows`: rows outvote empty results). One candidate is greedy, unchanged.
+    agreed (`vote`: consistency.py `VOTES`). One candidate is greedy, unchanged.
 
     With `constrain`, identifiers are held to each question's schema while decoding
     (moe/sql/constrain.py; `constrain_bare`: the bare words too). `answers` gets every row."""
@@ -95,7 +96,7 @@ def sql_accuracy(
             names = [scorer.names(p) for p in chunk] if pieces is not None else None
             if candidates > 1:
                 for pair, cands in zip(chunk, sampler(prompts, pieces, names), strict=True):
-                    choice = choose(scorer.db(pair), cands, scorer.dialect(pair), prefer_rows)
+                    choice = scorer.choose(pair, cands, vote)
                     row = scorer.score(pair, choice.sql)
                     rows.append({**row, "agreed": choice.agreed, "ran": choice.ran})
             else:
@@ -110,7 +111,7 @@ def sql_accuracy(
     if answers is not None:
         answers.extend(rows)
     report = _report(rows, max_new_tokens, test_suite)
-    report["decoding"] |= _decoding(rows, candidates, temperature, constrain, prefer_rows)
+    report["decoding"] |= _decoding(rows, candidates, temperature, constrain, vote)
     return report
 
 
@@ -119,7 +120,7 @@ def _decoding(
     candidates: int,
     temperature: float,
     constrain: bool,
-    prefer_rows: bool = False,
+    vote: str = "plain",
 ) -> dict[str, Any]:
     """How the answers were decoded, beyond greedy's own record."""
     out: dict[str, Any] = {}
@@ -132,8 +133,8 @@ def _decoding(
             "sampled": f"{candidates - 1} at temperature {temperature:g}, beside the greedy one",
             "agreement": sum(r["agreed"] for r in rows) / max(1, len(rows)) / candidates,
         }
-        if prefer_rows:
-            out["vote"] = "a result with rows before an empty one"
+        if vote != "plain":
+            out["vote"] = VOTES[vote]
     return out
 
 
@@ -206,6 +207,7 @@ class _Scorer:
         self.db_dir, self.time_limit_s, self.row_limit = db_dir, time_limit_s, row_limit
         self.dbs: dict[Path, ReadOnlyDb] = {}
         self.schemas: dict[Path, Schema] = {}
+        self.grounded: dict[Path, Callable[[str, str], bool]] = {}  # grounding.py, per database
         self.tmp = tempfile.TemporaryDirectory(prefix="test-suite-") if test_suite else None
         self.suites: dict[str, list[Path]] = {}
         if self.tmp is not None:
@@ -233,6 +235,15 @@ class _Scorer:
 
     def dialect(self, pair: SqlPair) -> str:
         return getattr(self.db(pair), "dialect", "sqlite")
+
+    def choose(self, pair: SqlPair, cands: list[tuple[str, float]], vote: str) -> Choice:
+        """The candidates' answer on the pair's database, by `vote` (consistency.py)."""
+        db, path = self.db(pair), self.db_dir / pair.db
+        if vote == "grounded" and path not in self.grounded:
+            self.grounded[path] = for_database(db)
+        test = self.grounded[path] if vote == "grounded" else None
+        held = (lambda sql: test(sql, pair.question)) if test else None
+        return choose(db, cands, self.dialect(pair), vote == "rows", held)
 
     def score(self, pair: SqlPair, predicted: str) -> dict[str, Any]:
         row = _score_one(self._open(self.db_dir / pair.db), pair, predicted)

@@ -1,0 +1,106 @@
+"""Whether a query's text literals are values its database holds, for the vote over candidates
+(moe/sql/consistency.py `choose(grounded=)`).
+
+A small model filters on the wrong column (`genre_id = 'Rock'`, `billingcountry = 'Paris'`)
+or miscopies a value (`name = 'Dami'` for Dapelo); such a query runs, returns nothing, and its
+samples agree with each other. A comparison of a column with a text literal (`=`, `!=`, `IN`)
+is *ungrounded* when the column holds numbers and the literal is not one, or when the column's
+values were read whole by the value index (moe/sql/pruning.py `ValueIndex`) and the literal,
+compared as the index compares (`phrase`: lower case, words), is not among them; and, given
+the question, when a text column's literal is not in the question's words (the model wrote a
+real doctor's name, but not the one asked about). A column the index did not read, one the
+query does not resolve, and every other literal say nothing. Unlike preferring results with
+rows, a query on the question's own value that returns nothing (a doctor without
+appointments) stays grounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from moe.sql.databases import Database
+from moe.sql.pruners import pruner_for
+from moe.sql.pruning import SAMPLE_ROWS, VALUES_PER_COLUMN, ValueIndex, phrase
+from moe.sql.schema import Column, Schema
+
+_DIALECTS = {"sqlite": "sqlite", "postgresql": "postgres"}
+
+
+def grounding(schema: Schema, index: ValueIndex) -> Callable[[str, str], bool]:
+    """A test of one query (and the question it answers, "" for none) on the database of
+    `schema`: True unless a comparison in it names a value the database does not hold or the
+    question does not name (see the module)."""
+    tables = {t.name.lower(): t for t in schema.tables}
+    rows = {t.name: t.rows for t in schema.tables}
+    whole = {  # a column read only in part proves nothing
+        (t.lower(), c.lower()): set(v)
+        for (t, c), v in index.values.items()
+        if len(v) < VALUES_PER_COLUMN and rows.get(t, SAMPLE_ROWS) < SAMPLE_ROWS
+    }
+    read_text = {(t.lower(), c.lower()) for t, c in index.values}  # text columns the index read
+    dialect = _DIALECTS.get(schema.dialect, "sqlite")
+
+    def grounded(sql: str, question: str = "") -> bool:
+        import sqlglot
+        from sqlglot import exp
+        from sqlglot.errors import SqlglotError
+
+        try:
+            tree = sqlglot.parse_one(sql, read=dialect)
+        except (SqlglotError, ValueError, RecursionError):
+            return True  # what does not parse says nothing here
+        names = {t.alias_or_name.lower(): t.name.lower() for t in tree.find_all(exp.Table)}
+        read = [tables[n] for n in set(names.values()) if n in tables]
+
+        def column(col: exp.Column) -> tuple[str, Column] | None:
+            name, owner = col.name.lower(), names.get(col.table.lower(), "")
+            if col.table and owner not in tables:
+                return None
+            owners = [tables[owner]] if col.table else read
+            hits = [(t.name, c) for t in owners for c in t.columns if c.name.lower() == name]
+            return hits[0] if len(hits) == 1 else None
+
+        for node in tree.find_all(exp.EQ, exp.NEQ, exp.In):
+            if isinstance(node, exp.In):
+                col, lits = node.this, node.expressions
+            elif isinstance(node.left, exp.Column):
+                col, lits = node.left, [node.right]
+            else:
+                col, lits = node.right, [node.left]
+            if not isinstance(col, exp.Column):
+                continue
+            texts = [x.this for x in lits if isinstance(x, exp.Literal) and x.is_string]
+            found = column(col) if texts else None
+            if found is None:
+                continue
+            table, c = found
+            key = (table.lower(), c.name.lower())
+            values, asked = whole.get(key), key in read_text and question
+            for text in texts:
+                if c.numeric and not _number(text):
+                    return False
+                if not 2 <= len(text) <= 60:  # the index reads values of 2 to 60 characters
+                    continue
+                said = phrase(text)
+                if values is not None and said.strip() not in values:
+                    return False
+                if asked and said not in phrase(question):
+                    return False
+        return True
+
+    return grounded
+
+
+def for_database(db: Database) -> Callable[[str, str], bool]:
+    """`grounding` for an open database (a sqlite file or a server), its value index read
+    as schema pruning reads it (moe/sql/pruners.py)."""
+    schema = db.schema()
+    return grounding(schema, pruner_for(schema, db).index)
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
