@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--test-suite", type=int, default=3)
     ap.add_argument("--constrain", nargs="+", choices=["off", "qualified", "on"], default=["off"],
                     help="on: every rule; qualified: names after FROM, JOIN and alias. only")  # fmt: skip
-    ap.add_argument("--vote", nargs="+", choices=list(VOTES), default=["plain"],
+    ap.add_argument("--vote", nargs="+", choices=list(VOTES), default=["grounded"],
                     help="how the candidates vote (candidates > 1): " + "; ".join(f"{k}: {v}" for k, v in VOTES.items()))  # fmt: skip
     ap.add_argument("--dump", type=Path, default=None, help="a JSONL file of every answer")
     ap.add_argument("--limit", type=int, default=0, help="the set's first N questions (0: all)")

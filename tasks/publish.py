@@ -220,7 +220,7 @@ def ask(
     candidates: int = 1,
     temperature: float = 0.8,
     constrain: bool = False,
-    vote: str = "plain",
+    vote: str = "grounded",
 ) -> dict[str, Any]:
     """The SQL the model writes for `question` over the database `db` (a sqlite file, or a
     server's URL with its password from `password`: data.sql_domain_password; `ask_prompt`

@@ -162,7 +162,7 @@ def test_the_evaluation_votes_over_candidates_and_one_candidate_is_greedy(
     assert voted["decoding"]["method"] == "execution-guided self-consistency"
     assert voted["decoding"]["candidates"] == 4 and 0 <= voted["decoding"]["agreement"] <= 1
     assert voted["examples"] == 2
-    assert "vote" not in voted["decoding"]
-    for vote in ("rows", "grounded"):
+    assert voted["decoding"]["vote"] == VOTES["grounded"]  # the default
+    for vote in ("plain", "rows"):
         other = sql_accuracy(*args, test_suite=0, candidates=4, temperature=1.0, seed=1, vote=vote)
         assert other["decoding"]["vote"] == VOTES[vote] and other["examples"] == 2

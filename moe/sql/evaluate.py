@@ -50,7 +50,7 @@ def sql_accuracy(
     candidates: int = 1,
     temperature: float = 0.8,
     seed: int = 0,
-    vote: str = "plain",
+    vote: str = "grounded",
     constrain: bool = False,
     constrain_bare: bool = True,
     answers: list[dict[str, Any]] | None = None,
@@ -120,7 +120,7 @@ def _decoding(
     candidates: int,
     temperature: float,
     constrain: bool,
-    vote: str = "plain",
+    vote: str = "grounded",
 ) -> dict[str, Any]:
     """How the answers were decoded, beyond greedy's own record."""
     out: dict[str, Any] = {}
@@ -132,9 +132,8 @@ def _decoding(
             "candidates": candidates,
             "sampled": f"{candidates - 1} at temperature {temperature:g}, beside the greedy one",
             "agreement": sum(r["agreed"] for r in rows) / max(1, len(rows)) / candidates,
+            "vote": VOTES[vote],
         }
-        if vote != "plain":
-            out["vote"] = VOTES[vote]
     return out
 
 
