@@ -18,9 +18,9 @@ otherwise outvotes the one candidate that joined the genre's name. Rows of nothi
 answer only when every candidate that ran returned nothing.
 
 With `grounded` (a test of one query: moe/sql/grounding.py), a candidate that compares a
-column with a value the database does not hold gets no vote: groups are weighed by their
-grounded members, and a group's answer is its best grounded query. A filter on a real value
-that returns nothing keeps its vote.
+column with a value the database does not hold or the question does not name gets no vote:
+groups are weighed by their grounded members, and a group's answer is its best grounded
+query. A filter on the question's own value that returns nothing keeps its vote.
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def choose(
             groups.append((rows, ordered, [sql]))
     if not groups:
         return Choice(ranked[0][0] if ranked else "", 0, 0, len(candidates))
-    # the largest group (of those with rows first, with `prefer_rows`); among equals the first
-    # formed, whose first member scored highest
+    # the group with the most grounded members (all of them without `grounded`), results with
+    # rows first with `prefer_rows`; then the larger; among equals the first formed, whose
+    # first member scored highest
     held = {q: grounded(q) for q in seen} if grounded else {}
     votes = [sum(held.get(q, True) for q in g[2]) for g in groups]
     best = max(
