@@ -7,12 +7,13 @@ Scores a model folder (default: the demo's `models/finetune_domain`) on a prepar
 database, the largest group of equal results), at each of `--seeds` sampling seeds, each
 with the identifiers free and, with `--constrain off on`, held to the question's schema
 (moe/sql/constrain.py; `qualified`: only the names after FROM, JOIN and `alias.`, not the bare
-words) and, with `--vote plain rows grounded`, the vote as it is, with results that have rows
-before empty ones (`+rows`) and with a vote only for candidates whose compared values the
-database holds (`+grounded`; moe/sql/consistency.py `VOTES`). `--dump FILE` writes every answer
-of every setting (JSONL). Prints execution and test-suite accuracy, valid SQL, the agreement
-and the wall time of each, and their ratio to greedy's. Rounds interleave the settings (1 4 8
-1 4 8 ...); times are medians. A setting is named by its candidates, `+held` when constrained (`+qualified`), then its vote.
+words) and, with `--vote plain rows grounded`, the largest group of equal results, results
+with rows before empty ones (`+rows`), and a vote only for candidates whose compared values
+the database holds and the question names (`+grounded`, the default; moe/sql/consistency.py
+`VOTES`). `--dump FILE` writes every answer of every setting (JSONL). Prints execution and
+test-suite accuracy, valid SQL, the agreement and the wall time of each, and their ratio to
+greedy's. Rounds interleave the settings (1 4 8 1 4 8 ...); times are medians. A setting is
+named by its candidates, `+held` when constrained (`+qualified`), then its vote.
 
 Run: `.venv/bin/python bench/candidates.py [--model DIR] [--data DIR] [--set domain_test]`.
 JSON last.
