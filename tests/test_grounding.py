@@ -76,6 +76,20 @@ def grounded(music: ReadOnlyDb) -> Callable[[str], bool]:
         ("SELECT id FROM invoice WHERE nosuch = 'Paris'", True),
         ("SELECT id FROM invoice WHERE billingcity LIKE 'Par%'", True),
         ("SELEC id FROM WHERE = 'Paris'", True),
+        # an alias is the table of its own SELECT (Spider reuses T1 inside a subquery)
+        (
+            "SELECT T1.name FROM genre AS T1 WHERE T1.name = 'Rock' AND T1.id IN"
+            " (SELECT T1.genre_id FROM track AS T1)",
+            True,
+        ),  # fmt: skip
+        (
+            "SELECT T1.name FROM genre AS T1 WHERE T1.name = 'Rok' AND T1.id IN"
+            " (SELECT T1.genre_id FROM track AS T1)",
+            False,
+        ),  # fmt: skip
+        # a value that is no words (a sign, another script) is not judged
+        ("SELECT id FROM invoice WHERE billingcity = '東京'", True),
+        ("SELECT id FROM invoice WHERE billingcity = 'A+'", True),
     ],
 )
 def test_a_literal_is_grounded_when_its_column_holds_it(

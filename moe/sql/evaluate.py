@@ -241,7 +241,8 @@ class _Scorer:
         if vote == "grounded" and path not in self.grounded:
             self.grounded[path] = for_database(db)
         test = self.grounded[path] if vote == "grounded" else None
-        held = (lambda sql: test(sql, pair.question)) if test else None
+        asked = f"{pair.question} {pair.evidence or ''}"  # BIRD's evidence names values too
+        held = (lambda sql: test(sql, asked)) if test else None
         return choose(db, cands, self.dialect(pair), vote == "rows", held)
 
     def score(self, pair: SqlPair, predicted: str) -> dict[str, Any]:

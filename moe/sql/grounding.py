@@ -26,16 +26,20 @@ from moe.sql.schema import Column, Schema
 _DIALECTS = {"sqlite": "sqlite", "postgresql": "postgres"}
 
 
-def grounding(schema: Schema, index: ValueIndex) -> Callable[[str, str], bool]:
-    """A test of one query (and the question it answers, "" for none) on the database of
-    `schema`: True unless a comparison in it names a value the database does not hold or the
-    question does not name (see the module)."""
+def grounding(
+    schema: Schema, index: ValueIndex, read_limit: int = VALUES_PER_COLUMN
+) -> Callable[[str, str], bool]:
+    """A test of one query (and the question it answers, with its evidence; "" for none) on
+    the database of `schema`, whose value index read at most `read_limit` values a column:
+    True unless a comparison in it names a value the database does not hold or the question
+    does not name (see the module)."""
     tables = {t.name.lower(): t for t in schema.tables}
-    rows = {t.name: t.rows for t in schema.tables}
-    whole = {  # a column read only in part proves nothing
+    counted = {t.name for t in schema.tables if not t.estimated and t.rows < SAMPLE_ROWS}
+    whole = {  # a column read only in part proves nothing; the index drops some values it
+        # reads (too short once in words), so a read near the limit counts as cut
         (t.lower(), c.lower()): set(v)
         for (t, c), v in index.values.items()
-        if len(v) < VALUES_PER_COLUMN and rows.get(t, SAMPLE_ROWS) < SAMPLE_ROWS
+        if len(v) < 0.9 * min(read_limit, VALUES_PER_COLUMN) and t in counted
     }
     read_text = {(t.lower(), c.lower()) for t, c in index.values}  # text columns the index read
     dialect = _DIALECTS.get(schema.dialect, "sqlite")
@@ -43,16 +47,24 @@ def grounding(schema: Schema, index: ValueIndex) -> Callable[[str, str], bool]:
     def grounded(sql: str, question: str = "") -> bool:
         import sqlglot
         from sqlglot import exp
-        from sqlglot.errors import SqlglotError
 
         try:
             tree = sqlglot.parse_one(sql, read=dialect)
-        except (SqlglotError, ValueError, RecursionError):
-            return True  # what does not parse says nothing here
-        names = {t.alias_or_name.lower(): t.name.lower() for t in tree.find_all(exp.Table)}
-        read = [tables[n] for n in set(names.values()) if n in tables]
+        except Exception:  # noqa: BLE001 (what does not parse says nothing here)
+            return True
+        scopes: dict[int, dict[str, str]] = {}  # a SELECT's own tables, by alias
+
+        def scope(node: exp.Expression) -> dict[str, str]:
+            sel = node.find_ancestor(exp.Select)
+            if id(sel) not in scopes:
+                own = [t for t in (sel or tree).find_all(exp.Table)
+                       if t.find_ancestor(exp.Select) is sel]  # fmt: skip
+                scopes[id(sel)] = {t.alias_or_name.lower(): t.name.lower() for t in own}
+            return scopes[id(sel)]
 
         def column(col: exp.Column) -> tuple[str, Column] | None:
+            names = scope(col)
+            read = [tables[n] for n in set(names.values()) if n in tables]
             name, owner = col.name.lower(), names.get(col.table.lower(), "")
             if col.table and owner not in tables:
                 return None
@@ -82,6 +94,8 @@ def grounding(schema: Schema, index: ValueIndex) -> Callable[[str, str], bool]:
                 if not 2 <= len(text) <= 60:  # the index reads values of 2 to 60 characters
                     continue
                 said = phrase(text)
+                if len(said.strip()) < 2:  # not words the index or a question compares
+                    continue
                 if values is not None and said.strip() not in values:
                     return False
                 if asked and said not in phrase(question):
@@ -95,7 +109,7 @@ def for_database(db: Database) -> Callable[[str, str], bool]:
     """`grounding` for an open database (a sqlite file or a server), its value index read
     as schema pruning reads it (moe/sql/pruners.py)."""
     schema = db.schema()
-    return grounding(schema, pruner_for(schema, db).index)
+    return grounding(schema, pruner_for(schema, db).index, getattr(db, "row_limit", 10**9))
 
 
 def _number(text: str) -> bool:
