@@ -225,12 +225,16 @@ class _Scorer:
         """The sandbox of the pair's database."""
         return self._open(self.db_dir / pair.db)
 
-    def names(self, pair: SqlPair) -> Names:
-        """What the pair's (pruned) schema lets an answer name; each database read once."""
+    def schema(self, pair: SqlPair) -> Schema:
+        """The pair's database's whole schema, each database read once."""
         path = self.db_dir / pair.db
         if path not in self.schemas:
             self.schemas[path] = self._open(path).schema()
-        return Names.of(self.schemas[path], pair.schema)
+        return self.schemas[path]
+
+    def names(self, pair: SqlPair) -> Names:
+        """What the pair's (pruned) schema lets an answer name."""
+        return Names.of(self.schema(pair), pair.schema)
 
     def dialect(self, pair: SqlPair) -> str:
         return getattr(self.db(pair), "dialect", "sqlite")
@@ -239,7 +243,7 @@ class _Scorer:
         """The candidates' answer on the pair's database, by `vote` (consistency.py)."""
         db, path = self.db(pair), self.db_dir / pair.db
         if vote == "grounded" and path not in self.grounded:
-            self.grounded[path] = for_database(db)
+            self.grounded[path] = for_database(db, self.schema(pair))
         test = self.grounded[path] if vote == "grounded" else None
         asked = f"{pair.question} {pair.evidence or ''}"  # BIRD's evidence names values too
         held = (lambda sql: test(sql, asked)) if test else None

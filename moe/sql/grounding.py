@@ -105,10 +105,10 @@ def grounding(
     return grounded
 
 
-def for_database(db: Database) -> Callable[[str, str], bool]:
-    """`grounding` for an open database (a sqlite file or a server), its value index read
-    as schema pruning reads it (moe/sql/pruners.py)."""
-    schema = db.schema()
+def for_database(db: Database, schema: Schema | None = None) -> Callable[[str, str], bool]:
+    """`grounding` for an open database (a sqlite file or a server; `schema`: its schema when
+    already read), its value index read as schema pruning reads it (moe/sql/pruners.py)."""
+    schema = schema or db.schema()
     return grounding(schema, pruner_for(schema, db).index, getattr(db, "row_limit", 10**9))
 
 
