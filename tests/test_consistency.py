@@ -17,17 +17,22 @@ from moe.sql.sandbox import ReadOnlyDb
 from tests.test_sql import tok  # noqa: F401 (a fixture)
 
 
-@pytest.fixture
-def shop(tmp_path: Path) -> ReadOnlyDb:
-    path = tmp_path / "shop.sqlite"
+def sandbox(path: Path, script: str) -> ReadOnlyDb:
+    """A sqlite file made by `script`, opened read-only as evaluation opens it."""
     con = sqlite3.connect(path)
-    con.executescript(
-        "CREATE TABLE item (id INTEGER PRIMARY KEY, name TEXT, price INTEGER);"
-        "INSERT INTO item VALUES (1, 'pen', 3), (2, 'ink', 7), (3, 'pad', 5);"
-    )
+    con.executescript(script)
     con.commit()
     con.close()
-    db = ReadOnlyDb(path)
+    return ReadOnlyDb(path)
+
+
+@pytest.fixture
+def shop(tmp_path: Path) -> ReadOnlyDb:
+    db = sandbox(
+        tmp_path / "shop.sqlite",
+        "CREATE TABLE item (id INTEGER PRIMARY KEY, name TEXT, price INTEGER);"
+        "INSERT INTO item VALUES (1, 'pen', 3), (2, 'ink', 7), (3, 'pad', 5);",
+    )
     yield db
     db.close()
 

@@ -4,7 +4,6 @@ through the sandbox, as the evaluation reads it."""
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,13 +12,13 @@ import pytest
 from moe.sql.consistency import choose
 from moe.sql.grounding import for_database
 from moe.sql.sandbox import ReadOnlyDb
+from tests.test_consistency import sandbox
 
 
 @pytest.fixture
 def music(tmp_path: Path) -> Iterator[ReadOnlyDb]:
-    path = tmp_path / "music.sqlite"
-    con = sqlite3.connect(path)
-    con.executescript(
+    db = sandbox(
+        tmp_path / "music.sqlite",
         "CREATE TABLE genre (id INTEGER PRIMARY KEY, name TEXT);"
         "CREATE TABLE track (id INTEGER PRIMARY KEY, name TEXT, milliseconds INTEGER,"
         " genre_id INTEGER REFERENCES genre(id));"
@@ -28,11 +27,8 @@ def music(tmp_path: Path) -> Iterator[ReadOnlyDb]:
         "INSERT INTO track VALUES (1, 'Go Down', 331180, 1), (2, 'Dog Eat Dog', 215196, 1),"
         " (3, 'Iron Man', 412000, 3);"
         "INSERT INTO invoice VALUES (1, 'Paris', 'France'), (2, 'Lyon', 'France'),"
-        " (3, 'Oslo', 'Norway');"
+        " (3, 'Oslo', 'Norway');",
     )
-    con.commit()
-    con.close()
-    db = ReadOnlyDb(path)
     yield db
     db.close()
 
