@@ -148,14 +148,24 @@ def kill_tree(p: psutil.Process, timeout: float = 30, sig: str = "term") -> None
     kill_trees([p], timeout, sig)
 
 
-def kill_trees(roots: list[psutil.Process], timeout: float = 30, sig: str = "term") -> None:
-    """Stop processes and every process under them, all at once (one wait, not one each)."""
-    family: list[psutil.Process] = []
-    for p in roots:
+def kill_trees(
+    roots: list[psutil.Process],
+    timeout: float = 30,
+    sig: str = "term",
+    spare: frozenset[int] = frozenset(),
+) -> None:
+    """Stop processes and every process under them, all at once (one wait, not one each),
+    except the processes whose pid is in `spare` and theirs (a worker the watchdog started
+    again is the watchdog's child, and is stopped in its own turn)."""
+
+    def tree(p: psutil.Process) -> list[psutil.Process]:
         try:
-            family += [*p.children(recursive=True), p]
+            kids = p.children()
         except psutil.NoSuchProcess:
-            pass
+            return []
+        return [p, *(q for k in kids if k.pid not in spare for q in tree(k))]
+
+    family = [q for p in roots for q in tree(p)]
     for q in family:
         try:
             q.kill() if sig == "kill" else q.terminate()

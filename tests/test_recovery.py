@@ -347,3 +347,48 @@ def test_the_watchdog_replaces_an_unhealthy_worker_and_spares_its_flow_runs(
         for p in (hung, flow_run):
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
+
+
+def test_down_stops_a_worker_the_watchdog_started_in_its_own_turn(tmp_path: Path) -> None:
+    """A worker the watchdog started again is the watchdog's child. `stack down` stops the
+    watchdog first, and with it only what is not one of the stack's own processes: the
+    worker is stopped, and named, in the workers' turn (it was killed with the watchdog and
+    left out of what `down` said it stopped)."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from flows import stack, stack_processes
+
+    watchdog = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],"
+            " start_new_session=True)\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    worker = psutil.Process(int(watchdog.stdout.readline()))
+    assert worker.ppid() == watchdog.pid
+    procs = {"watchdog": psutil.Process(watchdog.pid), "worker-cpu": worker}
+    state = {
+        "procs": {n: {"pid": p.pid, "started": p.create_time()} for n, p in procs.items()},
+    }
+    (tmp_path / stack_processes.STATE_DIR).mkdir()
+    stack_processes.save_state(tmp_path, state)
+    said: list[str] = []
+    try:
+        stopped = stack.down(tmp_path, say=said.append, timeout=10)
+        assert stopped == ["watchdog", "worker-cpu"], said
+        assert said == [f"stopped {n} (pid {p.pid})" for n, p in procs.items()]
+        assert watchdog.wait(10) is not None
+        assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+    finally:
+        stack_processes.kill_trees([p for p in procs.values() if p.is_running()], timeout=10)
