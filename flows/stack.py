@@ -61,6 +61,10 @@ from flows.stack_server import (
 from tasks.config import load_config
 
 WATCHDOG = "watchdog"
+# How often a worker tells the server it lives (Prefect's default). Each beat is a write to
+# the server's SQLite, like each poll (`up`'s query_seconds); the watchdog asks the worker's
+# own health port instead, so a faster beat buys nothing here.
+WORKER_HEARTBEAT_S = 30
 BUCKET = "moe-stack"
 # Files a worker's working folder gets: the code and its configuration (not data or outputs).
 CODE = ("moe", "tasks", "flows", "params.yaml", "prefect.yaml", "dvc.yaml", "pyproject.toml")
@@ -207,7 +211,7 @@ def start_worker(
         "MOE_WORKER": name,
         "MOE_CODE_COMMIT": _commit(root),
         "PREFECT_WORKER_QUERY_SECONDS": str(query_seconds),
-        "PREFECT_WORKER_HEARTBEAT_SECONDS": "5",
+        "PREFECT_WORKER_HEARTBEAT_SECONDS": str(WORKER_HEARTBEAT_S),
         "PREFECT_WORKER_WEBSERVER_HOST": "127.0.0.1",
         "PREFECT_WORKER_WEBSERVER_PORT": str(health),
         "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(cfg.recovery.heartbeat_s),
@@ -416,7 +420,11 @@ def _down(root: Path, say: Any, timeout: float) -> list[str]:
     stopped = []
     for group in groups:
         procs = {n: live_process(state["procs"][n]) for n in group}
-        kill_trees([p for p in procs.values() if p is not None], timeout)
+        # each recorded process is stopped in its group's turn, not as another's child
+        others = {
+            p.pid for n in names if n not in group and (p := live_process(state["procs"].get(n)))
+        }
+        kill_trees([p for p in procs.values() if p is not None], timeout, spare=frozenset(others))
         for name, p in procs.items():
             if p is not None:
                 stopped.append(name)
