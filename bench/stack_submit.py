@@ -12,8 +12,9 @@ the request the UI's run form sends (POST /deployments/{id}/create_flow_run, a r
 scheduled years ahead so no worker picks it up), without retries, counting refusals. The
 settings alternate (A B A B ...).
 
-Run: `.venv/bin/python bench/stack_submit.py [--query 2 5] [--rounds 2] [--posts 60]
-[--load 2]`. JSON last.
+Run: `.venv/bin/python bench/stack_submit.py [--query 2 5] [--heartbeat 30] [--rounds 2]
+[--posts 60] [--load 2]` (`--heartbeat`: the workers' PREFECT_WORKER_HEARTBEAT_SECONDS).
+JSON last.
 """
 
 from __future__ import annotations
@@ -63,9 +64,11 @@ def _burn(stop: Any) -> None:
         sum(i * i for i in range(10_000))
 
 
-def one(query: float, posts: int, load: int) -> dict[str, Any]:
-    """A stack polling every `query` seconds; `posts` submits under `load` busy processes."""
+def one(query: float, heartbeat: int, posts: int, load: int) -> dict[str, Any]:
+    """A stack polling every `query` seconds, its workers beating every `heartbeat`; `posts`
+    submits under `load` busy processes."""
     root = _project()
+    stack.WORKER_HEARTBEAT_S = heartbeat
     state = stack.up(root, ui=True, query_seconds=query, say=lambda m: None)
     stop = multiprocessing.Event()
     burners = [multiprocessing.Process(target=_burn, args=(stop,)) for _ in range(load)]
@@ -92,6 +95,7 @@ def one(query: float, posts: int, load: int) -> dict[str, Any]:
         shutil.rmtree(root, ignore_errors=True)
     return {
         "query_s": query,
+        "heartbeat_s": heartbeat,
         "refused": sum(c != 201 for c in codes),
         "posts": posts,
         "codes": sorted(set(codes)),
@@ -103,6 +107,7 @@ def one(query: float, posts: int, load: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--query", type=float, nargs="+", default=[2.0, 5.0])
+    ap.add_argument("--heartbeat", type=int, nargs="+", default=[stack.WORKER_HEARTBEAT_S])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--posts", type=int, default=60)
     ap.add_argument("--load", type=int, default=2, help="busy processes beside the stack")
@@ -110,16 +115,20 @@ def main() -> None:
     runs = []
     for r in range(args.rounds):
         for q in args.query:
-            runs.append({"round": r, **one(q, args.posts, args.load)})
-            print(json.dumps(runs[-1]), flush=True)
+            for hb in args.heartbeat:
+                runs.append({"round": r, **one(q, hb, args.posts, args.load)})
+                print(json.dumps(runs[-1]), flush=True)
     summary = {
-        str(q): {
-            "refused": sum(x["refused"] for x in runs if x["query_s"] == q),
-            "posts": sum(x["posts"] for x in runs if x["query_s"] == q),
+        f"poll {q} s, beat {hb} s": {
+            "refused": sum(
+                x["refused"] for x in runs if (x["query_s"], x["heartbeat_s"]) == (q, hb)
+            ),
+            "posts": sum(x["posts"] for x in runs if (x["query_s"], x["heartbeat_s"]) == (q, hb)),
         }
         for q in args.query
+        for hb in args.heartbeat
     }
-    print(json.dumps({"load": args.load, "by_query_s": summary, "runs": runs}))
+    print(json.dumps({"load": args.load, "refused": summary, "runs": runs}))
 
 
 if __name__ == "__main__":

@@ -53,9 +53,13 @@ def pytest_configure(config: pytest.Config) -> None:
 LONGEST_FIRST = (
     "test_stack.py",
     "test_e2e.py",
+    "test_distributed.py",
     "test_hf_pipeline.py",
-    "test_large_corpus.py",
     "test_multinode.py",
+    "test_large_corpus.py",
+    "test_retry_resume.py",
+    "test_events.py",
+    "test_postgres.py",
 )
 
 

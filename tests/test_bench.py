@@ -4,6 +4,7 @@ path and the report's fields, not a figure), so that a change that breaks one fa
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -20,7 +21,12 @@ def _report(script: str, *args: str, **env: str) -> dict:
         capture_output=True,
         text=True,
         timeout=600,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", **env},
+        env={
+            "PYTHONPATH": str(ROOT),
+            "PATH": "/usr/bin:/bin",
+            "OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"],
+            **env,
+        },
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

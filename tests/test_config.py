@@ -249,24 +249,29 @@ def _prepared_and_published(root: Path) -> Path:
 
 
 def test_a_stage_never_reads_a_publish_that_the_prepared_data_has_left_behind(
-    tmp_path: Path,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`prepare` ran again (another test set) and publish did not: a stage that reads the
     published data stops before any compute (exit 2) naming both digests and the command;
     `run --stages` that prepares without publishing says publish is left out. Nothing is
-    written."""
+    written. (The stages are asked in this process, the `run` in a real one.)"""
+    from flows.cli import main
+    from tasks.archive import dataset_version
+
     prepared = _prepared_and_published(tmp_path)
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     published = json.loads((tmp_path / "data/published/receipt.json").read_text())["version"]
     (prepared / "sql_domain_test.jsonl").write_text('{"question": "new"}\n')
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    for stage in ("finetune_sql", "finetune_domain", "evaluate"):
-        r = _cli("stage", stage, cwd=tmp_path)
-        assert r.returncode == 2, r.stderr
-        assert published in r.stderr and "moe-pipeline stage publish" in r.stderr, r.stderr
-        from tasks.archive import dataset_version
-
-        assert dataset_version(prepared) in r.stderr
+    with monkeypatch.context() as mp:
+        mp.chdir(tmp_path)
+        for stage in ("finetune_sql", "finetune_domain", "evaluate"):
+            capsys.readouterr()
+            code = main(["stage", stage])
+            err = capsys.readouterr().err
+            assert code == 2, err
+            assert published in err and "moe-pipeline stage publish" in err, err
+            assert dataset_version(prepared) in err
     r = _cli("run", "--stages", "prepare", "finetune_domain", "evaluate", cwd=tmp_path)
     assert r.returncode == 2 and "Add publish to --stages" in r.stderr, r.stderr
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

@@ -155,6 +155,7 @@ def test_prepare_with_bad_sql_pairs_exits_2_naming_each_and_keeps_old_outputs(
     (old / "meta.json").write_text('{"old": true}')
     sets = ["data.max_bytes=200000", "tokenizer.vocab_size=512"]
     sets += [f"data.sql_domain_database={db}", "data.sql_domain_pairs=pairs.jsonl"]
+    sets += ["data.sql_generic_pairs=400", "data.sql_domain_train_pairs=60"]  # tiny_params'
     r = _cli(["stage", "prepare", *sum((["--set", x] for x in sets), [])], tmp_path, prefect_server)
     out = r.stdout + r.stderr
     assert r.returncode == 2, out[-3000:]

@@ -33,7 +33,7 @@ def peak_mb():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-tok = train_tokenizer(iter_documents(src, "text", 8_000_000, CorpusStats()), vocab_size=4096)
+tok = train_tokenizer(iter_documents(src, "text", 2_000_000, CorpusStats()), vocab_size=4096)
 stats = CorpusStats()
 t0 = time.time()
 counts = write_token_store(

@@ -6,6 +6,7 @@ pipeline's. (tests/test_e2e.py compares its models with the pipeline's, bit for 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,12 @@ def without_orchestration(tmp: Path) -> dict[str, str]:
         (tmp / name / "__init__.py").write_text(
             f"raise ImportError('{name} is not installed on this machine')\n"
         )
-    return {"PYTHONPATH": f"{tmp}:{ROOT}", "PATH": "/usr/bin:/bin", "HOME": str(tmp)}
+    return {
+        "PYTHONPATH": f"{tmp}:{ROOT}",
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp),
+        "OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"],  # as every test's (conftest.py)
+    }
 
 
 def recipes(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -59,7 +59,7 @@ def _stack_project(root: Path) -> Iterator[Path]:
     saved = {k: os.environ.get(k) for k in PLANTED}
     os.environ.update(PLANTED)
     try:
-        stack.up(root, ui=True, query_seconds=1, say=lambda m: None)
+        stack.up(root, ui=True, say=lambda m: None)  # workers poll as a user's do
         yield root
     finally:
         stack.down(root, say=lambda m: None)
@@ -73,9 +73,11 @@ def _stack_project(root: Path) -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The stack the module's tests share (its S3 lives in moto's memory: nothing here may
-    stop it before the module ends)."""
+    stop it before the module ends). Its end is a test too: `stack down` stops exactly what
+    `up` started (a failure there is an error at the module's teardown)."""
     with _stack_project(tmp_path_factory.mktemp("stack-project")) as r:
         yield r
+        _down_stops_exactly_what_up_started(r)
 
 
 def test_the_ui_reaches_its_own_api_and_lists_the_deployments(
@@ -218,7 +220,7 @@ def _runs_of_pipeline(root: Path) -> list[Any]:
     return sorted(_flow_runs(root, "pipeline"), key=lambda r: r.created)
 
 
-def _submit(page: Any, root: Path, tries: int = 4) -> Any:
+def _submit(page: Any, root: Path, tries: int = 6) -> Any:
     """Submit the open run form and return the flow run it created. The server refuses a
     write with 503 while another holds SQLite's lock (it says so in its log); the form then
     shows an error and the user submits again, as this does. What decides is the response to
@@ -485,13 +487,8 @@ def test_planted_secrets_appear_nowhere(root: Path, pipeline: dict) -> None:
         assert not any(secret in t for t in texts), f"{name} leaked"
 
 
-def test_down_stops_exactly_what_up_started(tmp_path: Path) -> None:
-    """On a stack of its own: the shared one keeps its S3 contents for the other tests."""
-    with _stack_project(tmp_path) as root:
-        _down_stops_exactly_what_up_started(root)
-
-
 def _down_stops_exactly_what_up_started(root: Path) -> None:
+    """Every process `up` started and its children stop; nothing under .stack/ is lost."""
     state = stack_processes.load_state(root)
     family = []
     for entry in state["procs"].values():
