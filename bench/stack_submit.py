@@ -69,11 +69,12 @@ def one(query: float, heartbeat: int, posts: int, load: int) -> dict[str, Any]:
     submits under `load` busy processes."""
     root = _project()
     stack.WORKER_HEARTBEAT_S = heartbeat
-    state = stack.up(root, ui=True, query_seconds=query, say=lambda m: None)
-    stop = multiprocessing.Event()
-    burners = [multiprocessing.Process(target=_burn, args=(stop,)) for _ in range(load)]
+    spawn = multiprocessing.get_context("spawn")  # not forks of a process Prefect's client ran in
+    stop = spawn.Event()
+    burners = [spawn.Process(target=_burn, args=(stop,)) for _ in range(load)]
     codes, seconds = [], []
     try:
+        state = stack.up(root, ui=True, query_seconds=query, say=lambda m: None)
         api = state["api_url"]
         dep = httpx.get(f"{api}/deployments/name/pipeline/pipeline").json()
         for b in burners:

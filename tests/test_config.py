@@ -265,6 +265,13 @@ def test_a_stage_never_reads_a_publish_that_the_prepared_data_has_left_behind(
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     with monkeypatch.context() as mp:
         mp.chdir(tmp_path)
+        from flows import stages
+
+        def started(**_: object) -> None:
+            raise AssertionError("the stage's flow started: the check let stale data through")
+
+        for name in stages.STAGE_FLOWS:  # in this process, a stage let through fails at once
+            mp.setitem(stages.STAGE_FLOWS, name, started)
         for stage in ("finetune_sql", "finetune_domain", "evaluate"):
             capsys.readouterr()
             code = main(["stage", stage])

@@ -391,4 +391,5 @@ def test_down_stops_a_worker_the_watchdog_started_in_its_own_turn(tmp_path: Path
         assert watchdog.wait(10) is not None
         assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
     finally:
+        watchdog.stdout.close()
         stack_processes.kill_trees([p for p in procs.values() if p.is_running()], timeout=10)

@@ -230,11 +230,17 @@ def _submit(page: Any, root: Path, tries: int = 6) -> Any:
     def creates(response: Any) -> bool:
         return response.request.method == "POST" and response.url.endswith("/create_flow_run")
 
+    from playwright.sync_api import TimeoutError as NoAnswer
+
     refused = []
     for _ in range(tries):
-        # a bound above the server's SQLite busy timeout (60 s), so a slow answer is awaited
-        with page.expect_response(creates, timeout=150_000) as answer:
-            page.get_by_role("button", name="Submit").click()
+        try:
+            # a bound above the server's SQLite busy timeout (60 s): a slow answer is awaited
+            with page.expect_response(creates, timeout=150_000) as answer:
+                page.get_by_role("button", name="Submit").click()
+        except NoAnswer:
+            refused.append("no answer in 150 s")
+            continue
         if answer.value.status == 201:
             with _client(root) as c:
                 return c.read_flow_run(answer.value.json()["id"])
@@ -250,11 +256,14 @@ def pipeline(root: Path, chromium: str) -> dict[str, Any]:
     """The `pipeline` deployment run once from the UI, as a user does: its custom-run form
     (open with the deployment's defaults: every stage, the stack's params and bucket,
     dispatch: deployments), one value changed, Submit. What the tests below read of it."""
+    before = {r.id for r in _runs_of_pipeline(root)}
     with _run_form(root, chromium, "pipeline") as page:
         batch = _field(page, "questions decoded together")  # evaluate.batch_size
         assert batch.input_value() == "64"
         batch.fill("48")
         submitted = _submit(page, root)
+    # one run: a refused submit created none
+    assert [r.id for r in _runs_of_pipeline(root) if r.id not in before] == [submitted.id]
     assert submitted.parameters["params"]["evaluate"]["batch_size"] == 48
     fr = _wait(root, submitted.id, timeout=600)
     stage_runs = {stage: _flow_runs(root, stage) for stage in STAGES}
