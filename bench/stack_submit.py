@@ -24,7 +24,6 @@ import json
 import multiprocessing
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,31 +31,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flows import stack  # noqa: E402
-from tests.conftest import ROOT, merge, tiny_params  # noqa: E402
+from tests.conftest import stack_copy  # noqa: E402
 
 LATER = "2036-01-01T00:00:00Z"
 
 
 def _project() -> Path:
     """A committed copy of the project's code with the tests' tiny params."""
-    root = Path(tempfile.mkdtemp(prefix="stack-submit-"))
-    for name in (*stack.CODE, "infra"):
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(src, root / name)
-    params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), tiny_params())
-    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    git = ["git", "-c", "user.name=b", "-c", "user.email=b@b", "-C", str(root)]
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "bench"]):
-        subprocess.run([*git, *args], check=True)
-    return root
+    return stack_copy(Path(tempfile.mkdtemp(prefix="stack-submit-")))
 
 
 def _burn(stop: Any) -> None:

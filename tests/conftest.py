@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -223,6 +224,28 @@ def tiny_params() -> dict:
         "evaluate": {"max_examples": 4, "max_new_tokens": 100, "val_batches": 2, "device": "cpu"},
         "wandb": {"mode": "disabled"},
     }
+
+
+def stack_copy(root: Path, **params: dict) -> Path:
+    """A copy of the project's code for a local stack in `root` (flows/stack.py CODE and
+    infra), with params.yaml at tiny_params() plus `params` (section -> values), committed to
+    git as the stack's workers expect."""
+    import yaml
+
+    from flows.stack import CODE
+
+    for name in (*CODE, "infra"):
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, root / name)
+    merged = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), tiny_params())
+    (root / "params.yaml").write_text(yaml.safe_dump(merge(merged, params), sort_keys=False))
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(root)]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "stack copy"]):
+        subprocess.run([*git, *args], check=True)
+    return root
 
 
 @pytest.fixture(scope="session")

@@ -256,26 +256,16 @@ def test_a_crash_loop_is_read_from_the_runs_progress_artifacts(client: Any) -> N
     assert follow(client, client.read_flow_run(c.id), wait_s=5, poll_s=0.1).id == e.id
 
 
-def test_the_watchdog_replaces_an_unhealthy_worker_and_spares_its_flow_runs(
-    tmp_path: Path, prefect_server: dict[str, str]
-) -> None:
-    """A worker process that lives but fails its health check: after `grace` seconds of
-    failing (a clock the test sets) the watchdog kills that process alone (a flow run it
-    started, in a session of its own, goes on) and starts a real worker in its place, which
-    answers its health check; a dead worker is started again at once."""
+def _parent_of_a_sleeper() -> tuple[Any, Any]:
+    """A process (Popen, in a session of its own) that started a sleeping child in a session
+    of its own, as a worker starts a flow run or the watchdog a worker: (parent, child as a
+    psutil.Process)."""
     import subprocess
     import sys
-    import time
 
     import psutil
 
-    from flows import stack, stack_processes
-
-    root = tmp_path
-    (root / stack_processes.STATE_DIR / "work" / "cpu").mkdir(parents=True)
-    (root / "params.yaml").write_text((ROOT / "params.yaml").read_text())
-    # a hung worker: alive, its health port answers nothing; it started a flow run
-    hung = subprocess.Popen(
+    parent = subprocess.Popen(
         [
             sys.executable,
             "-c",
@@ -289,7 +279,27 @@ def test_the_watchdog_replaces_an_unhealthy_worker_and_spares_its_flow_runs(
         text=True,
         start_new_session=True,
     )
-    flow_run = psutil.Process(int(hung.stdout.readline()))
+    return parent, psutil.Process(int(parent.stdout.readline()))
+
+
+def test_the_watchdog_replaces_an_unhealthy_worker_and_spares_its_flow_runs(
+    tmp_path: Path, prefect_server: dict[str, str]
+) -> None:
+    """A worker process that lives but fails its health check: after `grace` seconds of
+    failing (a clock the test sets) the watchdog kills that process alone (a flow run it
+    started, in a session of its own, goes on) and starts a real worker in its place, which
+    answers its health check; a dead worker is started again at once."""
+    import time
+
+    import psutil
+
+    from flows import stack, stack_processes
+
+    root = tmp_path
+    (root / stack_processes.STATE_DIR / "work" / "cpu").mkdir(parents=True)
+    (root / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    # a hung worker: alive, its health port answers nothing; it started a flow run
+    hung, flow_run = _parent_of_a_sleeper()
     me = psutil.Process()
     state = {
         "api_url": prefect_server["PREFECT_API_URL"],
@@ -354,28 +364,12 @@ def test_down_stops_a_worker_the_watchdog_started_in_its_own_turn(tmp_path: Path
     watchdog first, and with it only what is not one of the stack's own processes: the
     worker is stopped, and named, in the workers' turn (it was killed with the watchdog and
     left out of what `down` said it stopped)."""
-    import subprocess
-    import sys
 
     import psutil
 
     from flows import stack, stack_processes
 
-    watchdog = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import subprocess, sys, time\n"
-            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],"
-            " start_new_session=True)\n"
-            "print(p.pid, flush=True)\n"
-            "time.sleep(600)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    worker = psutil.Process(int(watchdog.stdout.readline()))
+    watchdog, worker = _parent_of_a_sleeper()
     assert worker.ppid() == watchdog.pid
     procs = {"watchdog": psutil.Process(watchdog.pid), "worker-cpu": worker}
     state = {

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import subprocess
 import tempfile
 import time
@@ -22,12 +21,11 @@ from typing import Any
 
 import psutil
 import pytest
-import yaml
 
 from flows import stack, stack_processes, stack_server
 from tasks.config import load_config
 from tasks.pools import STAGES
-from tests.conftest import ROOT, browse, merge, tiny_params, ui_settings
+from tests.conftest import browse, stack_copy, ui_settings
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
@@ -42,20 +40,8 @@ PLANTED = {
 def _stack_project(root: Path) -> Iterator[Path]:
     """A copy of the project's code in `root`, committed to git, with a stack up (the planted
     secrets in its environment); the stack is stopped afterwards."""
-    for name in (*stack.CODE, "infra"):
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(src, root / name)
-    params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), tiny_params())
     # a lost machine is noticed after two missed heartbeats (30 s each), recovered at once
-    params["recovery"].update(crashed_after_s=60, backoff_s=1.0)
-    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(root)]
-    subprocess.run([*git, "init", "-q"], check=True)
-    subprocess.run([*git, "add", "-A"], check=True)
-    subprocess.run([*git, "commit", "-qm", "stack test"], check=True)
+    stack_copy(root, recovery={"crashed_after_s": 60, "backoff_s": 1.0})
     saved = {k: os.environ.get(k) for k in PLANTED}
     os.environ.update(PLANTED)
     try:
