@@ -1,4 +1,4 @@
-"""`moe-pipeline`: validate params, run a stage or the whole pipeline, inspect checkpoints.
+"""moe-pipeline: MoE and dense models finetuned for text-to-SQL on your database, with cost and lineage.
 
 Every command validates the configuration first: a bad key, type or value exits with code 2
 and a message naming the key, before any work and without touching existing outputs.
@@ -8,44 +8,36 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flows  # noqa: F401 - offline defaults before Prefect is imported
-from flows.commands import EXIT_CONFIG, outputs, plan, server
+from flows.commands import EXIT_CONFIG
 from moe.errors import InputError
-from tasks.config import Config, load_config
 from tasks.pools import STAGES
 
-Handler = Callable[[argparse.Namespace], int]
+if TYPE_CHECKING:
+    from tasks.config import Config
+
+# A handler, or where one lives ("module:function"), imported when its command runs: the
+# CLI answers --help, params explain, lineage and stack status without importing torch.
+Handler = Callable[[argparse.Namespace], int] | str
 Arg = tuple[tuple[str, ...], dict[str, Any]]  # add_argument's positional and keyword arguments
 
 
-# --------------------------------------------------------------------------- params, stage, run
-
-
-def params_check(args: argparse.Namespace) -> int:
-    load_config(args.file, args.overrides)
-    src = args.file or ("params.yaml" if Path("params.yaml").is_file() else "embedded default")
-    print(f"{src}: OK")
-    return 0
-
-
-def params_show(args: argparse.Namespace) -> int:
-    import yaml
-
-    cfg = load_config(args.file, args.overrides)
-    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
-    return 0
+# --------------------------------------------------------------------------- stage, run
 
 
 # Both validate the params and what the stages need before importing Prefect or touching
 # anything: bad input is one message and exit 2, never a flow run's traceback.
 def run_stage(args: argparse.Namespace) -> int:
+    from tasks.config import load_config
+
     preflight(load_config(args.params, args.overrides), [args.name])
     _force(args)
     from flows.stages import STAGE_FLOWS
@@ -56,6 +48,8 @@ def run_stage(args: argparse.Namespace) -> int:
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
+    from tasks.config import load_config
+
     preflight(load_config(args.params, args.overrides), args.stages or STAGES)
     _force(args)
     from flows.pipeline import pipeline
@@ -132,104 +126,169 @@ def _where(stage: str) -> None:
 @dataclass(frozen=True)
 class Command:
     """One command: a leaf runs `handler` with the parsed arguments; a group (no handler)
-    holds `sub` commands, one of which is required."""
+    holds `sub` commands, one of which is required. `help` may be a function that reads a
+    registry: it is called only when the command is on the line being parsed."""
 
     name: str
-    help: str | None
+    help: str | Callable[[], str]
     handler: Handler | None = None
     args: tuple[Arg, ...] = ()
     sub: tuple[Command, ...] = ()
+    short: str = ""  # the group listing's line when `help` is a function
 
 
 def arg(*flags: str, **kw: Any) -> Arg:
     return flags, kw
 
 
-PARAMS = (
-    arg(
-        "--params",
-        metavar="FILE",
-        default=None,
-        help="params file (default: ./params.yaml, else the embedded default)",
-    ),
-    arg(
-        "--set",
-        dest="overrides",
-        metavar="KEY=VALUE",
-        action="append",
-        default=[],
-        help="override one key, e.g. --set pretrain.lr=3e-4 (repeatable)",
-    ),
+PARAMS_FILE = arg(
+    "--params",
+    metavar="FILE",
+    default=None,
+    help="params file laid over the defaults, e.g. configs/NAME.yaml (default: ./params.yaml, "
+    "else the embedded default)",
 )
+SET = arg(
+    "--set",
+    dest="overrides",
+    metavar="KEY=VALUE",
+    action="append",
+    default=[],
+    help="override one key, e.g. --set finetune_sql.lr=3e-4 (repeatable)",
+)
+PARAMS = (PARAMS_FILE, SET)
+# `params check FILE`, as it was spelled: refused with the spelling every command takes
+OLD_FILE = arg("file", nargs="?", default=None, help=argparse.SUPPRESS)
 FORCE = arg(
     "--force",
     action="store_true",
     help="run even a stage whose params, code and inputs did not change since it ran "
     "(default: such a stage is skipped and says so; MOE_FORCE=1 does the same)",
 )
-SET = arg("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[])
-ROOT = arg("--root", type=Path, default=Path("."), help="the project folder")
-DIR = arg("dir", type=Path)
-OUT = arg("--out", type=Path, required=True)
+ROOT = arg("--root", type=Path, default=Path("."), help="the project folder (default: .)")
+CKPT_DIR = arg("dir", type=Path, help="a stage's model folder or checkpoint folder")
+OUT = arg("--out", type=Path, required=True, help="where to write")
 POOL_ARGS = (
-    arg("--type", choices=["process", "docker", "kubernetes"], required=True),
+    arg(
+        "--type",
+        choices=["process", "docker", "kubernetes"],
+        required=True,
+        help="the Prefect worker type the pools are created for",
+    ),
     arg("--image-tag", default="", help="image tag instead of the tier's (e.g. the commit)"),
     *PARAMS,
 )
+STAGES_ARG = arg(
+    "--stages", nargs="+", choices=STAGES, default=None, help="only these stages (in order)"
+)
+
+
+def _families(dense: bool) -> str:
+    from moe.hf.families.registry import FAMILIES
+
+    return ", ".join(t for t, f in FAMILIES.items() if f.upcycled == dense)
+
+
+def _architectures() -> str:
+    from moe.hf.families.registry import exporters
+
+    return ", ".join(f.model_type for f in exporters())
+
+
+def import_help() -> str:
+    return (
+        f"a local Hugging Face folder ({_families(False)}; {_families(True)} upcycled to "
+        "moe.num_experts) as a model folder model.init takes"
+    )
+
+
+def arch_help() -> str:
+    return (
+        f"prefer this architecture ({_architectures()}) when it represents the model exactly "
+        "(default: the one it was imported from, else the first that does)"
+    )
+
+
+EXAMPLES = """examples:
+  moe-pipeline configs                                  the recipes: one per model and method
+  moe-pipeline plan --params configs/qwen3-30b-a3b-lora-80gb.yaml
+                                                        memory and pools before renting a GPU
+  moe-pipeline run --params configs/smollm2-135m-sql-cpu.yaml
+  moe-pipeline run --set data.sql_domain_database=shop.sqlite
+  moe-pipeline params explain finetune_sql.max_len      what a key means, its range, default
+  moe-pipeline ask models/finetune_domain "How many customers are there?" --db shop.sqlite
+
+Every command checks the params first: a bad key exits 2 naming it, before any work."""
 
 COMMANDS = (
     Command(
         "params",
-        "check or show the configuration",
+        "check, show, explain or write the configuration",
         sub=(
             Command(
                 "check",
-                "validate a params file (exit 2 on problems)",
-                params_check,
-                (arg("file", nargs="?", default=None), SET),
+                "validate the params (exit 2 naming every problem)",
+                "flows.commands.params:check",
+                (*PARAMS, OLD_FILE),
             ),
             Command(
                 "show",
                 "print the resolved configuration",
-                params_show,
-                (arg("file", nargs="?", default=None), SET),
+                "flows.commands.params:show",
+                (*PARAMS, OLD_FILE),
+            ),
+            Command(
+                "explain",
+                "what a key means (from where it is declared), its range and its default",
+                "flows.commands.params:explain",
+                (arg("key", help="a dotted key, e.g. finetune_sql.lr, or a section, e.g. moe"),),
+            ),
+            Command(
+                "write",
+                "write a params file with every key commented: the defaults, or a recipe laid "
+                "over them (for dvc exp run)",
+                "flows.commands.params:write",
+                (
+                    *PARAMS,
+                    arg("--out", default="params.yaml", help="the file (default: params.yaml)"),
+                    arg(
+                        "--force",
+                        action="store_true",
+                        help="replace a file that holds other params than the defaults",
+                    ),
+                ),
             ),
         ),
+    ),
+    Command(
+        "configs",
+        "list the recipes in configs/ (one params file per model and method)",
+        "flows.commands.params:configs",
     ),
     Command(
         "stage",
         "run one stage's flow in this process",
         run_stage,
-        (arg("name", choices=STAGES), *PARAMS, FORCE),
+        (arg("name", choices=STAGES, help="the stage"), *PARAMS, FORCE),
     ),
     Command(
         "run",
         "run the whole pipeline in this process",
         run_pipeline,
-        (
-            arg(
-                "--stages",
-                nargs="+",
-                choices=STAGES,
-                default=None,
-                help="only these stages (in pipeline order)",
-            ),
-            *PARAMS,
-            FORCE,
-        ),
+        (STAGES_ARG, *PARAMS, FORCE),
     ),
     Command(
         "plan",
         "per training stage and method: the memory it holds and the GPUs of each pool it takes",
-        plan.plan,
+        "flows.commands.plan:plan",
         PARAMS,
     ),
     Command(
         "lineage",
         "walk an output (file or folder) back through the stages to its corpus",
-        outputs.lineage,
+        "flows.commands.outputs:lineage",
         (
-            arg("output", type=Path),
+            arg("output", type=Path, help="a file or folder a stage wrote"),
             ROOT,
             arg("--json", action="store_true", help="the chain as JSON"),
         ),
@@ -241,7 +300,7 @@ COMMANDS = (
             Command(
                 "up",
                 "start what is not running (idempotent)",
-                server.stack_up,
+                "flows.commands.server:stack_up",
                 (
                     arg("--params", metavar="FILE", default=None, help="whose pools to create"),
                     arg("--no-ui", action="store_true", help="serve the API without the web UI"),
@@ -251,22 +310,27 @@ COMMANDS = (
             Command(
                 "status",
                 "each process of the stack and each pool's workers",
-                server.stack_status,
+                "flows.commands.server:stack_status",
                 (ROOT,),
             ),
-            Command("down", "stop exactly the processes `up` started", server.stack_down, (ROOT,)),
+            Command(
+                "down",
+                "stop exactly the processes `up` started",
+                "flows.commands.server:stack_down",
+                (ROOT,),
+            ),
             Command(
                 "watch",
                 "restart a worker that dies or fails its health check (`up` starts it)",
-                server.stack_watch,
+                "flows.commands.server:stack_watch",
                 (ROOT,),
             ),
             Command(
                 "run",
                 "run the pipeline deployment: each stage on its pool's worker",
-                server.stack_run,
+                "flows.commands.server:stack_run",
                 (
-                    arg("--stages", nargs="+", choices=STAGES, default=None),
+                    STAGES_ARG,
                     arg(
                         "--handoff",
                         default=None,
@@ -286,14 +350,14 @@ COMMANDS = (
                 "create",
                 "create or update every pool of pools.definitions on the server of "
                 "PREFECT_API_URL, each with its own job template",
-                server.pools_create,
+                "flows.commands.server:pools_create",
                 POOL_ARGS,
             ),
             Command(
                 "template",
                 "print one pool's job template (for prefect work-pool create)",
-                server.pools_template,
-                (arg("pool"), *POOL_ARGS),
+                "flows.commands.server:pools_template",
+                (arg("pool", help="a pool of pools.definitions"), *POOL_ARGS),
             ),
         ),
     ),
@@ -305,7 +369,7 @@ COMMANDS = (
                 "install",
                 "create (or replace) them on the server of PREFECT_API_URL (yours, or Prefect "
                 "Cloud); needs the deployments of prefect.yaml (the recover deployment)",
-                server.recovery_install,
+                "flows.commands.server:recovery_install",
                 PARAMS,
             ),
         ),
@@ -318,7 +382,7 @@ COMMANDS = (
                 "configure",
                 "after `prefect deploy --all`: the run forms' defaults (every stage, params as "
                 "this params file resolves) on the server of PREFECT_API_URL",
-                server.deployments_configure,
+                "flows.commands.server:deployments_configure",
                 PARAMS,
             ),
         ),
@@ -331,7 +395,7 @@ COMMANDS = (
                 "install",
                 "create (or replace) the automation that sends each budget alert "
                 "(moe.budget.alert) to a notification block on the server of PREFECT_API_URL",
-                server.alerts_install,
+                "flows.commands.server:alerts_install",
                 (
                     arg(
                         "--block",
@@ -360,27 +424,27 @@ COMMANDS = (
             Command(
                 "digest",
                 "sha256 of the model weights of the newest valid checkpoint under DIR",
-                outputs.checkpoint_digest,
-                (DIR, *PARAMS),
+                "flows.commands.outputs:checkpoint_digest",
+                (CKPT_DIR, *PARAMS),
             ),
             Command(
                 "ls",
                 "each checkpoint under DIR: step, size, tiers, valid or not",
-                outputs.checkpoint_ls,
-                (DIR,),
+                "flows.commands.outputs:checkpoint_ls",
+                (CKPT_DIR,),
             ),
             Command(
                 "verify",
                 "check every checkpoint's hashes (and its bases'); exit 1 if one fails",
-                outputs.checkpoint_ls,
-                (DIR,),
+                "flows.commands.outputs:checkpoint_ls",
+                (CKPT_DIR,),
             ),
             Command(
                 "restore",
                 "write the model weights of one checkpoint to a safetensors file",
-                outputs.checkpoint_restore,
+                "flows.commands.outputs:checkpoint_restore",
                 (
-                    DIR,
+                    CKPT_DIR,
                     *PARAMS,
                     arg("--step", type=int, default=None, help="default: the newest valid"),
                     OUT,
@@ -389,8 +453,8 @@ COMMANDS = (
             Command(
                 "export",
                 "the newest valid checkpoint's model weights as one safetensors file",
-                outputs.checkpoint_restore,
-                (DIR, *PARAMS, OUT),
+                "flows.commands.outputs:checkpoint_restore",
+                (CKPT_DIR, *PARAMS, OUT),
             ),
         ),
     ),
@@ -400,18 +464,21 @@ COMMANDS = (
         sub=(
             Command(
                 "import",
-                "a local Hugging Face folder (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, "
-                "ERNIE-4.5-MoE; Llama, Qwen2, Qwen3 upcycled to moe.num_experts) as a model "
-                "folder model.init takes",
-                outputs.model_import,
-                (DIR, OUT, *PARAMS),
+                import_help,
+                "flows.commands.outputs:model_import",
+                (
+                    arg("dir", type=Path, help="the Hugging Face folder (config.json, weights)"),
+                    OUT,
+                    *PARAMS,
+                ),
+                short="a local Hugging Face folder as a model folder model.init takes",
             ),
             Command(
                 "export",
                 "a model folder (a stage's or an import) as a folder transformers and vLLM load",
-                outputs.model_export,
+                "flows.commands.outputs:model_export",
                 (
-                    DIR,
+                    arg("dir", type=Path, help="a model folder (e.g. models/finetune_domain)"),
                     OUT,
                     arg(
                         "--data",
@@ -419,12 +486,7 @@ COMMANDS = (
                         default=None,
                         help="the prepared data (its tokenizer); default data.out_dir",
                     ),
-                    arg(
-                        "--arch",
-                        default="",
-                        help="prefer this architecture (qwen3_moe, qwen2_moe, mixtral, olmoe, "
-                        "ernie4_5_moe) when it represents the model exactly",
-                    ),
+                    arg("--arch", default="", help=arch_help),
                     *PARAMS,
                 ),
             ),
@@ -433,10 +495,10 @@ COMMANDS = (
     Command(
         "ask",
         "the SQL a model writes for a question, and its rows",
-        outputs.answer,
+        "flows.commands.outputs:answer",
         (
             arg("dir", type=Path, help="a model folder (e.g. models/finetune_domain)"),
-            arg("question"),
+            arg("question", help="the question, in words"),
             # a str: a URL's // would not survive Path
             arg("--db", required=True, help="the database to ask: a sqlite file or a server's URL"),
             arg("--data", type=Path, default=None, help="the prepared data (its tokenizer)"),
@@ -448,24 +510,64 @@ COMMANDS = (
 )
 
 
-def _add(parent: argparse._SubParsersAction, command: Command) -> None:
-    p = parent.add_parser(command.name, help=command.help)
+def _text(help: str | Callable[[], str], on_path: bool, short: str) -> str:
+    if callable(help):
+        return help() if on_path else short
+    return help
+
+
+def _add(parent: argparse._SubParsersAction, command: Command, path: list[str], depth: int) -> None:
+    on_path = len(path) > depth and path[depth] == command.name
+    p = parent.add_parser(
+        command.name,
+        help=_text(command.help, on_path and len(path) > depth, command.short),
+        description=_text(command.help, on_path, command.short),
+    )
     for flags, kw in command.args:
-        p.add_argument(*flags, **copy.deepcopy(kw))  # a parser's own defaults ([] for --set)
+        kw = copy.deepcopy(kw)  # a parser's own defaults ([] for --set)
+        if callable(kw.get("help")):
+            kw["help"] = kw["help"]() if on_path else "see this command's --help"
+        p.add_argument(*flags, **kw)
     if command.sub:
         sub = p.add_subparsers(dest=f"{command.name}_command", required=True)
         for c in command.sub:
-            _add(sub, c)
+            _add(sub, c, path if on_path else [], depth + 1)
     else:
         p.set_defaults(handler=command.handler)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-pipeline", description=__doc__.split("\n")[0])
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("moe-pipeline")
+    except PackageNotFoundError:  # run from a checkout without installing
+        return "unknown (not installed: pip install -e .)"
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; `argv` (the line being parsed) says which commands' registry-read help
+    texts to build (they import the model families, and torch)."""
+    parser = argparse.ArgumentParser(
+        prog="moe-pipeline",
+        description=__doc__.split("\n")[0],
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    path = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
     for command in COMMANDS:
-        _add(sub, command)
+        _add(sub, command, path, 0)
     return parser
+
+
+def resolve(handler: Handler) -> Callable[[argparse.Namespace], int]:
+    """The handler itself, importing its module where it is named as "module:function"."""
+    if isinstance(handler, str):
+        module, _, name = handler.partition(":")
+        return getattr(importlib.import_module(module), name)
+    return handler
 
 
 def exit_on_sigterm() -> None:
@@ -483,11 +585,11 @@ def exit_on_sigterm() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     if argv is None:  # the command itself (`moe-pipeline`, `python -m flows.cli`), not a test
         exit_on_sigterm()
     try:
-        return args.handler(args)
+        return resolve(args.handler)(args)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -14,6 +14,7 @@ what is allowed and the file line; a key given twice and YAML aliases are refuse
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -229,9 +230,8 @@ def from_dict(
     the recipes' sections and their checks (moe/recipes/params.py `build_params`), then what
     the stages need of their pools, machines and store; every problem at once."""
     p = Problems(lines, source)
-    from moe.hf.model_init import resolve_init  # torch: only where a model is imported
-
-    cfg = build_params(Config, raw, p, resolve_init if resolve else None, across=False)
+    resolver = functools.partial(_resolve_init, tokenizer=check_fit)
+    cfg = build_params(Config, raw, p, resolver if resolve else None, across=False)
     shapes_valid = not p.items  # the model can be built (on the meta device) to measure
     cfg.check_across(p)
     if shapes_valid:
@@ -251,6 +251,12 @@ def from_dict(
     if p.items:
         raise ConfigError(p.items, source)
     return cfg
+
+
+def _resolve_init(params: Any, p: Problems, tokenizer: bool) -> None:
+    from moe.hf.model_init import resolve_init  # torch: only where a model is imported
+
+    resolve_init(params, p, tokenizer)
 
 
 def _check_training_stage(cfg: Config, stage: str, p: Problems) -> None:
@@ -369,7 +375,8 @@ def load_config(
 ) -> Config:
     """Load `path` (default: ./params.yaml if it exists, else the embedded default) + overrides.
     `check_fit=False` (`moe-pipeline plan`) leaves out the check that each training stage
-    fits its pool's GPUs, so that the plan can show what does.
+    fits its pool's GPUs, so that the plan can show what does, and takes a model.init folder
+    with its config.json alone (a plan before the weights are downloaded).
 
     `params` (a resolved configuration as a mapping, e.g. a flow parameter sent by the
     pipeline to a stage on another machine) takes the place of the file.

@@ -11,11 +11,13 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moe.model.config import ModelConfig, MoEConfig
 from moe.train.config import OptimConfig
-from moe.train.memory import StateBytes, activation_bytes, state_bytes
+
+if TYPE_CHECKING:
+    from moe.train.memory import StateBytes
 
 METHODS = ("full", "lora", "qlora")
 
@@ -53,6 +55,10 @@ def needs(
     bound for a finetune), 2 bytes each under bf16 (the default on a GPU), else 4; under bf16
     what stays fp32 and what autocast adds to the weights counted as moe/train/memory.py
     says."""
+    # torch (the model on the meta device): imported here, so that loading a configuration
+    # that checks no pool's fit (the CLI's help, lineage, the stack's status) starts at once
+    from moe.train.memory import activation_bytes, state_bytes
+
     amp = not (sec.dtype == "float32" or sec.device == "cpu")
     state = state_bytes(model, moe, vocab, method or sec.method, sec.lora, amp=amp)
     replay = getattr(sec, "replay_ratio", 0.0)

@@ -205,7 +205,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     ],
 )
 def test_cli_check_exits_2_naming_the_key(tmp_path: Path, data: dict, key: str) -> None:
-    r = _cli("params", "check", str(write(tmp_path, data)), cwd=tmp_path)
+    r = _cli("params", "check", "--params", str(write(tmp_path, data)), cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     assert key in r.stderr
 
@@ -225,7 +225,7 @@ def test_cli_stage_with_bad_params_touches_nothing(tmp_path: Path) -> None:
 
 
 def test_cli_check_ok(tmp_path: Path) -> None:
-    r = _cli("params", "check", str(ROOT / "params.yaml"), cwd=tmp_path)
+    r = _cli("params", "check", "--params", str(ROOT / "params.yaml"), cwd=tmp_path)
     assert r.returncode == 0 and "OK" in r.stdout
 
 

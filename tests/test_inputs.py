@@ -260,7 +260,7 @@ def test_a_changed_upstream_model_is_refused_before_the_stage_runs(tmp_path: Pat
 def _check(tmp_path: Path, text: bytes | str, *sets: str) -> subprocess.CompletedProcess:
     f = tmp_path / "params.yaml"
     f.write_bytes(text if isinstance(text, bytes) else text.encode())
-    args = ["params", "check", "params.yaml"]
+    args = ["params", "check", "--params", "params.yaml"]
     for s in sets:
         args += ["--set", s]
     return _cli(args, tmp_path)

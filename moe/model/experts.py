@@ -127,11 +127,24 @@ def _aligned(x_AD: torch.Tensor, w_EDF: torch.Tensor) -> tuple[torch.Tensor, tor
     return x_AD, w_EDF, F_
 
 
-@torch.compiler.disable
-def _grouped_mm_uncompiled(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """F.grouped_mm outside torch.compile: its compiled form (the meta kernel) takes bf16 only,
-    while the CPU's kernel also takes fp32 (`compile: true` then breaks the graph here)."""
+def _grouped_mm_fp32(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return F.grouped_mm(x, w, offs=offs)
+
+
+# F.grouped_mm outside torch.compile: its compiled form (the meta kernel) takes bf16 only,
+# while the CPU's kernel also takes fp32 (`compile: true` then breaks the graph here).
+# `torch.compiler.disable` imports torch._dynamo (a second on a CPU): it is applied by
+# `prepare_compile`, before anything is compiled, not when this module is imported (the CLI's
+# `params check` and `plan` build the model on the meta device and compile nothing).
+_grouped_mm_uncompiled = _grouped_mm_fp32
+
+
+def prepare_compile() -> None:
+    """Keep the fp32 grouped product out of what torch.compile traces (call before compiling
+    a block that holds experts)."""
+    global _grouped_mm_uncompiled
+    if _grouped_mm_uncompiled is _grouped_mm_fp32:
+        _grouped_mm_uncompiled = torch.compiler.disable(_grouped_mm_fp32)
 
 
 def grouped_mm(

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from moe.model.buffers import init_buffers
+from moe.model.experts import prepare_compile
 from moe.model.transformer import MoETransformer
 from moe.train import distributed as D
 from moe.train.config import OptimConfig
@@ -73,6 +74,7 @@ class Ranks:
         model's names) or with the initialisation one process would draw after the same
         seed. A plain run trains the module as it is."""
         if getattr(cfg, "compile", False):  # before sharding, as torchtitan orders them
+            prepare_compile()
             for block in model.blocks:
                 block.compile()
         if dist.is_initialized():
