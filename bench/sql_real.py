@@ -8,7 +8,8 @@ human-written SQL as the peers score it.
 - Data: Spider's dev split rebuilt as a corpus by bench/spider_corpus.py (split by database:
   737 questions on 15 databases to train on, 297 on 5 held-out databases to test on); the
   domain is Chinook with its 25 hand-written questions (bench/data/chinook_test.jsonl).
-- Run: `moe-pipeline run` with model.init = the import and `model.init_pretrain: skip` (the
+- Run: `moe-pipeline run --params configs/smollm2-135m-sql-cpu.yaml` (the upcycled arm:
+  configs/smollm2-135m-moe8-lora.yaml) with model.init = the import and `model.init_pretrain: skip` (the
   pretrain stage passes the model on and is evaluated: the base model's zero-shot figure),
   finetune_sql on the Spider training databases, finetune_domain on Chinook, evaluate with
   execution and test-suite accuracy. Few-shot for the base model is scored here with the
@@ -58,59 +59,26 @@ from tests import chinook  # noqa: E402
 
 CACHE = ROOT / ".cache" / "smollm2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BASE = [  # every arm: lengths for Spider's and Chinook's schemas in SmolLM2's tokens
-    "model.init_pretrain=skip",
-    "model.seq_len=800",
-    "evaluate.max_new_tokens=160",
-    "evaluate.max_examples=0",  # every held-out question (issue 55 item 5; 60 before)
-    "evaluate.batch_size=16",
-    "data.on_bad_record=skip",
-    # the skipped pretrain stage still measures the import's held-out loss: 4 x 800 tokens
-    # (the default 8 batches of 16 are ~100k tokens of a 135M-parameter forward on a CPU)
-    "pretrain.batch_size=4",
-    "pretrain.eval_batches=1",
-    "data.max_bytes=1000000",
-    "data.sql_domain_train_pairs=200",
-    "finetune_sql.max_len=640",
-    "finetune_domain.max_len=640",
-    "finetune_sql.batch_size=8",
-    "finetune_domain.batch_size=8",
-    "finetune_sql.max_steps=60",
-    # 30 steps at lr 5e-5 left the domain loss flat; 60 at 2e-4 moved it (bench/RESULTS.md)
-    "finetune_domain.max_steps=60",
-    "finetune_sql.dtype=bfloat16",
-    "finetune_domain.dtype=bfloat16",
-    "finetune_sql.checkpoint_every=50",
-    "finetune_domain.checkpoint_every=60",
-    "finetune_sql.warmup_steps=10",
-    "finetune_domain.warmup_steps=5",
-]
+# The recipes (configs/): the model's lengths, rates, steps, dtype and pools; each arm adds its
+# own model import and data paths with --set.
+RECIPES = ROOT / "configs"
 WIDE_THEMES = 12  # Chinook-wide: every embedded schema beside Chinook's 11 tables
-ARMS = {
+ARMS = {  # arm: (the import it starts from, its recipe, what it adds to the recipe)
     # generic pairs replayed at 0.5 in the domain stage: held-out Spider after it within 0.02
     # of before on 3 seeds (0.000, +0.020, +0.015); at 0.25 it fell up to 0.060 (RESULTS.md)
-    "dense-full": (
-        "dense",
-        ["finetune_sql.lr=1e-4", "finetune_domain.lr=2e-4", "finetune_domain.replay_pairs=0.5"],
-    ),
+    "dense-full": ("dense", "smollm2-135m-sql-cpu.yaml", []),
     "dense-lora": (
         "dense",
+        "smollm2-135m-sql-cpu.yaml",
         [
             "finetune_sql.method=lora",
             "finetune_domain.method=lora",
             "finetune_sql.lr=5e-4",
             "finetune_domain.lr=2e-4",
+            "finetune_domain.replay_pairs=0.25",
         ],
     ),
-    "upcycled-lora": (
-        "upcycled",
-        [
-            "finetune_sql.method=lora",
-            "finetune_domain.method=lora",
-            "finetune_sql.lr=5e-4",
-            "finetune_domain.lr=2e-4",
-        ],
-    ),
+    "upcycled-lora": ("upcycled", "smollm2-135m-moe8-lora.yaml", []),
 }
 
 
@@ -178,8 +146,8 @@ def imported(kind: str) -> Path:
     return out
 
 
-def run(project: Path, sets: list[str], stages: list[str] | None = None) -> float:
-    cmd = [sys.executable, "-m", "flows.cli", "run"]
+def run(project: Path, sets: list[str], stages: list[str] | None = None, recipe: str = "") -> float:
+    cmd = [sys.executable, "-m", "flows.cli", "run", "--params", str(RECIPES / recipe)]
     if stages:
         cmd += ["--stages", *stages]
     for s in sets:
@@ -288,7 +256,6 @@ def chinook_wide(work: Path, side: str, whole_ctx: int) -> Path:
         f"data.sql_generic_source={work / 'spider'}",
         f"data.sql_domain_database={wide}",
         f"data.sql_domain_test={ROOT / 'bench/data/chinook_test.jsonl'}",
-        *BASE,
     ]
     if side == "whole":
         sets += [f"model.seq_len={whole_ctx}", "data.sql_schema_pruning=false"]
@@ -299,9 +266,8 @@ def chinook_wide(work: Path, side: str, whole_ctx: int) -> Path:
             sets.append(f"pools.stages.{s}=gpu-h100")
     project = work / f"chinook-wide-{side}"
     project.mkdir(parents=True, exist_ok=True)
-    (project / "params.yaml").write_text((ROOT / "params.yaml").read_text())
     if not (project / "data/prepared/sql/domain_test.jsonl").is_file():
-        run(project, sets, ["prepare"])
+        run(project, sets, ["prepare"], ARMS["dense-full"][1])
     meta = json.loads((project / "data/prepared/meta.json").read_text())["sql"]
     print(json.dumps({"chinook-wide": side, "schema_pruned": meta.get("schema_pruned"),
                       "schema_notes": meta.get("schema_notes"),
@@ -368,25 +334,23 @@ def main() -> None:
         db = wide_db(args.work)
     results = []
     for arm in args.arms:
-        kind, arm_sets = ARMS[arm]
+        kind, recipe, arm_sets = ARMS[arm]
         init = imported(kind)
         for seed in args.seeds:
             wide = "-wide" if args.domain == "chinook-wide" else ""
             tag = f"-{args.tag}" if args.tag else ""
             project = args.work / f"{arm}{wide}{tag}-{seed}"
             project.mkdir(parents=True, exist_ok=True)
-            (project / "params.yaml").write_text((ROOT / "params.yaml").read_text())
             sets = [
                 f"model.init={init}",
                 f"data.sql_generic_source={corpus}",
                 f"data.sql_domain_database={db}",
                 f"data.sql_domain_test={ROOT / 'bench/data/chinook_test.jsonl'}",
-                *BASE,
                 *arm_sets,
                 *(f"{s}.seed={seed}" for s in ("finetune_sql", "finetune_domain")),
                 *args.sets,
             ]
-            wall = run(project, sets, args.stages)
+            wall = run(project, sets, args.stages, recipe)
             if args.stages and "evaluate" not in args.stages:  # scored by --rescore instead
                 print(json.dumps({"arm": arm, "seed": seed, "wall_s": round(wall),
                                   "stages": args.stages}), flush=True)  # fmt: skip

@@ -132,7 +132,7 @@ def recipe_head(path: Path) -> list[str]:
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
-        out.append(line[1:].strip() if line[1:2] == " " or len(line) == 1 else line[1:])
+        out.append(line[2:] if line.startswith("# ") else line[1:])
     return out
 
 
@@ -258,8 +258,9 @@ def commented_yaml(tree: dict[str, Any], head: list[str] | None = None) -> str:
     comment above every key (moe/config.py field_docs: the comment a reader of the dataclass
     sees); yaml.safe_load of the text gives `tree` back."""
     out: list[str] = []
-    for h in head or []:
-        out += textwrap.wrap(h, WIDTH, initial_indent="# ", subsequent_indent="# ") or ["#"]
+    for h in head or []:  # a line that fits is kept as it is (a recipe's own indentation)
+        wrapped = textwrap.wrap(h, WIDTH, initial_indent="# ", subsequent_indent="# ")
+        out += [f"# {h}".rstrip()] if len(h) + 2 <= WIDTH else wrapped
     if out:
         out.append("")
     _emit(_config_cls(), tree, 0, out)

@@ -18,6 +18,13 @@ def plan(args: argparse.Namespace) -> int:
     for stage in cfg.training_stages():
         sec = getattr(cfg, stage)
         pool = cfg.pools.stages[stage]
+        if stage == "pretrain" and cfg.model.init and cfg.model.init_pretrain == "skip":
+            state = fit.needs(cfg.model, cfg.moe, vocab, sec, "full")
+            print(
+                f"{stage}: skipped (model.init_pretrain: skip): the model passes through, its "
+                f"held-out loss measured on pool {pool} ({state.params / 1e9:.2f}B parameters)"
+            )
+            continue
         print(f"{stage}: pool {pool}, method {sec.method}")
         why = fit.refusal(stage, cfg.model, cfg.moe, vocab, sec, pool, cfg.pools.definitions)
         if why:
@@ -29,7 +36,8 @@ def plan(args: argparse.Namespace) -> int:
                 f"  {mark} {method:5s} {state.trainable / 1e6:10.2f}M trainable"
                 f"  {state.weights / 1e9:8.2f} GB weights + {state.trainable_state / 1e9:8.2f}"
                 f" GB trainable state + {(state.per_gpu(1) - state.total - state.one_process) / 1e9:6.2f}"
-                f" GB activations {state.one_process / 1e9:+6.2f} GB under autocast (one GPU)"
+                f" GB activations {state.one_process / 1e9:+6.2f} GB under autocast"
+                f" = {state.per_gpu(1) / 1e9:7.2f} GB on one GPU"
             )
             for f in fit.pool_fits(state, sec, cfg.pools.definitions):
                 print(

@@ -66,6 +66,10 @@ HARMLESS = {
     "torchscript",
     "use_return_dict",
     "router_z_loss_coef",
+    # Hub metadata with no bearing on the weights: SmolLM2's config.json carries both
+    # (`is_llama_config`, and transformers.js's ONNX export settings)
+    "is_llama_config",
+    "transformers.js_config",
 }
 
 

@@ -48,19 +48,23 @@ MOE_SHAPE = (
 )
 
 
-def resolve_init(params: Any, p: Problems) -> None:
+def resolve_init(params: Any, p: Problems, tokenizer: bool = True) -> None:
     """A params tree (moe/recipes/params.py) with model.init: the model's architecture in place
     of the model and moe sections' shape fields, and its tokenizer as tokenizer.path (unless
-    one is given); what is wrong with the folder goes to `p` under model.init."""
+    one is given); what is wrong with the folder goes to `p` under model.init.
+    `tokenizer=False` (a plan) takes a folder with its config.json alone."""
     try:
-        params.model, params.moe = init_architecture(params.model, params.moe)
-        if not params.tokenizer.path:
-            params.tokenizer.path = str(Path(params.model.init) / "tokenizer.json")
+        params.model, params.moe = init_architecture(params.model, params.moe, tokenizer)
+        own = Path(params.model.init) / "tokenizer.json"
+        if not params.tokenizer.path and (tokenizer or own.is_file()):
+            params.tokenizer.path = str(own)
     except InputError as e:
         p.add("model.init", params.model.init, str(e))
 
 
-def init_architecture(model: ModelConfig, moe: MoEConfig) -> tuple[ModelConfig, MoEConfig]:
+def init_architecture(
+    model: ModelConfig, moe: MoEConfig, tokenizer: bool = True
+) -> tuple[ModelConfig, MoEConfig]:
     """The configuration with `model.init`'s architecture in place of the model section's
     shape fields and the MoE shape fields; the training length (seq_len), the routing and
     balancing knobs stay the user's. A dense model is upcycled to moe.num_experts, top_k."""
@@ -79,7 +83,7 @@ def init_architecture(model: ModelConfig, moe: MoEConfig) -> tuple[ModelConfig, 
         arch = read_architecture(folder, moe, model.seq_len)
         arch_model = arch.model
         shape = {k: getattr(arch.moe, k) for k in MOE_SHAPE}
-    if not (folder / "tokenizer.json").is_file():
+    if tokenizer and not (folder / "tokenizer.json").is_file():
         raise InputError(
             f"model.init = {model.init!r}: no tokenizer.json in it; the model must be trained"
             " with its own tokenizer"
