@@ -80,7 +80,7 @@ def test_no_two_task_modules_import_each_other() -> None:
 
 
 # What each moe/ package may import of the others (besides moe/config.py, moe/errors.py and
-# moe/hashing.py, the foundation every package stands on). README "How the pieces fit" and
+# moe/hashing.py, the foundation every package stands on). docs/architecture.md and
 # docs/DESIGN.md draw the same picture.
 MAY_IMPORT = {
     "model": set(),

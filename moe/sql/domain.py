@@ -67,7 +67,7 @@ class DomainDatabase:
                 f" than read ({'; '.join(unsafe)}). Log in as a role that may only read, e.g."
                 " CREATE ROLE moe_reader LOGIN PASSWORD '...'; GRANT CONNECT ON DATABASE <db>"
                 f" TO moe_reader; GRANT USAGE ON SCHEMA {db.namespace} TO moe_reader; GRANT"
-                f" SELECT ON ALL TABLES IN SCHEMA {db.namespace} TO moe_reader (README: Your"
+                f" SELECT ON ALL TABLES IN SCHEMA {db.namespace} TO moe_reader (docs/your-data.md: Your"
                 " database where it lives)"
             )
 
