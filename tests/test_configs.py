@@ -46,7 +46,10 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_there_is_a_recipe_per_model_and_method() -> None:
-    methods = {(_recipe(r)["model"]["init"], _recipe(r)["finetune_sql"].get("method", "full")) for r in RECIPES}
+    methods = {
+        (_recipe(r)["model"]["init"], _recipe(r)["finetune_sql"].get("method", "full"))
+        for r in RECIPES
+    }
     names = {Path(init).name for init, _ in methods}
     assert {
         "SmolLM2-135M-Instruct",
@@ -110,7 +113,7 @@ SHRINK = [
     "data.sql_generic_test_pairs=10",
     "data.sql_domain_train_pairs=30",
     "data.sql_domain_test_pairs=6",
-    "model.seq_len=320",
+    "model.seq_len=512",
     "pretrain.eval_batches=1",
     "evaluate.max_examples=3",
     "evaluate.max_new_tokens=24",
@@ -125,7 +128,7 @@ SHRINK = [
             "max_steps=2",
             "batch_size=4",
             "grad_accum=1",
-            "max_len=288",
+            "max_len=480",
             "warmup_steps=1",
             "checkpoint_every=2",
             "log_every=1",
@@ -158,7 +161,7 @@ def test_a_recipe_runs_the_pipeline_on_a_tiny_model_of_its_family(
 
     recipe = ROOT / "configs" / f"{name}.yaml"
     model = tmp_path / "tiny"
-    vocab = make_tokenizer(model, vocab=512)
+    vocab = make_tokenizer(model)
     cls, extra = TINY[name]
     torch.manual_seed(0)
     cfg = getattr(transformers, cls)(

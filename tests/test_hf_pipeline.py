@@ -115,6 +115,15 @@ def test_the_finetuned_model_exports_to_what_transformers_loads(
         assert float((ours(idx)[0] - hf.eval()(idx).logits).abs().max()) < 1e-4
     tok = transformers.AutoTokenizer.from_pretrained(root / "export")
     assert tok.eos_token == "</s>"
+    # transformers' greedy generate on the export writes the tokens our model writes (what
+    # `ask` and evaluate decode with: generate_batch, a KV cache), to its end token
+    prompt = idx[0, :10].tolist()
+    mine = ours.generate_batch([prompt], 16, {tok.eos_token_id})[0]
+    with torch.no_grad():
+        theirs = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+    assert len(mine) > 1 and theirs[: len(mine)] == mine, (mine, theirs)
     card = (root / "export/README.md").read_text()
     for section in ("## Started from", "## Lineage", "## Evaluation", "## The bill"):
         assert section in card
