@@ -87,7 +87,9 @@ def test_every_argument_is_described() -> None:
                 if isinstance(action, argparse._SubParsersAction):
                     continue
                 if not action.help:
-                    undescribed.append(f"{' '.join(path)} {'/'.join(action.option_strings) or action.dest}")
+                    undescribed.append(
+                        f"{' '.join(path)} {'/'.join(action.option_strings) or action.dest}"
+                    )
     assert undescribed == []
 
 
@@ -152,9 +154,10 @@ def test_params_write_lays_a_recipe_over_the_defaults(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     got = yaml.safe_load(out.read_text())
     assert got["finetune_sql"]["lr"] == 1e-4
-    assert got["finetune_domain"] == yaml.safe_load((ROOT / "params.yaml").read_text())[
-        "finetune_domain"
-    ]
+    assert (
+        got["finetune_domain"]
+        == yaml.safe_load((ROOT / "params.yaml").read_text())["finetune_domain"]
+    )
     assert "# A small recipe." in out.read_text()  # the recipe's own comment comes along
     # a file with other params than the defaults is not replaced without --force
     before = out.read_text()
