@@ -221,7 +221,17 @@ class SFTBatches:
 
     An example longer than max_len + 1 tokens is refused (InputError with the numbers):
     cutting it would drop the schema without a word. Examples are drawn uniformly, or in
-    proportion to their weights when those differ. Padding is on the right and masked out.
+    proportion to their weights when those differ.
+
+    Unpacked: one example a row, padded on the right to the step's longest (masked out).
+    Packed (`packing`): `rows` rows of max_len tokens every step (one shape), each holding
+    examples back to back, with `segments` numbering each token's example in its row (-1:
+    the padding after the last) for the model's block-causal attention. The step's draw of
+    batch_size examples goes in longest first, each to the row it fills best (best-fit
+    decreasing, as TRL packs); one that fits no row is left out, and further draws fill what
+    room is left, so that a step holds batch_size examples in expectation and its rows are
+    nearly full. `rows` = batch_size x the examples' mean length / max_len, rounded (up to a
+    multiple of `row_multiple`, the processes that split the rows).
     """
 
     def __init__(
@@ -233,6 +243,8 @@ class SFTBatches:
         pad_id: int,
         focus_ids: set[int] | None = None,
         focus_weight: float = 1.0,
+        packing: bool = False,
+        row_multiple: int = 1,
     ) -> None:
         if not examples:
             raise InputError("no finetuning examples")
@@ -255,6 +267,14 @@ class SFTBatches:
         self.pad_id = pad_id
         self.focus = torch.tensor(sorted(focus_ids or ()), dtype=torch.int64)
         self.focus_weight = focus_weight
+        self.packing = packing
+        # each example's input tokens (prompt + response, less the last: the targets' shift)
+        self.lengths = np.array(
+            [min(len(e.prompt) + len(e.response), max_len + 1) - 1 for e in examples]
+        )
+        mean = float(self.lengths @ self.p) if self.p is not None else float(self.lengths.mean())
+        rows = max(1, round(batch_size * mean / max_len))
+        self.rows = -(-rows // row_multiple) * row_multiple
 
     def encode(self, ex: SFTExample) -> tuple[list[int], list[int]]:
         ids = (ex.prompt + ex.response)[-(self.max_len + 1) :]
@@ -262,14 +282,17 @@ class SFTBatches:
         targets = [-100] * (len(ids) - 1 - n_resp) + ids[len(ids) - n_resp :]
         return ids[:-1], targets
 
-    def batch_at(
-        self, step: int, micro: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rng = np.random.default_rng([self.seed, micro, step])
+    def _draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
         if self.p is None:
-            picks = rng.integers(0, len(self.examples), size=self.batch_size)
-        else:
-            picks = rng.choice(len(self.examples), size=self.batch_size, p=self.p)
+            return rng.integers(0, len(self.examples), size=n)
+        return rng.choice(len(self.examples), size=n, p=self.p)
+
+    def batch_at(self, step: int, micro: int = 0) -> tuple[torch.Tensor, ...]:
+        """(x, y, loss weights), and with packing each token's example (`segments`)."""
+        rng = np.random.default_rng([self.seed, micro, step])
+        picks = self._draw(rng, self.batch_size)
+        if self.packing:
+            return self._packed(picks, self._draw(rng, self.batch_size))
         rows = [self.encode(self.examples[i]) for i in picks]
         width = max(len(x) for x, _ in rows)
         x = torch.full((len(rows), width), self.pad_id, dtype=torch.int64)
@@ -277,33 +300,65 @@ class SFTBatches:
         for r, (ids, targets) in enumerate(rows):
             x[r, : len(ids)] = torch.tensor(ids)
             y[r, : len(targets)] = torch.tensor(targets)
+        return x, y, self._weights(y)
+
+    def _weights(self, y: torch.Tensor) -> torch.Tensor:
         w = torch.ones_like(y, dtype=torch.float32)
         if self.focus.numel():
             w[torch.isin(y, self.focus)] = self.focus_weight
-        return x, y, w
+        return w
+
+    def _packed(self, picks: np.ndarray, more: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """`picks` best-fit decreasing into the step's rows, then `more` (in draw order) into
+        the room left; each row's examples in the order they came."""
+        room = [self.max_len] * self.rows
+        placed: list[list[int]] = [[] for _ in range(self.rows)]
+        order = sorted(picks.tolist(), key=lambda i: -self.lengths[i])  # stable: ties by draw
+        for i in [*order, *more.tolist()]:
+            n = int(self.lengths[i])
+            fits = [r for r in range(self.rows) if room[r] >= n]
+            if fits:
+                r = min(fits, key=lambda r: (room[r], r))  # the fullest row it fits
+                placed[r].append(i)
+                room[r] -= n
+        x = torch.full((self.rows, self.max_len), self.pad_id, dtype=torch.int64)
+        y = torch.full((self.rows, self.max_len), -100, dtype=torch.int64)
+        seg = torch.full((self.rows, self.max_len), -1, dtype=torch.int64)
+        for r, row in enumerate(placed):
+            at = 0
+            for s, i in enumerate(row):
+                ids, targets = self.encode(self.examples[i])
+                x[r, at : at + len(ids)] = torch.tensor(ids)
+                y[r, at : at + len(ids)] = torch.tensor(targets)
+                seg[r, at : at + len(ids)] = s
+                at += len(ids)
+        return x, y, self._weights(y), seg
 
 
 class MixedBatches:
     """SFT batches plus `replay.batch_size` rows of pretraining windows (replay), the
     windows as wide as that step's SFT rows: the replay rows carry loss on every token and
     never widen the batch (at the replay sampler's full width, a quarter of the rows held
-    ~40% of a finetune batch's tokens in the demo; bench/RESULTS.md)."""
+    ~40% of a finetune batch's tokens in the demo; bench/RESULTS.md). Under packing the SFT
+    rows are max_len wide, and so are the replay windows: each a single causal segment."""
 
     def __init__(self, sft: SFTBatches, replay: BatchSampler) -> None:
         self.sft, self.replay = sft, replay
 
-    def batch_at(
-        self, step: int, micro: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x, y, w = self.sft.batch_at(step, micro)
+    def batch_at(self, step: int, micro: int = 0) -> tuple[torch.Tensor, ...]:
+        x, y, w, *packed = self.sft.batch_at(step, micro)
         rx, ry, _ = self.replay.batch_at(step, micro, seq_len=x.shape[1])
         width = max(x.shape[1], rx.shape[1])
 
         def pad(t: torch.Tensor, value: float) -> torch.Tensor:
             return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
 
-        return (
+        out = (
             torch.cat([pad(x, self.sft.pad_id), pad(rx, self.sft.pad_id)]),
             torch.cat([pad(y, -100), pad(ry, -100)]),
             torch.cat([pad(w, 1.0), torch.ones(rx.shape[0], width)]),
         )
+        if not packed:
+            return out
+        replay_seg = torch.zeros(rx.shape[0], width, dtype=torch.int64)
+        return (*out, torch.cat([pad(packed[0], -1), replay_seg]))

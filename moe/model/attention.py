@@ -228,3 +228,39 @@ class KVCache:
         self.k[layer][:, :, self.length : end] = k_BHSDh
         self.v[layer][:, :, self.length : end] = v_BHSDh
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class PackedRows:
+    """Several examples in one row (packed finetuning), read by the attention layers as they
+    read a KVCache: each token attends only to the tokens of its own example up to itself
+    (a block-causal mask), positions restart at each example (rotary angles by token), and
+    a sliding window or an attention sink acts within the example. What a row computes for an
+    example is what the example alone in a row computes (tests/test_packing.py).
+
+    `segments_BS` numbers each token's example within its row (0, 1, ...), in order; -1 marks
+    the padding after the last example, which attends among itself and carries no loss."""
+
+    def __init__(self, segments_BS: torch.Tensor, windows: set[int]) -> None:
+        S = segments_BS.shape[1]
+        idx_S = torch.arange(S, device=segments_BS.device)
+        first_BS = torch.ones_like(segments_BS, dtype=torch.bool)
+        first_BS[:, 1:] = segments_BS[:, 1:] != segments_BS[:, :-1]
+        start_BS = torch.where(first_BS, idx_S, 0).cummax(dim=1).values
+        self.pos_BS = idx_S[None, :] - start_BS
+        same_BSS = segments_BS[:, :, None] == segments_BS[:, None, :]
+        mask_BSS = same_BSS & (idx_S[None, :] <= idx_S[:, None])[None]
+        self.mask = mask_BSS.unsqueeze(1)  # (B, 1, S, S): query, key
+        near = {w: idx_S[:, None] - idx_S[None, :] < w for w in windows}
+        self.window_masks = {w: (mask_BSS & n[None]).unsqueeze(1) for w, n in near.items()}
+
+    def rotate(
+        self, x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor
+    ) -> torch.Tensor:
+        cos, sin = cos_SF[self.pos_BS].unsqueeze(1), sin_SF[self.pos_BS].unsqueeze(1)
+        return rotate(x_BHSDh, cos, sin)
+
+    def append(
+        self, layer: int, k_BHSDh: torch.Tensor, v_BHSDh: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row's own keys and values (nothing is cached)."""
+        return k_BHSDh, v_BHSDh

@@ -24,6 +24,7 @@ from moe.model.attention import (
     CausalSelfAttention,
     KVCache,
     LatentAttention,
+    PackedRows,
     RMSNorm,
     rotary_tables,
 )
@@ -144,16 +145,18 @@ class Block(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         aux: MoEAux,
-        cache: KVCache | None = None,
+        cache: KVCache | PackedRows | None = None,
         layer: int = 0,
     ) -> torch.Tensor:
-        if self.recompute and cache is None and torch.is_grad_enabled():
+        if self.recompute and not isinstance(cache, KVCache) and torch.is_grad_enabled():
             return checkpoint(
                 self._forward,
                 x,
                 cos,
                 sin,
                 aux,
+                cache,
+                layer,
                 use_reentrant=False,
                 context_fn=_checkpoint_contexts,
             )
@@ -165,7 +168,7 @@ class Block(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         aux: MoEAux,
-        cache: KVCache | None = None,
+        cache: KVCache | PackedRows | None = None,
         layer: int = 0,
     ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, cache, layer)
@@ -248,6 +251,7 @@ class MoETransformer(nn.Module):
         loss_weight_BS: torch.Tensor | None = None,
         logits: bool = True,
         loss_rows: torch.Tensor | None = None,
+        segments_BS: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, MoEAux]:
         """Logits (B, S, V); the mean cross-entropy over targets != -100, weighted per token
         when loss_weight_BS is given; and the MoE auxiliaries.
@@ -258,7 +262,8 @@ class MoETransformer(nn.Module):
         about half of this small model's forward FLOPs (bench/RESULTS.md). The loss is the
         same (tests/test_moe.py). `loss_rows`: those positions (flat, int64) when the caller
         has them already: the trainer finds them on the host, where the batch is, so that the
-        device is never asked how many there are (a host sync)."""
+        device is never asked how many there are (a host sync). `segments_BS`: rows that pack
+        several examples, each token's example (moe/model/attention.py `PackedRows`)."""
         B, S = idx_BS.shape
         if S > self.cfg.seq_len:
             raise ValueError(
@@ -267,8 +272,12 @@ class MoETransformer(nn.Module):
         zero = torch.zeros((), device=idx_BS.device)
         aux = MoEAux(balance_loss=zero, aux_loss=zero, z_loss=zero)
         x = self.embed(idx_BS)
-        for block in self.blocks:
-            x = block(x, self.rope_cos, self.rope_sin, aux)
+        packed = None
+        if segments_BS is not None:
+            windows = {w for w in map(self.cfg.window, range(self.cfg.n_layer)) if w}
+            packed = PackedRows(segments_BS, windows)
+        for i, block in enumerate(self.blocks):
+            x = block(x, self.rope_cos, self.rope_sin, aux, packed, i)
         h_BSD = self.norm(x)
         if targets_BS is None:
             return self.lm_head(h_BSD), None, aux

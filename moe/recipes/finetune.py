@@ -115,9 +115,11 @@ def finetune(
         sp.pad,
         focus_token_ids(tok, f.focus_tokens),
         f.focus_weight,
+        packing=f.packing,
+        row_multiple=dist.get_world_size() if sharded else 1,
     )
-    if f.replay_ratio > 0:
-        rows = max(1, round(f.batch_size * f.replay_ratio))
+    if f.replay_ratio > 0:  # a share of the step's rows (packed: of its max_len rows)
+        rows = max(1, round((batches.rows if f.packing else f.batch_size) * f.replay_ratio))
         replay = BatchSampler(TokenStore(data_dir, f.replay_split), rows, f.max_len, f.seed + 1)
         batches = MixedBatches(batches, replay)
     fingerprint = training_fingerprint(params, stage, data_dir, init_dir)

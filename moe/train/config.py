@@ -128,6 +128,11 @@ class FinetuneConfig(OptimConfig):
     max_len: int = knob(
         192, ge=8
     )  # prompt + response tokens; prepare fits every example to it or refuses (moe/sql/fitting.py)
+    # Pack examples into rows of max_len tokens, each example attending only to itself (a
+    # block-causal mask, positions restarting), so that a step computes no padding and every
+    # step has one shape; batch_size is then the examples a step holds in expectation.
+    # false: one example a row, padded to the step's longest.
+    packing: bool = True
     # Rows of pretraining text added to each batch, as a fraction of batch_size (replay:
     # keeps the model from forgetting what pretraining taught it).
     replay_ratio: float = knob(0.25, ge=0, le=4)

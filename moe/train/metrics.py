@@ -53,6 +53,16 @@ class Window:
     def __init__(self, t0: float) -> None:
         # loss: summed on the device over the window's steps, read once in row()
         self.t0, self.loss, self.tokens = t0, 0.0, 0
+        # packed finetuning: the examples and their (non-padding) tokens, from the host batch
+        self.examples, self.real_tokens = 0, 0
+
+    def count(self, batch: tuple, tokens: int) -> None:
+        """A micro-batch's tokens (all processes'), and a packed batch's examples and real
+        tokens (its segments, on the host: no device read)."""
+        self.tokens += tokens
+        if len(batch) > 3:
+            self.examples += int((batch[3].max(dim=1).values + 1).sum())
+            self.real_tokens += int((batch[3] >= 0).sum())
 
     def row(
         self,
@@ -70,9 +80,10 @@ class Window:
         """One metrics row for the window (and a log line); the window starts again."""
         dt = now - self.t0
         stats = load.window()
+        steps = max(1, (step - 1) % log_every + 1)
         row = {
             "step": step,
-            "loss": float(self.loss) / max(1, (step - 1) % log_every + 1),
+            "loss": float(self.loss) / steps,
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": self.tokens / max(dt, 1e-9),
@@ -86,6 +97,10 @@ class Window:
             "cost": cost,
             "expert_share": stats["share"],
         }
+        if self.real_tokens:  # packed rows: what a step holds besides its padding
+            row["examples_per_step"] = self.examples / steps
+            row["real_tokens_per_step"] = self.real_tokens / steps
+            row["real_tokens_per_s"] = self.real_tokens / max(dt, 1e-9)
         log.info(
             "step %d/%d loss %.4f lr %.2e grad_norm %.3f %.0f tok/s expert CV %.3f",
             step,

@@ -126,15 +126,17 @@ class Ranks:
 
     def to_device(self, batch: tuple) -> tuple:
         """This rank's rows of a global batch on the device: (x, y, loss weights or None, the
-        flat positions whose target carries loss, the loss tokens of the whole global batch).
+        flat positions whose target carries loss, the loss tokens of the whole global batch,
+        each token's example in a packed row or None).
         What the batch says is read on the host, where it is (numpy: no device op), so that
         the device is never asked (moe/model/transformer.py `loss_rows`)."""
         n_tok = int(np.count_nonzero(batch[1].cpu().numpy() != -100))
-        x, y, w = self.rows(batch)
+        x, y, w, *packed = self.rows(batch)
         flat = np.flatnonzero(y.cpu().numpy().reshape(-1) != -100)
         rows = torch.from_numpy(flat).to(self.device, non_blocking=True)
         w = None if w is None else w.to(self.device)
-        return x.to(self.device), y.to(self.device), w, rows, n_tok
+        seg = packed[0].to(self.device) if packed else None
+        return x.to(self.device), y.to(self.device), w, rows, n_tok, seg
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:
         """The mean of `t` over ranks."""

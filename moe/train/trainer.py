@@ -8,9 +8,9 @@ decay), a short list of calls to its named parts:
   (moe/train/checkpointer.py);
 - metrics (moe/train/metrics.py), expert growth (moe/model/growth.py).
 
-A batch source is anything with `batch_at(step, micro) -> (x, y, loss_weight | None)`, a pure
-function of its arguments, so the data position is just the step and resume is exact:
-training killed at any step and resumed ends with bit-identical weights on CPU.
+A batch source is anything with `batch_at(step, micro) -> (x, y, loss_weight | None, ...)`, a
+pure function of its arguments (a packed batch adds each token's example), so the data position
+is the step and resume is exact: killed at any step and resumed, bit-identical weights on CPU.
 """
 
 from __future__ import annotations
@@ -274,21 +274,19 @@ class Trainer:
         loss_sum: torch.Tensor | float = 0.0
         step_counts: list[torch.Tensor] = []
         for micro in range(cfg.grad_accum):
-            x, y, w, rows, n_tok = ranks.to_device(self.batches.batch_at(self.step, micro))
+            batch = self.batches.batch_at(self.step, micro)
+            x, y, w, rows, n_tok, seg = ranks.to_device(batch)
             with ranks.autocast():
-                _, loss, aux = self.model(x, y, w, logits=False, loss_rows=rows)
+                _, loss, aux = self.model(x, y, w, logits=False, loss_rows=rows, segments_BS=seg)
                 total = loss + aux.balance_loss
             (total / cfg.grad_accum).backward()
             loss_val, counts = ranks.reduce_micro(loss, aux.tokens_per_expert)
             loss_sum = loss_sum + loss_val
             self.state.load.add(counts, aux.dropped_fraction)
-            step_counts = (
-                [a + b for a, b in zip(step_counts, counts, strict=True)]
-                if step_counts
-                else list(counts)
-            )
+            add = zip(step_counts or [0] * len(counts), counts, strict=True)
+            step_counts = [a + b for a, b in add]
             self.state.progress.tokens += n_tok
-            run.window.tokens += int(x.numel()) * ranks.world
+            run.window.count(batch, int(x.numel()) * ranks.world)
         run.aux = aux
         return loss_sum / cfg.grad_accum, step_counts
 

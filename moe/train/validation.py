@@ -12,7 +12,8 @@ import torch
 from moe.model.transformer import MoETransformer
 from moe.train.ranks import Ranks
 
-Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+# (x, y, loss weights or None), and for packed rows each token's example (moe/data/tokens.py)
+Batch = tuple[torch.Tensor, ...]
 
 
 class BatchSource(Protocol):
@@ -40,13 +41,14 @@ def validation_loss(
     model.eval()
     losses = []
     for i in range(v.batches):
-        x, y, w = ranks.rows(v.source.batch_at(0, i))
+        x, y, w, *packed = ranks.rows(v.source.batch_at(0, i))
         with ranks.autocast():
             _, loss, _ = model(
                 x.to(ranks.device),
                 y.to(ranks.device),
                 None if w is None else w.to(ranks.device),
                 logits=False,
+                segments_BS=packed[0].to(ranks.device) if packed else None,
             )
         losses.append(float(ranks.mean(loss.detach().float())))
     model.train()
