@@ -20,7 +20,9 @@ loss on the second half, bf16 autocast, AdamW. Arms:
   `jemalloc+keep` with its decay off (`MALLOC_CONF`: freed pages stay for reuse);
 - `onednnN`: oneDNN's primitive cache held to N primitives (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`,
   1024 by default): a bf16 matmul's primitive is made per shape, and the widths change;
-- `lruN`: PyTorch's own cache of oneDNN computations (ideep's, `LRU_CACHE_CAPACITY`, 1024).
+- `lruN`: PyTorch's own cache of oneDNN computations (ideep's, `LRU_CACHE_CAPACITY`, 1024);
+- `packed`: every step one shape, `--packed-rows` rows of 640 tokens (packed finetuning:
+  bench/packing.py found 3 packed rows and 1 replay row a step).
 
 Arms combine with `+` (`mmap+onednn0`).
 
@@ -54,7 +56,7 @@ def _vm(field: str) -> int:
     raise KeyError(field)
 
 
-def worker(model_dir: str, steps: int, rows: int, trim_every: int) -> None:
+def worker(model_dir: str, steps: int, rows: int, trim_every: int, fixed: int = 0) -> None:
     import numpy as np
     import torch
 
@@ -67,6 +69,7 @@ def worker(model_dir: str, steps: int, rows: int, trim_every: int) -> None:
     vocab = model.vocab_size
     for step in range(steps):
         width = int(rng.integers(200, 641))
+        width = fixed or width  # packed finetuning: every step max_len wide
         x = torch.randint(0, vocab, (rows, width))
         y = x.clone()
         y[:, : width // 2] = -100
@@ -88,7 +91,7 @@ def worker(model_dir: str, steps: int, rows: int, trim_every: int) -> None:
 
 def run_arm(arm: str, a: argparse.Namespace) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    every = 0
+    every, rows, fixed = 0, a.rows, 0
     for part in arm.split("+"):  # glibc, trim[N], mmap[N], arenaN, jemalloc, keep, onednnN, lruN; +
         if part.startswith("mmap"):
             env["MALLOC_MMAP_THRESHOLD_"] = str(int(part[4:] or 1) << 20)
@@ -104,8 +107,10 @@ def run_arm(arm: str, a: argparse.Namespace) -> list[dict]:
             env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = part[6:]
         elif part.startswith("lru"):
             env["LRU_CACHE_CAPACITY"] = part[3:]
+        elif part == "packed":  # one shape a step: the packed rows of the SQL stage
+            rows, fixed = a.packed_rows, 640
     cmd = [sys.executable, __file__, a.model, "--worker", "--steps", str(a.steps)]
-    cmd += ["--rows", str(a.rows), "--trim-every", str(every)]
+    cmd += ["--rows", str(rows), "--trim-every", str(every), "--fixed", str(fixed)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"arm {arm} failed:\n{out.stderr[-3000:]}")
@@ -119,12 +124,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=10)  # 8 pairs + 2 replay rows, the bench's
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--arms", nargs="+", default=["glibc", "trim", "mmap", "jemalloc"])
+    ap.add_argument("--packed-rows", type=int, default=4)  # 3 packed + 1 replay (bench/packing.py)
+    ap.add_argument("--fixed", type=int, default=0)  # worker: every step this wide
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--trim-every", type=int, default=0)
     ap.add_argument("--trim", dest="trim_every", action="store_const", const=1)  # = every 1
     a = ap.parse_args()
     if a.worker:
-        worker(a.model, a.steps, a.rows, a.trim_every)
+        worker(a.model, a.steps, a.rows, a.trim_every, a.fixed)
         return
     arms = [x for x in a.arms if "jemalloc" not in x or JEMALLOC.exists()]
     runs: dict[str, list[list[dict]]] = {arm: [] for arm in arms}
