@@ -178,3 +178,38 @@ def test_the_recipes_refuse_an_unknown_section_and_what_torchrun_cannot_split() 
             ["finetune_domain.replay_pairs=0.3", "finetune_domain.max_len=64",
              "finetune_sql.max_len=128"],
         )  # fmt: skip
+
+
+def test_evaluation_holds_the_weights_at_the_training_dtype(tmp_path: Path) -> None:
+    """evaluate.dtype auto: bf16 weights on CUDA (half the memory; the fp32 per-expert loop
+    never runs there), fp32 on a CPU; asked for bf16 on a CPU, the model loads and decodes in
+    bf16 with its rotary tables and router logits still fp32, its answers those of fp32 but
+    for rounding."""
+    from moe.hf.model_dir import save_model_dir
+    from moe.model.config import ModelConfig, MoEConfig
+    from moe.model.transformer import MoETransformer
+    from moe.recipes.evaluate import evaluation_dtype, load_for_evaluation
+    from moe.sql.config import EvaluateConfig
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert evaluation_dtype("auto", cuda) == torch.bfloat16
+    assert evaluation_dtype("auto", cpu) == torch.float32
+    assert evaluation_dtype("float32", cuda) == torch.float32
+    assert evaluation_dtype("bfloat16", cpu) == torch.bfloat16
+    torch.manual_seed(0)
+    model = MoETransformer(
+        ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=32, dense_hidden=32),
+        MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+        64,
+    )
+    save_model_dir(model, tmp_path / "m")
+    fp32 = load_for_evaluation(tmp_path / "m", EvaluateConfig(device="cpu"))
+    bf16 = load_for_evaluation(tmp_path / "m", EvaluateConfig(device="cpu", dtype="bfloat16"))
+    assert fp32.embed.weight.dtype == torch.float32
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    assert bf16.rope_cos.dtype == torch.float32
+    idx = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = fp32.eval()(idx)[0], bf16.eval()(idx)[0].float()
+    assert float((a - b).abs().max()) < 0.1 * float(a.abs().max())
+    assert len(bf16.generate_batch([idx[0].tolist()], 8)[0]) == 8

@@ -15,7 +15,9 @@ import torch
 from moe.data.tokenizer import load_tokenizer, specials
 from moe.data.tokens import BatchSampler, TokenStore
 from moe.hf.model_dir import load_model_dir
+from moe.model.transformer import MoETransformer
 from moe.recipes.params import Params
+from moe.sql.config import EvaluateConfig
 from moe.sql.evaluate import sql_accuracy
 from moe.sql.records import load_pairs
 from moe.train.ranks import resolve_device
@@ -30,11 +32,24 @@ SQL_SETS = {  # what each SQL figure is measured on (moe/sql/sets.py: build_sql_
 }
 
 
+def evaluation_dtype(rule: str, device: torch.device) -> torch.dtype:
+    """The weights' dtype under evaluate.dtype: auto is bf16 on CUDA, fp32 elsewhere."""
+    if rule == "bfloat16" or (rule == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_for_evaluation(model_dir: Path, e: EvaluateConfig) -> MoETransformer:
+    """The model folder on evaluate.device, its weights in evaluate.dtype's type (rotary
+    tables and router logits stay fp32)."""
+    device = resolve_device(e.device, "evaluate.device")
+    return load_model_dir(model_dir, evaluation_dtype(e.dtype, device)).to(device)
+
+
 def held_out_perplexity(params: Params, data_dir: Path, model_dir: Path) -> dict[str, float]:
     """Loss and perplexity of the model folder on evaluate.val_batches batches of the held-out
     text (the pretrain section's batch size and seed), on evaluate.device."""
-    device = resolve_device(params.evaluate.device, "evaluate.device")
-    model = load_model_dir(model_dir, torch.float32).to(device)
+    model = load_for_evaluation(model_dir, params.evaluate)
     sampler = BatchSampler(
         TokenStore(data_dir, "val"),
         params.pretrain.batch_size,
@@ -66,7 +81,7 @@ def sql_scores(
     """The model folder's scores on each set of `sql_sets`, every answer run on its database
     under data.sql_time_limit_s and sql_row_limit; `progress` hears the questions done."""
     e, d = params.evaluate, params.data
-    model = load_model_dir(model_dir, torch.float32).to(resolve_device(e.device, "evaluate.device"))
+    model = load_for_evaluation(model_dir, e)
     tok = load_tokenizer(data_dir / "tokenizer.json")
     sp = specials(tok, data_dir / "tokenizer.json")
     out: dict[str, Any] = {}

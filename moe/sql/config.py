@@ -39,6 +39,9 @@ class EvaluateConfig:
     batch_size: int = knob(64, ge=1)  # questions decoded together
     # auto: the GPU when the evaluating machine has one, else the CPU
     device: str = knob("auto", pattern=DEVICE, note="auto, cpu, cuda or cuda:N")
+    # The weights' dtype while scoring and decoding: auto is bf16 on CUDA (the training
+    # stages' rule: half the memory, the grouped kernel) and fp32 on a CPU.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Last: the final model as a Hugging Face folder (models/export, with its model card),
     # and that folder published where the data is (storage; storage.hf_model_repo for a Hub
     # model repo), read back and checked by hash.
