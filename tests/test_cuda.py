@@ -97,3 +97,34 @@ def test_fsdp2_on_one_gpu_trains_and_saves_sharded(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path / "g1")
     ck = store.load(store.latest_valid())
     assert ck.sharded and ck.step == 6
+
+
+@cuda
+def test_a_packed_batch_reaches_the_gpu_through_pinned_memory_and_trains() -> None:
+    """Packed rows are copied to the GPU from pinned memory without waiting (ranks.py
+    `copy_to_device`), arriving equal; the packed loss on the GPU under bf16 equals the CPU's
+    fp32 one within bf16's rounding."""
+    from moe.model.config import ModelConfig, MoEConfig
+    from moe.model.transformer import MoETransformer
+    from moe.train.config import FinetuneConfig
+    from moe.train.ranks import Ranks
+    from tests.test_packing import _sft
+
+    batch = _sft().batch_at(0)
+    ranks = Ranks(FinetuneConfig(device="cuda", max_len=48))
+    x, y, w, rows, n_tok, seg = ranks.to_device(batch)
+    torch.cuda.synchronize()
+    for got, want in zip((x, y, w, seg), batch, strict=True):
+        assert got.device.type == "cuda" and torch.equal(got.cpu(), want)
+    torch.manual_seed(0)
+    model = MoETransformer(
+        ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=48, dense_hidden=32),
+        MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+        97,
+    )
+    model.set_routing_step(10**6, 0.5)
+    _, cpu_loss, _ = model(*batch[:3], logits=False, segments_BS=batch[3])
+    model.cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _, loss, _ = model(x, y, w, logits=False, loss_rows=rows, segments_BS=seg)
+    assert abs(float(loss) - float(cpu_loss)) < 0.05 * float(cpu_loss)

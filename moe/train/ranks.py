@@ -133,10 +133,18 @@ class Ranks:
         n_tok = int(np.count_nonzero(batch[1].cpu().numpy() != -100))
         x, y, w, *packed = self.rows(batch)
         flat = np.flatnonzero(y.cpu().numpy().reshape(-1) != -100)
-        rows = torch.from_numpy(flat).to(self.device, non_blocking=True)
-        w = None if w is None else w.to(self.device)
-        seg = packed[0].to(self.device) if packed else None
-        return x.to(self.device), y.to(self.device), w, rows, n_tok, seg
+        move = self.copy_to_device
+        w = None if w is None else move(w)
+        seg = move(packed[0]) if packed else None
+        return move(x), move(y), w, move(torch.from_numpy(flat)), n_tok, seg
+
+    def copy_to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device. To a GPU through pinned memory, without waiting: a
+        copy from pageable memory blocks until the GPU's queued work is done (the caching host
+        allocator keeps the pinned buffer until its copy has run)."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:
         """The mean of `t` over ranks."""
