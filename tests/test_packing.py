@@ -212,3 +212,32 @@ def test_a_packed_finetune_resumes_bit_identically_and_reports_its_examples(
     # the first row covers steps 0 and 1: their SFT examples, plus one segment per replay row
     assert rows[0]["examples_per_step"] == want + 2
     assert rows[0]["real_tokens_per_step"] > 0.85 * (sft.rows + 2) * 48
+
+
+def test_an_epoch_packs_every_example_once_favouring_no_length() -> None:
+    """The plan holds each example once an epoch, and the steps of an epoch take all its rows
+    but for a remainder shorter than a step: the examples trained on have the set's mean
+    length (a top-up of each step's room would favour the short ones)."""
+    b = _sft(n=300, batch=16)
+    plan = b.plan
+    rows = plan.epoch(0)
+    assert sorted(i for row in rows for i in row) == list(range(300))
+    assert all(sum(int(b.lengths[i]) for i in row) <= 48 for row in rows)
+    seen = [i for s in range(plan.steps_per_epoch) for row in plan.rows_at(s) for i in row]
+    assert len(seen) == len(set(seen)) and len(rows) - plan.steps_per_epoch * b.rows < b.rows
+    assert abs(np.mean(b.lengths[seen]) - np.mean(b.lengths)) < 0.03 * np.mean(b.lengths)
+    # the next epoch is another order of the same examples
+    assert plan.rows_at(plan.steps_per_epoch) != plan.rows_at(0)
+    assert sorted(i for row in plan.epoch(1) for i in row) == list(range(300))
+
+
+def test_weighted_examples_are_packed_in_proportion_to_their_weights() -> None:
+    rng = np.random.default_rng(0)
+    examples = [
+        SFTExample(rng.integers(1, VOCAB, size=10).tolist(), [5, 6], weight=3.0 if i < 50 else 1.0)
+        for i in range(200)
+    ]
+    b = SFTBatches(examples, 16, 48, seed=7, pad_id=PAD, packing=True)
+    counts = np.bincount([i for row in b.plan.epoch(0) for i in row], minlength=200)
+    share = counts[:50].sum() / counts.sum()  # 150 / 300 of the weight
+    assert 0.44 < share < 0.56, share

@@ -10,6 +10,7 @@ moe/data/sources.py.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import logging
@@ -216,6 +217,60 @@ class SFTExample:
     weight: float = 1.0  # how often it is drawn relative to the others
 
 
+# Examples best-fit decreasing at once in a packing plan: TRL sorts the whole dataset; a window
+# keeps a row's examples from across the epoch (they are shuffled first) and the plan cheap.
+PACK_WINDOW = 1024
+
+
+class PackingPlan:
+    """Each epoch's rows of packed examples, a pure function of (seed, epoch): the epoch's
+    examples (a seeded permutation, or with weights a weighted draw of as many), sorted
+    longest first within windows of PACK_WINDOW and placed best-fit (each in the row it
+    leaves fullest, a new row when none has room), the rows shuffled and cut into steps of
+    `rows` rows. Every example is in an epoch once, so no length is favoured (a plan that
+    topped each step's rows up with whatever still fit would favour the short ones); a row
+    or two more or fewer than the steps take is cut or left empty."""
+
+    def __init__(
+        self, lengths: np.ndarray, p: np.ndarray | None, seed: int, rows: int, max_len: int
+    ) -> None:
+        self.lengths, self.p, self.seed, self.rows, self.max_len = lengths, p, seed, rows, max_len
+        self._epochs: dict[int, list[list[int]]] = {}
+        self.steps_per_epoch = max(1, len(self.epoch(0)) // rows)
+
+    def epoch(self, e: int) -> list[list[int]]:
+        if e not in self._epochs:
+            if len(self._epochs) > 2:  # an epoch's plan is only read in order
+                self._epochs.pop(min(self._epochs))
+            self._epochs[e] = self._plan(e)
+        return self._epochs[e]
+
+    def _plan(self, e: int) -> list[list[int]]:
+        rng = np.random.default_rng([self.seed, 7, e])
+        n = len(self.lengths)
+        order = rng.permutation(n) if self.p is None else rng.choice(n, size=n, p=self.p)
+        rows: list[list[int]] = []
+        for a in range(0, n, PACK_WINDOW):
+            window = sorted(order[a : a + PACK_WINDOW].tolist(), key=lambda i: -self.lengths[i])
+            room: list[tuple[int, int]] = []  # (room left, row), sorted: best fit by bisect
+            for i in window:
+                k = bisect.bisect_left(room, (int(self.lengths[i]), -1))
+                if k == len(room):
+                    rows.append([])
+                    left, r = self.max_len, len(rows) - 1
+                else:
+                    left, r = room.pop(k)
+                rows[r].append(i)
+                bisect.insort(room, (left - int(self.lengths[i]), r))
+        return [rows[k] for k in rng.permutation(len(rows))]
+
+    def rows_at(self, index: int) -> list[list[int]]:
+        """The rows of a micro-batch: `index` = step x micro-batches a step + micro."""
+        e, k = divmod(index, self.steps_per_epoch)
+        rows = self.epoch(e)[k * self.rows : (k + 1) * self.rows]
+        return rows + [[] for _ in range(self.rows - len(rows))]
+
+
 class SFTBatches:
     """Prompt -> response batches: loss on response tokens only, focus tokens weighted.
 
@@ -226,12 +281,12 @@ class SFTBatches:
     Unpacked: one example a row, padded on the right to the step's longest (masked out).
     Packed (`packing`): `rows` rows of max_len tokens every step (one shape), each holding
     examples back to back, with `segments` numbering each token's example in its row (-1:
-    the padding after the last) for the model's block-causal attention. The step's draw of
-    batch_size examples goes in longest first, each to the row it fills best (best-fit
-    decreasing, as TRL packs); one that fits no row is left out, and further draws fill what
-    room is left, so that a step holds batch_size examples in expectation and its rows are
-    nearly full. `rows` = batch_size x the examples' mean length / max_len, rounded (up to a
-    multiple of `row_multiple`, the processes that split the rows).
+    the padding after the last) for the model's block-causal attention. The rows come from a
+    plan per epoch (`PackingPlan`): every example once an epoch whatever its length, best-fit
+    decreasing. `rows` = batch_size x the examples' mean length / max_len, rounded (up to a
+    multiple of `row_multiple`, the processes that split the rows), so that a step holds
+    about batch_size examples; `micro_batches` (grad_accum) orders a step's micro-batches in
+    the plan.
     """
 
     def __init__(
@@ -245,6 +300,7 @@ class SFTBatches:
         focus_weight: float = 1.0,
         packing: bool = False,
         row_multiple: int = 1,
+        micro_batches: int = 1,
     ) -> None:
         if not examples:
             raise InputError("no finetuning examples")
@@ -275,6 +331,8 @@ class SFTBatches:
         mean = float(self.lengths @ self.p) if self.p is not None else float(self.lengths.mean())
         rows = max(1, round(batch_size * mean / max_len))
         self.rows = -(-rows // row_multiple) * row_multiple
+        self.micro_batches = micro_batches
+        self.plan = PackingPlan(self.lengths, self.p, seed, self.rows, max_len) if packing else None
 
     def encode(self, ex: SFTExample) -> tuple[list[int], list[int]]:
         ids = (ex.prompt + ex.response)[-(self.max_len + 1) :]
@@ -289,10 +347,10 @@ class SFTBatches:
 
     def batch_at(self, step: int, micro: int = 0) -> tuple[torch.Tensor, ...]:
         """(x, y, loss weights), and with packing each token's example (`segments`)."""
+        if self.plan is not None:
+            return self._packed(self.plan.rows_at(step * self.micro_batches + micro))
         rng = np.random.default_rng([self.seed, micro, step])
         picks = self._draw(rng, self.batch_size)
-        if self.packing:
-            return self._packed(picks, self._draw(rng, self.batch_size))
         rows = [self.encode(self.examples[i]) for i in picks]
         width = max(len(x) for x, _ in rows)
         x = torch.full((len(rows), width), self.pad_id, dtype=torch.int64)
@@ -308,19 +366,8 @@ class SFTBatches:
             w[torch.isin(y, self.focus)] = self.focus_weight
         return w
 
-    def _packed(self, picks: np.ndarray, more: np.ndarray) -> tuple[torch.Tensor, ...]:
-        """`picks` best-fit decreasing into the step's rows, then `more` (in draw order) into
-        the room left; each row's examples in the order they came."""
-        room = [self.max_len] * self.rows
-        placed: list[list[int]] = [[] for _ in range(self.rows)]
-        order = sorted(picks.tolist(), key=lambda i: -self.lengths[i])  # stable: ties by draw
-        for i in [*order, *more.tolist()]:
-            n = int(self.lengths[i])
-            fits = [r for r in range(self.rows) if room[r] >= n]
-            if fits:
-                r = min(fits, key=lambda r: (room[r], r))  # the fullest row it fits
-                placed[r].append(i)
-                room[r] -= n
+    def _packed(self, placed: list[list[int]]) -> tuple[torch.Tensor, ...]:
+        """The step's rows (each a list of examples) as tensors, with each token's example."""
         x = torch.full((self.rows, self.max_len), self.pad_id, dtype=torch.int64)
         y = torch.full((self.rows, self.max_len), -100, dtype=torch.int64)
         seg = torch.full((self.rows, self.max_len), -1, dtype=torch.int64)

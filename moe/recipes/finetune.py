@@ -117,6 +117,7 @@ def finetune(
         f.focus_weight,
         packing=f.packing,
         row_multiple=dist.get_world_size() if sharded else 1,
+        micro_batches=f.grad_accum,
     )
     if f.replay_ratio > 0:  # a share of the step's rows (packed: of its max_len rows)
         rows = max(1, round((batches.rows if f.packing else f.batch_size) * f.replay_ratio))
