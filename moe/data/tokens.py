@@ -232,11 +232,16 @@ class PackingPlan:
     or two more or fewer than the steps take is cut or left empty."""
 
     def __init__(
-        self, lengths: np.ndarray, p: np.ndarray | None, seed: int, rows: int, max_len: int
-    ) -> None:
-        self.lengths, self.p, self.seed, self.rows, self.max_len = lengths, p, seed, rows, max_len
+        self, lengths: np.ndarray, p: np.ndarray | None, seed: int, batch: int, max_len: int,
+        row_multiple: int = 1,
+    ) -> None:  # fmt: skip
+        self.lengths, self.p, self.seed, self.max_len = lengths, p, seed, max_len
         self._epochs: dict[int, list[list[int]]] = {}
-        self.steps_per_epoch = max(1, len(self.epoch(0)) // rows)
+        # as many rows a step as hold `batch` examples in expectation (how full rows get
+        # depends on the lengths: examples of 2/3 of max_len hardly share a row)
+        rows = max(1, round(batch * len(self.epoch(0)) / len(lengths)))
+        self.rows = -(-rows // row_multiple) * row_multiple
+        self.steps_per_epoch = max(1, len(self.epoch(0)) // self.rows)
 
     def epoch(self, e: int) -> list[list[int]]:
         if e not in self._epochs:
@@ -283,10 +288,9 @@ class SFTBatches:
     examples back to back, with `segments` numbering each token's example in its row (-1:
     the padding after the last) for the model's block-causal attention. The rows come from a
     plan per epoch (`PackingPlan`): every example once an epoch whatever its length, best-fit
-    decreasing. `rows` = batch_size x the examples' mean length / max_len, rounded (up to a
-    multiple of `row_multiple`, the processes that split the rows), so that a step holds
-    about batch_size examples; `micro_batches` (grad_accum) orders a step's micro-batches in
-    the plan.
+    decreasing, `rows` rows a step: as many as hold batch_size examples in expectation, up to
+    a multiple of `row_multiple` (the processes that split the rows); `micro_batches`
+    (grad_accum) orders a step's micro-batches in the plan.
     """
 
     def __init__(
@@ -328,11 +332,12 @@ class SFTBatches:
         self.lengths = np.array(
             [min(len(e.prompt) + len(e.response), max_len + 1) - 1 for e in examples]
         )
-        mean = float(self.lengths @ self.p) if self.p is not None else float(self.lengths.mean())
-        rows = max(1, round(batch_size * mean / max_len))
-        self.rows = -(-rows // row_multiple) * row_multiple
         self.micro_batches = micro_batches
-        self.plan = PackingPlan(self.lengths, self.p, seed, self.rows, max_len) if packing else None
+        self.plan: PackingPlan | None = None
+        self.rows = batch_size
+        if packing:
+            self.plan = PackingPlan(self.lengths, self.p, seed, batch_size, max_len, row_multiple)
+            self.rows = self.plan.rows
 
     def encode(self, ex: SFTExample) -> tuple[list[int], list[int]]:
         ids = (ex.prompt + ex.response)[-(self.max_len + 1) :]
