@@ -48,7 +48,7 @@ class Stage:
     body: Callable[[Config, StageRecord], Done]
     done: str  # what `moe-pipeline stage` prints when it is done
     # what it reads that an earlier stage makes: (file, that stage); `moe-pipeline` checks
-    # them before a run starts (flows/cli.py preflight)
+    # them before a run starts (flows/commands/run.py preflight)
     reads: Callable[[Config], list[tuple[Path, str]]] = field(default=lambda cfg: [])
     trains: bool = False  # a training stage: its model is evaluated and has a cost budget
     # an extra condition for skipping (publish: its objects are still in the store)

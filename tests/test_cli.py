@@ -170,3 +170,12 @@ def test_params_write_lays_a_recipe_over_the_defaults(tmp_path: Path) -> None:
 def test_the_old_positional_params_file_is_refused_with_the_new_spelling(tmp_path: Path) -> None:
     r = _run("params", "check", str(ROOT / "params.yaml"), cwd=tmp_path)
     assert r.returncode == 2 and "--params" in r.stderr
+
+
+def test_params_write_keeps_an_auto_pool(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("pools:\n  stages:\n    finetune_sql: auto\n")
+    out = tmp_path / "p.yaml"
+    r = _run("params", "write", "--params", str(recipe), "--out", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert yaml.safe_load(out.read_text())["pools"]["stages"]["finetune_sql"] == "auto"

@@ -241,3 +241,18 @@ def test_weighted_examples_are_packed_in_proportion_to_their_weights() -> None:
     counts = np.bincount([i for row in b.plan.epoch(0) for i in row], minlength=200)
     share = counts[:50].sum() / counts.sum()  # 150 / 300 of the weight
     assert 0.44 < share < 0.56, share
+
+
+def test_batch_size_is_a_steps_and_each_micro_batch_draws_its_share() -> None:
+    """grad_accum 4 on batch_size 16: each micro-batch holds 4 examples (packed: in
+    expectation), as tasks/fit.py counts a micro-batch's activations; the micro-batches of a
+    step are different rows of the plan."""
+    unpacked = _sft(n=200, batch=16)
+    unpacked = SFTBatches(unpacked.examples, 16, 48, seed=7, pad_id=PAD, micro_batches=4)
+    assert unpacked.batch_at(0, 0)[0].shape[0] == 4
+    b = SFTBatches(unpacked.examples, 16, 48, seed=7, pad_id=PAD, packing=True, micro_batches=4)
+    counts = [
+        int((b.batch_at(s, m)[3].max(dim=1).values + 1).sum()) for s in range(20) for m in range(4)
+    ]
+    assert 3.0 <= np.mean(counts) <= 5.0, np.mean(counts)
+    assert not torch.equal(b.batch_at(0, 0)[0], b.batch_at(0, 1)[0])

@@ -75,11 +75,15 @@ def write(args: argparse.Namespace) -> int:
     """The params file laid over the defaults (not resolved: model.init's folder need not
     exist yet), checked, written with a comment on every key. A file that holds other params
     than the defaults is replaced only with --force."""
-    from moe.recipes.params import read_params
+    from moe.recipes.params import deep_merge, read_params
     from tasks.config import from_dict
 
     raw, lines, source = read_params(args.params, args.overrides)
     cfg = from_dict(raw, lines, source, resolve=False, check_fit=False)
+    tree = cfg.to_dict()
+    # the check resolves `pools.stages.X: auto` to a pool; the file keeps what was written
+    stages = deep_merge(_default_dict()["pools"]["stages"], raw.get("pools", {}).get("stages", {}))
+    tree["pools"]["stages"].update({k: v for k, v in stages.items() if v == "auto"})
     given = "".join(f" --set {o}" for o in args.overrides)
     head = HEAD
     if args.params or given:
@@ -90,7 +94,7 @@ def write(args: argparse.Namespace) -> int:
         ]
         if args.params:
             head += ["", *recipe_head(Path(args.params))]
-    text = commented_yaml(cfg.to_dict(), head)
+    text = commented_yaml(tree, head)
     out = Path(args.out)
     if (
         out.exists()

@@ -237,11 +237,13 @@ class PackingPlan:
     ) -> None:  # fmt: skip
         self.lengths, self.p, self.seed, self.max_len = lengths, p, seed, max_len
         self._epochs: dict[int, list[list[int]]] = {}
-        # as many rows a step as hold `batch` examples in expectation (how full rows get
-        # depends on the lengths: examples of 2/3 of max_len hardly share a row)
-        rows = max(1, round(batch * len(self.epoch(0)) / len(lengths)))
+        # as many rows a micro-batch as hold `batch` examples in expectation (how full rows
+        # get depends on the lengths: examples of 2/3 of max_len hardly share a row), at most
+        # an epoch's rows (a small set), up to a multiple of the processes that split them
+        planned = len(self.epoch(0))
+        rows = min(planned, max(1, round(batch * planned / len(lengths))))
         self.rows = -(-rows // row_multiple) * row_multiple
-        self.steps_per_epoch = max(1, len(self.epoch(0)) // self.rows)
+        self.steps_per_epoch = max(1, planned // self.rows)
 
     def epoch(self, e: int) -> list[list[int]]:
         if e not in self._epochs:
@@ -288,9 +290,10 @@ class SFTBatches:
     examples back to back, with `segments` numbering each token's example in its row (-1:
     the padding after the last) for the model's block-causal attention. The rows come from a
     plan per epoch (`PackingPlan`): every example once an epoch whatever its length, best-fit
-    decreasing, `rows` rows a step: as many as hold batch_size examples in expectation, up to
-    a multiple of `row_multiple` (the processes that split the rows); `micro_batches`
-    (grad_accum) orders a step's micro-batches in the plan.
+    decreasing, `rows` rows a micro-batch: as many as hold its share of batch_size examples
+    in expectation, up to a multiple of `row_multiple` (the processes that split the rows).
+    batch_size is a step's: each of its `micro_batches` (grad_accum) draws batch_size /
+    micro_batches examples (rounded up), packed or not.
     """
 
     def __init__(
@@ -333,10 +336,13 @@ class SFTBatches:
             [min(len(e.prompt) + len(e.response), max_len + 1) - 1 for e in examples]
         )
         self.micro_batches = micro_batches
+        # batch_size is a step's (the training sections' meaning, tasks/fit.py's count): each
+        # of its micro-batches draws its share
+        self.micro = max(1, -(-batch_size // micro_batches))
         self.plan: PackingPlan | None = None
-        self.rows = batch_size
+        self.rows = self.micro
         if packing:
-            self.plan = PackingPlan(self.lengths, self.p, seed, batch_size, max_len, row_multiple)
+            self.plan = PackingPlan(self.lengths, self.p, seed, self.micro, max_len, row_multiple)
             self.rows = self.plan.rows
 
     def encode(self, ex: SFTExample) -> tuple[list[int], list[int]]:
@@ -355,7 +361,7 @@ class SFTBatches:
         if self.plan is not None:
             return self._packed(self.plan.rows_at(step * self.micro_batches + micro))
         rng = np.random.default_rng([self.seed, micro, step])
-        picks = self._draw(rng, self.batch_size)
+        picks = self._draw(rng, self.micro)
         rows = [self.encode(self.examples[i]) for i in picks]
         width = max(len(x) for x, _ in rows)
         x = torch.full((len(rows), width), self.pad_id, dtype=torch.int64)

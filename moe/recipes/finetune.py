@@ -119,8 +119,11 @@ def finetune(
         row_multiple=dist.get_world_size() if sharded else 1,
         micro_batches=f.grad_accum,
     )
-    if f.replay_ratio > 0:  # a share of the step's rows (packed: of its max_len rows)
-        rows = max(1, round((batches.rows if f.packing else f.batch_size) * f.replay_ratio))
+    if f.replay_ratio > 0:  # a share of a micro-batch's rows (packed: of its max_len rows)
+        rows = max(1, round(batches.rows * f.replay_ratio))
+        if sharded:  # every process takes an equal share of all the rows
+            world = dist.get_world_size()
+            rows = -(-(batches.rows + rows) // world) * world - batches.rows
         replay = BatchSampler(TokenStore(data_dir, f.replay_split), rows, f.max_len, f.seed + 1)
         batches = MixedBatches(batches, replay)
     fingerprint = training_fingerprint(params, stage, data_dir, init_dir)

@@ -100,7 +100,8 @@ def _pretrainer(
     return Trainer(
         model,
         t,
-        BatchSampler(train_store, t.batch_size, seq, t.seed),
+        # batch_size is a step's: each of its grad_accum micro-batches draws its share
+        BatchSampler(train_store, -(-t.batch_size // t.grad_accum), seq, t.seed),
         ctx.store(params.checkpoint, out_dir / "checkpoints", f"pretrain/{fingerprint[:16]}"),
         fingerprint=fingerprint,
         schedule="cosine",
