@@ -121,7 +121,7 @@ def _number(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(x)
 
 
-def _allowed(ge: float | None, gt: float | None, le: float | None, lt: float | None) -> str:
+def allowed_range(ge: float | None, gt: float | None, le: float | None, lt: float | None) -> str:
     lo = f"[{_number(ge)}" if ge is not None else f"({_number(gt)}" if gt is not None else ""
     hi = f"{_number(le)}]" if le is not None else f"{_number(lt)})" if lt is not None else ""
     if lo and hi:
@@ -188,7 +188,7 @@ def validate(section: Any, p: Problems) -> None:
                 and (le is None or value <= le)
                 and (lt is None or value < lt)
             )
-            p.require(ok, f.name, value, _allowed(ge, gt, le, lt) + f.metadata["note"])
+            p.require(ok, f.name, value, allowed_range(ge, gt, le, lt) + f.metadata["note"])
         elif "pattern" in f.metadata:
             ok = isinstance(value, str) and re.fullmatch(f.metadata["pattern"], value) is not None
             p.require(ok, f.name, value, f"must be {f.metadata['note']}")
@@ -211,7 +211,7 @@ DEVICE = r"auto|cpu|cuda(:\d+)?"
 # --------------------------------------------------------------------------- building
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     origin = get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
@@ -271,7 +271,7 @@ def _convert(value: Any, tp: Any, p: Problems, key: str) -> Any:
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             out = str(value)
     if out is bad:
-        p.add(key, value, f"expected {_type_name(tp)}")
+        p.add(key, value, f"expected {type_name(tp)}")
         return None
     return out
 

@@ -16,7 +16,7 @@ from typing import Any, get_args, get_origin
 import yaml
 
 from flows.commands import EXIT_CONFIG
-from moe.config import _allowed, _type_name, field_docs
+from moe.config import allowed_range, field_docs, type_name
 from moe.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -218,11 +218,11 @@ def describe(key: str) -> str:
         return "\n".join(lines)
     if doc:
         lines += textwrap.wrap(doc, WIDTH - 2, initial_indent="  ", subsequent_indent="  ")
-    lines.append(f"  type: {_type_name(tp)}")
+    lines.append(f"  type: {type_name(tp)}")
     f = _field(owner, name) if owner is not None else None
     if f is not None and "bounds" in f.metadata:
         lines.append(
-            f"  allowed: {_allowed(*f.metadata['bounds']).removeprefix('must be ')}{f.metadata['note']}"
+            f"  allowed: {allowed_range(*f.metadata['bounds']).removeprefix('must be ')}{f.metadata['note']}"
         )
     elif f is not None and "pattern" in f.metadata:
         lines.append(f"  allowed: {f.metadata['note']}")

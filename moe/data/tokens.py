@@ -330,7 +330,6 @@ class SFTBatches:
         self.pad_id = pad_id
         self.focus = torch.tensor(sorted(focus_ids or ()), dtype=torch.int64)
         self.focus_weight = focus_weight
-        self.packing = packing
         # each example's input tokens (prompt + response, less the last: the targets' shift)
         self.lengths = np.array(
             [min(len(e.prompt) + len(e.response), max_len + 1) - 1 for e in examples]

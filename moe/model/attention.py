@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moe.model.config import ModelConfig
-from moe.model.masking import attention, window_masks
+from moe.model.masking import attention, causal_mask, window_masks
 from moe.model.rope import rope_frequencies, softmax_scale
 
 
@@ -55,6 +55,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def apply_rotary(x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
     S = x_BHSDh.shape[-2]
     return rotate(x_BHSDh, cos_SF[:S], sin_SF[:S])
+
+
+def rotate_at(
+    x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor, pos_BS: torch.Tensor
+) -> torch.Tensor:
+    """Rotary angles by each token's own position (a KV cache's rows, a packed row's examples)."""
+    return rotate(x_BHSDh, cos_SF[pos_BS].unsqueeze(1), sin_SF[pos_BS].unsqueeze(1))
 
 
 class CausalSelfAttention(nn.Module):
@@ -218,8 +225,7 @@ class KVCache:
     def rotate(
         self, x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor
     ) -> torch.Tensor:
-        cos, sin = cos_SF[self.pos_BS].unsqueeze(1), sin_SF[self.pos_BS].unsqueeze(1)
-        return rotate(x_BHSDh, cos, sin)
+        return rotate_at(x_BHSDh, cos_SF, sin_SF, self.pos_BS)
 
     def append(
         self, layer: int, k_BHSDh: torch.Tensor, v_BHSDh: torch.Tensor
@@ -240,24 +246,22 @@ class PackedRows:
     `segments_BS` numbers each token's example within its row (0, 1, ...), in order; -1 marks
     the padding after the last example, which attends among itself and carries no loss."""
 
-    def __init__(self, segments_BS: torch.Tensor, windows: set[int]) -> None:
-        S = segments_BS.shape[1]
-        idx_S = torch.arange(S, device=segments_BS.device)
+    def __init__(self, c: ModelConfig, segments_BS: torch.Tensor) -> None:
+        S, device = segments_BS.shape[1], segments_BS.device
+        idx_S = torch.arange(S, device=device)
         first_BS = torch.ones_like(segments_BS, dtype=torch.bool)
         first_BS[:, 1:] = segments_BS[:, 1:] != segments_BS[:, :-1]
         start_BS = torch.where(first_BS, idx_S, 0).cummax(dim=1).values
         self.pos_BS = idx_S[None, :] - start_BS
-        same_BSS = segments_BS[:, :, None] == segments_BS[:, None, :]
-        mask_BSS = same_BSS & (idx_S[None, :] <= idx_S[:, None])[None]
-        self.mask = mask_BSS.unsqueeze(1)  # (B, 1, S, S): query, key
-        near = {w: idx_S[:, None] - idx_S[None, :] < w for w in windows}
-        self.window_masks = {w: (mask_BSS & n[None]).unsqueeze(1) for w, n in near.items()}
+        same_1BSS = (segments_BS[:, :, None] == segments_BS[:, None, :]).unsqueeze(1)
+        self.mask = same_1BSS & causal_mask(S, 0, device)  # (B, 1, S, S): query, key
+        windows = {w for w in map(c.window, range(c.n_layer)) if w}
+        self.window_masks = {w: same_1BSS & causal_mask(S, w, device) for w in windows}
 
     def rotate(
         self, x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor
     ) -> torch.Tensor:
-        cos, sin = cos_SF[self.pos_BS].unsqueeze(1), sin_SF[self.pos_BS].unsqueeze(1)
-        return rotate(x_BHSDh, cos, sin)
+        return rotate_at(x_BHSDh, cos_SF, sin_SF, self.pos_BS)
 
     def append(
         self, layer: int, k_BHSDh: torch.Tensor, v_BHSDh: torch.Tensor

@@ -272,10 +272,7 @@ class MoETransformer(nn.Module):
         zero = torch.zeros((), device=idx_BS.device)
         aux = MoEAux(balance_loss=zero, aux_loss=zero, z_loss=zero)
         x = self.embed(idx_BS)
-        packed = None
-        if segments_BS is not None:
-            windows = {w for w in map(self.cfg.window, range(self.cfg.n_layer)) if w}
-            packed = PackedRows(segments_BS, windows)
+        packed = None if segments_BS is None else PackedRows(self.cfg, segments_BS)
         for i, block in enumerate(self.blocks):
             x = block(x, self.rope_cos, self.rope_sin, aux, packed, i)
         h_BSD = self.norm(x)
