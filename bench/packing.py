@@ -73,7 +73,6 @@ def main() -> None:
         "--model", type=Path, default=None, help="default PROJECT/models/pretrain (or the import)"
     )
     args = ap.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
     # the recipe's sections as written (its model and Spider folders are the project's here)
     recipe = ROOT / "configs/smollm2-135m-sql-cpu.yaml"
     raw, lines, src = read_params(recipe, ["model.init=", "data.sql_generic_source=generated"])
