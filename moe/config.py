@@ -214,7 +214,9 @@ DEVICE = r"auto|cpu|cuda(:\d+)?"
 def type_name(tp: Any) -> str:
     origin = get_origin(tp)
     if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+        return "one of " + ", ".join(
+            str(a).lower() if isinstance(a, bool) else repr(a) for a in get_args(tp)
+        )
     if origin in (list, dict):
         return str(tp).replace("typing.", "")
     if dataclasses.is_dataclass(tp):

@@ -245,7 +245,7 @@ def test_an_upcycled_dense_model_computes_the_dense_function_at_step_0(tmp_path:
         mcfg = MoEConfig(num_experts=experts, top_k=k, balancing=["aux_free"])
         ours, arch = load_hf_model(tmp_path / "hf", mcfg, seq_len=64, dtype=torch.float32)
         assert arch.upcycled and ours.experts_per_layer() == [experts] * 3
-        assert ours.mcfg.renormalize  # the combine weights sum to 1: the dense output
+        assert ours.mcfg.renormalize is True  # the combine weights sum to 1: the dense output
         idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(2))
         with torch.no_grad():
             diff = (ours.eval()(idx)[0] - hf_logits(hf, idx)).abs().max()

@@ -544,3 +544,31 @@ def test_the_loss_without_logits_equals_the_loss_with_them() -> None:
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("renormalize", ["auto", True])
+def test_at_top_1_from_scratch_the_language_model_loss_trains_the_gate(renormalize) -> None:
+    """Switch's rule for a model built here: its one choice weighs the router's probability,
+    so the gate learns through the weight. Renormalised (an import's rule, Mixtral's), the one
+    choice weighs 1 and only the balancing losses would move the gate."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, dense_hidden=64, moe_every=2)
+    mcfg = MoEConfig(
+        num_experts=4,
+        top_k=1,
+        expert_hidden=32,
+        balancing=[],  # the language-model loss alone
+        warmup_steps=0,
+        warmup_blend_steps=0,
+        renormalize=renormalize,
+    )
+    model = MoETransformer(cfg, mcfg, vocab_size=50)
+    idx = torch.randint(0, 50, (3, 16))
+    _, loss, _ = model(idx, idx)
+    loss.backward()
+    grad = model.moe_layers[0].router.gate.weight.grad
+    # renormalised, w / (w + 1e-20) leaves a gradient of ~1e-20 / w: none to speak of
+    moved = grad is not None and float(grad.abs().max()) > 1e-6
+    assert moved == (renormalize == "auto")
+    assert mcfg.renormalizes() == (renormalize is True)
+    assert not MoEConfig(top_k=1).renormalizes() and MoEConfig(top_k=2).renormalizes()

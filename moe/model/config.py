@@ -255,9 +255,11 @@ class MoEConfig:
     # value over the training run; 0 = constant.
     capacity_factor_end: float = knob(0.0, ge=0, note=" (0 = constant capacity_factor)")
     # Renormalise the kept top-k weights to sum to 1; at top-1 the one choice then weighs 1
-    # (Mixtral, Qwen3-MoE's norm_topk_prob). false: the router's probabilities as they are
-    # (Switch's top-1, where the gate learns through the weight).
-    renormalize: bool = True
+    # (Mixtral, Qwen3-MoE's norm_topk_prob), so the language-model loss no longer trains the
+    # gate. false: the router's probabilities as they are (Switch's top-1, where the gate
+    # learns through the weight). auto: renormalise at top-k > 1, not at top-1 (a model built
+    # here); an import sets it to what the family does.
+    renormalize: Literal["auto", True, False] = "auto"
     jitter: float = knob(
         0.0, ge=0, lt=1
     )  # Switch: multiply router inputs by U(1-jitter, 1+jitter) in training
@@ -310,6 +312,10 @@ class MoEConfig:
     force_balanced: bool = False  # debug: round-robin routing, for throughput/memory tests
     # Expert growth and pruning while training (moe/model/growth.py); off by default.
     growth: GrowthConfig = field(default_factory=GrowthConfig)
+
+    def renormalizes(self) -> bool:
+        """Whether the kept top-k weights are renormalised (moe.renormalize, auto resolved)."""
+        return self.top_k > 1 if self.renormalize == "auto" else bool(self.renormalize)
 
     def check(self, p: Problems) -> None:
         if self.growth.enabled:

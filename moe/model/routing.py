@@ -166,7 +166,7 @@ class Router(nn.Module):
                 choose_TE = limit_groups(choose_TE, cfg.n_group, cfg.topk_group)
             experts_TK = choose_TE.topk(K, dim=-1).indices
         weights_TK = probs_TE.gather(1, experts_TK)
-        if cfg.renormalize:  # at top-1 too: the one choice weighs 1 (Mixtral, Qwen3-MoE)
+        if cfg.renormalizes():  # at top-1 too when set: the one choice weighs 1 (Mixtral)
             weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
         if cfg.force_balanced:
             weights_TK = torch.full_like(weights_TK, 1.0 / K)

@@ -140,7 +140,7 @@ def sigmoid_fields(c: ModelConfig, m: MoEConfig) -> dict[str, Any]:
         "n_group": m.n_group,
         "topk_group": m.topk_group if m.n_group > 1 else 1,
         "routed_scaling_factor": m.routed_scale,
-        "norm_topk_prob": m.renormalize,
+        "norm_topk_prob": m.renormalizes(),
         "first_k_dense_replace": first_dense(c),
         "num_nextn_predict_layers": 0,
     }

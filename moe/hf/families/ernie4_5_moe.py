@@ -108,7 +108,7 @@ class Ernie45Moe(Family):
     def export_refusals(self, c: ModelConfig, m: MoEConfig) -> list[str]:
         reasons = ["q/k norm"] * (c.qk_norm != "none")
         reasons += ["it always renormalises top-k weights"] * (
-            not m.renormalize and m.num_experts > 1
+            not m.renormalizes() and m.num_experts > 1
         )
         reasons += ["its dense blocks form no start/end/interval pattern"] * (
             moe_layer_range(c) is None

@@ -161,7 +161,7 @@ class GptOss(Family):
         reasons += ["it has no shared expert"] * m.shared_expert
         reasons += ["it has no dense blocks"] * (not all_moe(c))
         reasons += ["it always renormalises top-k weights"] * (
-            not m.renormalize and m.num_experts > 1
+            not m.renormalizes() and m.num_experts > 1
         )
         reasons += ["it always has attention sinks"] * (not c.attn_sinks)
         reasons += ["its experts' activation is the clamped SwiGLU"] * (

@@ -29,7 +29,7 @@ class Mixtral(Family):
         reasons = ["q/k norm"] * (c.qk_norm != "none")
         reasons += ["attention biases"] * c.attn_bias
         reasons += ["it has no shared expert"] * m.shared_expert
-        reasons += ["it renormalises top-k weights"] * (not m.renormalize and m.num_experts > 1)
+        reasons += ["it renormalises top-k weights"] * (not m.renormalizes() and m.num_experts > 1)
         reasons += ["it has no dense blocks"] * (not all_moe(c))
         return reasons
 

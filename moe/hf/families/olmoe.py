@@ -41,7 +41,7 @@ class Olmoe(Family):
         return {
             "num_experts_per_tok": m.top_k,
             "num_experts": m.num_experts,
-            "norm_topk_prob": m.renormalize,
+            "norm_topk_prob": m.renormalizes(),
             "intermediate_size": m.expert_hidden,
             "attention_bias": False,
             "clip_qkv": None,

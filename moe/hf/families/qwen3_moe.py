@@ -46,7 +46,7 @@ def qwen_sparse_fields(c: ModelConfig, m: MoEConfig) -> dict[str, Any]:
     return {
         "num_experts_per_tok": m.top_k,
         "num_experts": m.num_experts,
-        "norm_topk_prob": m.renormalize,
+        "norm_topk_prob": m.renormalizes(),
         "intermediate_size": c.dense_hidden,
         "moe_intermediate_size": m.expert_hidden,
         "decoder_sparse_step": c.moe_every,
