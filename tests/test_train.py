@@ -266,6 +266,52 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_warned(
         assert ("without bf16 instructions" in caplog.text) == (not native), caplog.text
 
 
+def test_a_non_finite_gradient_between_log_steps_leaves_weights_and_moments_as_before(
+    tmp_path: Path,
+) -> None:
+    """A NaN gradient at step 2, between the metrics rows at steps 0 and 4: the update is
+    skipped on the device (no host read), so the weights, both AdamW moments and its step
+    count after step 2 are those before it; training goes on, and the row at step 4 raises
+    naming step 2 and the number skipped."""
+    t = _trainer(_data(tmp_path / "data"), tmp_path / "ck", 8)
+    t.cfg.log_every = 4
+    t.cfg.checkpoint_every = 100  # no save in between (a save reads the norm too)
+    bad = 2
+    first = next(p for p in t.model.parameters() if p.requires_grad)
+    first.register_hook(lambda g: g * float("nan") if t.step == bad else g)
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        out = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+        for i, state in enumerate(t.optimizer.state.values()):
+            out |= {f"{i}.{k}": v.detach().clone() for k, v in state.items()}
+        return out
+
+    seen: dict[str, dict[str, torch.Tensor]] = {}
+    step = t.optimizer.step
+
+    def watched(*args, **kwargs):
+        at = t.step
+        if at in (bad, bad + 1):
+            seen[f"before {at}"] = snapshot()
+        out = step(*args, **kwargs)
+        if at in (bad, bad + 1):
+            seen[f"after {at}"] = snapshot()
+        return out
+
+    t.optimizer.step = watched
+    with pytest.raises(FloatingPointError, match=r"at step 2 \(1 step\(s\) skipped"):
+        t.fit()
+    assert t.step == 4  # went on to the row, not stopped at the bad step
+    before, after = seen["before 2"], seen["after 2"]
+    assert before.keys() == after.keys() and any(".exp_avg_sq" in k for k in after)
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    # the step after it updates as usual: finite, and moved
+    later = seen["after 3"]
+    assert all(bool(torch.isfinite(v).all()) for v in later.values())
+    assert not all(torch.equal(after[k], later[k]) for k in after)
+
+
 def test_checkpoints_from_other_params_are_not_resumed(tmp_path: Path) -> None:
     data = _data(tmp_path / "data")
     _trainer(data, tmp_path / "d", 6).fit()

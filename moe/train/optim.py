@@ -13,13 +13,12 @@ from moe.train.config import OptimConfig
 
 
 def build_optimizer(
-    model: MoETransformer, cfg: OptimConfig, router_lr_mult: float, foreach: bool = False
+    model: MoETransformer, cfg: OptimConfig, router_lr_mult: float
 ) -> torch.optim.AdamW:
     """AdamW groups: decayed matrices, undecayed norms/biases, and the routers at a higher lr.
-    `foreach` (the sharded engine): one multi-tensor op per group instead of one DTensor
-    dispatch per parameter and op. On a GPU without sharding, the fused kernel: one launch
-    per group, and its step counters on the device (the other paths keep them on the host
-    and read them every step)."""
+    The fused kernel on every device (the CPU's too, and DTensor shards): one multi-tensor
+    op per group, its step counters where the parameters are (no host read per step), and
+    `found_inf`, which skips a diverged step on the device (moe/train/stop.py Divergence)."""
     decay, no_decay, router = [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -38,13 +37,8 @@ def build_optimizer(
     ]
     groups = [g for g in groups if g["params"]]
     params = [p for g in groups for p in g["params"]]
-    fused = not foreach and bool(params) and all(p.is_cuda for p in params)
     return torch.optim.AdamW(
-        groups,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        fused=fused,
-        foreach=None if fused else foreach,
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=bool(params) or None
     )
 
 
@@ -128,7 +122,8 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         for p in g["params"]:
             if p not in optimizer.state or not optimizer.state[p]:
                 optimizer.state[p] = {
-                    "step": torch.tensor(0.0),
+                    # the fused kernel keeps its step counter where the parameter is
+                    "step": torch.zeros((), dtype=torch.float32, device=p.device),
                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
                 }

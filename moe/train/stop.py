@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from moe.model.stats import ExpertLoad
 from moe.train.config import OptimConfig
@@ -18,17 +19,26 @@ log = logging.getLogger(__name__)
 
 
 class Divergence:
-    """The first step whose gradient norm was not finite, kept where the norm is (a GPU's
-    norm is never read per step) and raised as an error where the host reads anyway: a
-    metrics row, a save (no checkpoint holds a diverged step), the end."""
+    """A step whose gradient norm is not finite is skipped on the device: its `found_inf`
+    goes to the fused AdamW kernel (as a GradScaler's does), which then leaves the weights,
+    both moments and the step count as they were. The first such step and the number skipped
+    are kept where the norm is (a GPU's norm is never read per step) and raised as an error
+    where the host reads anyway: a metrics row, a save (no checkpoint holds a diverged step),
+    the end."""
 
     def __init__(self) -> None:
         self.first: torch.Tensor | None = None  # -1: none yet
+        self.skipped: torch.Tensor | None = None
 
-    def observe(self, grad_norm: torch.Tensor, step: int) -> None:
+    def observe(self, grad_norm: torch.Tensor, step: int) -> torch.Tensor:
+        """Record this step's norm; returns its found_inf (1.0: skip the update, 0.0: apply)."""
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
         bad = ~torch.isfinite(grad_norm)
         first = self.first if self.first is not None else torch.full_like(bad, -1, dtype=torch.long)
         self.first = torch.where(bad & (first < 0), step, first)
+        self.skipped = bad.long() + (self.skipped if self.skipped is not None else 0)
+        return bad.float()
 
     def first_step(self) -> int | None:
         """The first diverged step, read from the device (None: none)."""
@@ -38,7 +48,9 @@ class Divergence:
     def check(self) -> None:
         if (step := self.first_step()) is not None:
             raise FloatingPointError(
-                f"non-finite gradient norm at step {step}: lower the learning rate or raise grad_clip"
+                f"non-finite gradient norm at step {step} ({int(self.skipped or 0)} step(s) "
+                "skipped; the weights are those before it): lower the learning rate or raise "
+                "grad_clip"
             )
 
 

@@ -162,9 +162,7 @@ class Trainer:
         early = getattr(cfg, "early_stop", None)
         self.state = TrainState(
             model=model,
-            optimizer=build_optimizer(
-                model, cfg, router_lr_mult, foreach=self.ranks.meshes is not None
-            ),
+            optimizer=build_optimizer(model, cfg, router_lr_mult),
             load=ExpertLoad(len(model.moe_layers), model.experts_per_layer()),
             progress=Progress(),
             stopper=EarlyStopper(early, cfg.lr)
@@ -302,7 +300,7 @@ class Trainer:
             grad_norm = D.clip_grad_norm(run.params, clip)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(run.params, clip)
-        run.diverged.observe(grad_norm, self.step)
+        self.optimizer.found_inf = run.diverged.observe(grad_norm, self.step)  # type: ignore[attr-defined]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.progress.step += 1
