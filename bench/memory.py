@@ -107,10 +107,9 @@ def worker(engine: str, quick: bool, steps: int, out: Path) -> None:
         D.parallelize(model, meshes)
         for layer in model.moe_layers:
             layer.aux_grad_scale = 1.0
-    # Each engine's optimizer as its trainer builds it (moe/train/trainer.py build_optimizer): the
-    # sharded one multi-tensor (foreach) over its DTensors, the replaced one per tensor.
-    sharded = engine == "sharded" and world > 1
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=sharded)
+    # Each engine's optimizer as its trainer builds it (moe/train/optim.py build_optimizer): the
+    # fused kernel, over DTensor shards or whole tensors (figures before be91c05: foreach/per tensor).
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     batch = 8 // world
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, vocab, (8, mcfg.seq_len + 1), generator=g)[
