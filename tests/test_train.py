@@ -467,3 +467,44 @@ def test_compiled_blocks_train_as_the_eager_ones(tmp_path: Path) -> None:
     assert abs(a.train_loss - b.train_loss) < 1e-4, (a.train_loss, b.train_loss)
     for (n, p), q in zip(eager.model.named_parameters(), compiled.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-3, msg=n)
+
+
+def test_a_compiled_block_compiles_once_while_the_routing_schedules_move(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regional compile over 20 steps with the expert warm-up blending in (a new weight each
+    step) and a capacity schedule whose factor moves each step: each compiled frame is traced
+    once, in the first step, and never again (a recompile a step would hit dynamo's cache limit
+    and fall back to eager). The blocks are compiled by a counting backend: what recompiles is
+    decided by dynamo's guards, whatever the backend."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(
+        torch.nn.Module, "compile", lambda self: compile_module(self, backend=counter)
+    )
+    torch._dynamo.reset()
+    t = _trainer(_data(tmp_path / "data"), tmp_path / "ck", 20, compile=True)
+    t.validation = None  # its no-grad forward is a second variant, once: not this test's
+    for layer in t.model.moe_layers:
+        r = layer.router
+        r.methods = r.methods | {"warmup"}
+        r.cfg.warmup_steps, r.cfg.warmup_blend_steps = 0, 50  # blending for all 20 steps
+        r.cfg.capacity_factor, r.cfg.capacity_factor_end = 4.0, 3.0  # moves, drops nothing
+        r.cfg.dropless = False
+    frames: list[int] = []
+    step = t._optimizer_step
+
+    def counted(run, counts):
+        out = step(run, counts)
+        frames.append(counter.frame_count)
+        return out
+
+    t._optimizer_step = counted
+    t.fit()
+    for layer in t.model.moe_layers:  # the last step's: the schedules did move
+        assert float(layer.router.blend_t) == pytest.approx(20 / 50)
+        assert float(layer.router.capacity_factor_t) == pytest.approx(4.0 - 19 / 20)
+    assert frames[0] > 0 and frames == [frames[0]] * 20, frames
+    torch._dynamo.reset()

@@ -113,6 +113,19 @@ def _fallback_reason(x: torch.Tensor) -> str | None:
     return None
 
 
+# The reason per (device type, dtype), worked out once: a compiled block then reads a
+# constant instead of tracing the capability query (prepare_compile fills it in first).
+_REASONS: dict[tuple[str, torch.dtype], str | None] = {}
+
+
+def fallback_reason(x: torch.Tensor) -> str | None:
+    """_fallback_reason, once per device type and dtype."""
+    key = (x.device.type, x.dtype)
+    if key not in _REASONS:
+        _REASONS[key] = _fallback_reason(x)
+    return _REASONS[key]
+
+
 def _aligned(x_AD: torch.Tensor, w_EDF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Zero-pad the inner (D) and output (F) widths to the kernel's 16-byte rows: the product
     is unchanged (the padded columns are sliced off), and no count is read on the host.
@@ -139,12 +152,14 @@ def _grouped_mm_fp32(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> to
 _grouped_mm_uncompiled = _grouped_mm_fp32
 
 
-def prepare_compile() -> None:
-    """Keep the fp32 grouped product out of what torch.compile traces (call before compiling
-    a block that holds experts)."""
+def prepare_compile(device: torch.device | str = "cpu") -> None:
+    """Keep the fp32 grouped product out of what torch.compile traces, and work out on
+    `device` whether the kernel runs (call before compiling a block that holds experts)."""
     global _grouped_mm_uncompiled
     if _grouped_mm_uncompiled is _grouped_mm_fp32:
         _grouped_mm_uncompiled = torch.compiler.disable(_grouped_mm_fp32)
+    for dtype in (torch.bfloat16, torch.float32):
+        fallback_reason(torch.empty(0, device=device, dtype=dtype))
 
 
 def grouped_mm(
@@ -163,7 +178,7 @@ def grouped_mm(
         dtype = torch.get_autocast_dtype(device)
         x_AD = x_AD.to(dtype)
     w_EDF = w_EDF.to(x_AD.dtype)
-    reason = _fallback_reason(x_AD)
+    reason = fallback_reason(x_AD)
     if reason is None:
         x_AD, w_EDF, width = _aligned(x_AD, w_EDF)
         product = F.grouped_mm if x_AD.dtype == torch.bfloat16 else _grouped_mm_uncompiled

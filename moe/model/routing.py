@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -125,6 +124,11 @@ class Router(nn.Module):
         self.register_buffer("load_E", torch.zeros(E), persistent=False)
         self.step = AFTER_WARMUP  # set by the trainer (MoETransformer.set_routing_step)
         self.progress = 0.0  # fraction of the run done, for the capacity schedule
+        # The expert warm-up's blend as a tensor filled in place each step, and whether it
+        # is below 1 (flips once): a compiled block reads both without a recompile a step.
+        self.blend_t = torch.ones(())
+        self.blending = False
+        self.capacity_factor_t = torch.full((), cfg.capacity_factor, dtype=torch.float64)
 
     # ----------------------------------------------------------------- forward
 
@@ -154,12 +158,12 @@ class Router(nn.Module):
         # an imported one (ERNIE-4.5, DeepSeek-V3, GLM-4.5) is part of the checkpoint's routing
         # whichever balancing trains it further. Zero otherwise.
         choose_TE = probs_TE.detach() + self.expert_bias_E
-        blend = self._warmup_blend()
+        blending, blend = self.blending and self.training, self.blend_t
         if cfg.force_balanced:
             slots_TK = torch.arange(T * K, device=x_TD.device).view(T, K)
             experts_TK = slots_TK % E
         else:
-            if blend < 1.0:
+            if blending:
                 noise_TE = torch.rand(T, E, device=x_TD.device)
                 choose_TE = (1 - blend) * noise_TE + blend * choose_TE
             if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
@@ -170,7 +174,7 @@ class Router(nn.Module):
             weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
         if cfg.force_balanced:
             weights_TK = torch.full_like(weights_TK, 1.0 / K)
-        elif blend < 1.0:
+        elif blending:
             weights_TK = (1 - blend) / K + blend * weights_TK
         if cfg.routed_scale != 1.0:
             weights_TK = weights_TK * cfg.routed_scale
@@ -192,7 +196,7 @@ class Router(nn.Module):
             # Only in training: at evaluation and generation every token is routed, so that a
             # token's output never depends on which other tokens share its batch.
             keep_TK = capacity_mask(
-                experts_TK, choose_TE.gather(1, experts_TK), E, self.capacity(T)
+                experts_TK, choose_TE.gather(1, experts_TK), E, self.capacity_t(T)
             )
             weights_TK = weights_TK * keep_TK
             dropped = 1.0 - keep_TK.float().mean()
@@ -239,9 +243,22 @@ class Router(nn.Module):
             balance = balance + cfg.cv_penalty_coef * cv_loss
         return balance, aux_loss, z_loss, cv_loss
 
+    def set_step(self, step: int, progress: float) -> None:
+        """The optimizer step (expert warm-up) and the fraction of the run done (capacity
+        schedule), set on the host before each training step."""
+        self.step, self.progress = step, progress
+        blend = self._warmup_blend()
+        self.blending = blend < 1.0
+        device = self.gate.weight.device
+        if self.blend_t.device != device:
+            self.blend_t = torch.ones((), device=device)
+            self.capacity_factor_t = torch.ones((), dtype=torch.float64, device=device)
+        self.blend_t.fill_(blend)
+        self.capacity_factor_t.fill_(self.capacity_factor())
+
     def _warmup_blend(self) -> float:
         """0 during expert warm-up (uniform routing), rising to 1 (the router's own choice)."""
-        if "warmup" not in self.methods or not self.training:
+        if "warmup" not in self.methods:
             return 1.0
         cfg = self.cfg
         if self.step < cfg.warmup_steps:
@@ -259,9 +276,14 @@ class Router(nn.Module):
 
     def capacity(self, num_tokens: int) -> int:
         """Assignments one expert accepts per batch (GShard §2.2)."""
-        return max(
-            1, math.ceil(self.capacity_factor() * num_tokens * self.top_k / self.num_experts)
-        )
+        self.capacity_factor_t.fill_(self.capacity_factor())
+        return int(self.capacity_t(num_tokens))
+
+    def capacity_t(self, num_tokens: int) -> torch.Tensor:
+        """capacity() as a tensor from the factor set_step filled in: a compiled block reads
+        it without a recompile as the schedule moves."""
+        share = num_tokens * self.top_k / self.num_experts
+        return torch.ceil(self.capacity_factor_t * share).clamp(min=1)
 
     # ----------------------------------------------------------------- state
 

@@ -233,7 +233,7 @@ class MoETransformer(nn.Module):
         """Tell the routers the optimizer step (expert warm-up) and the fraction of the run
         done (capacity schedule). Finetuning passes a step past the warm-up."""
         for layer in self.moe_layers:
-            layer.router.step, layer.router.progress = step, progress
+            layer.router.set_step(step, progress)
 
     def update_routing(self, step: int) -> None:
         """After each optimizer step: aux-free bias, utilisation average, gate rebalancing."""

@@ -74,7 +74,7 @@ class Ranks:
         model's names) or with the initialisation one process would draw after the same
         seed. A plain run trains the module as it is."""
         if getattr(cfg, "compile", False):  # before sharding, as torchtitan orders them
-            prepare_compile()
+            prepare_compile(self.device)
             for block in model.blocks:
                 block.compile()
         if dist.is_initialized():
