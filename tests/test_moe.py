@@ -133,6 +133,17 @@ def test_unaligned_widths_take_the_kernel_padded_never_the_host(monkeypatch) -> 
         torch.testing.assert_close(a, b)
 
 
+def test_the_cpu_kernel_needs_the_padding_too() -> None:
+    """Why `_aligned` pads on a CPU as well (a review took it for a CUDA-only need): torch's
+    CPU grouped product refuses rows that are not a multiple of 16 bytes. If a torch release
+    lifts that, this fails, and the CPU can skip the weight's padded copy."""
+    import torch.nn.functional as F
+
+    offs = torch.tensor([10, 20, 30, 40], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="multiple of 16 bytes"):
+        F.grouped_mm(torch.randn(40, 6), torch.randn(4, 6, 5), offs=offs)
+
+
 def test_the_loop_over_experts_says_why_once(monkeypatch) -> None:
     """Where the kernel cannot run (here: a torch without F.grouped_mm) the loop gives the
     same result and warns once, naming the reason: a 6x slower step is never silent."""
