@@ -6,8 +6,8 @@
 - `FINGERPRINT_FILE` (domain_database.json, beside dvc.yaml) is what the domain database was
   when last seen, a dep of dvc.yaml's prepare stage: prepare writes it, so `dvc repro`
   re-prepares when it changes;
-- `preflight`: the server reached before any compute, and a warning when its login may
-  write (a read-only role is what the README asks for);
+- `preflight`: the server reached before any compute, and refused (an InputError) when
+  its login may do more than read (moe/sql/server.py `unsafe_privileges`);
 - `check_domain_database`: evaluation compares the database it meets with the one prepare
   read (the schema-and-row-count fingerprint in the link, dbs/domain.url). A change is said
   (a warning naming what changed, and in the evaluate metrics and lineage record), and

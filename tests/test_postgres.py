@@ -145,6 +145,10 @@ def pg(postgres: dict[str, Any], chinook_db: Path) -> dict[str, Any]:  # noqa: F
     psql("GRANT USAGE ON SCHEMA public, shop, app TO reader", "chinook")
     psql("GRANT SELECT ON ALL TABLES IN SCHEMA public, shop, app TO reader", "chinook")
     psql("CREATE TABLE salary (employee_id int, amount int)", "chinook")  # not the reader's
+    # granted to PUBLIC by default: with it the reader ends its own other sessions
+    psql(
+        "REVOKE EXECUTE ON FUNCTION pg_terminate_backend, pg_cancel_backend FROM PUBLIC", "chinook"
+    )
     where = f"{postgres['host']}:{postgres['port']}/chinook"
     return {
         "url": f"postgresql+psycopg://reader@{where}",
@@ -209,6 +213,9 @@ HOSTILE = [
     "SELECT * FROM track FOR UPDATE",
     "SELECT set_config('default_transaction_read_only', 'off', false)",
     "SELECT pg_terminate_backend(pg_backend_pid())",
+    'SELECT "pg_terminate_backend"(pid) FROM pg_stat_activity',
+    'SELECT "pg_advisory_lock"(1)',
+    "SELECT pg_catalog.pg_read_file /* the name, a comment, then its arguments */ ('PG_VERSION')",
     "SELECT lo_import('/etc/passwd')",
     "SELECT pg_read_file('/etc/passwd')",
     "  /* a comment */ ALTER TABLE track ADD COLUMN x int",
@@ -247,9 +254,9 @@ def test_predicted_sql_cannot_write_escape_or_run_away(
 # What the word list refuses first, in forms a word list misses: each must be refused by the
 # server itself when the list is off (the login's privileges and the read-only transaction).
 PAST_THE_LIST = [
-    # pg_terminate_backend ends our own session; set_config on a setting runs, and is undone
-    # with the transaction (held below)
-    *[sql for sql in HOSTILE if "pg_terminate_backend" not in sql and "set_config" not in sql],
+    # set_config on a setting runs, and is undone with the transaction; an advisory lock is
+    # taken, and released after the statement (both held below)
+    *[sql for sql in HOSTILE if "set_config" not in sql and "advisory" not in sql],
     "SELECT PG_READ_FILE('PG_VERSION')",
     "SeLeCt Pg_Read_File('PG_VERSION')",
     "SELECT pg_catalog.pg_read_file('PG_VERSION')",
@@ -291,6 +298,35 @@ def test_the_server_refuses_what_the_word_list_would_with_the_list_turned_off(
         assert owner.run("SeLeCt Pg_Read_File('PG_VERSION')").ok  # the list was its only guard
 
 
+def test_a_read_only_session_reaches_no_other_session_whatever_the_text(
+    pg: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the word list off, as the reader: a session-level advisory lock (which outlives
+    a rollback) is released after the statement that took it, so another session takes it at
+    once; ending or cancelling the reader's other sessions is refused by the server (EXECUTE
+    revoked, as the privilege check asks), and the other session goes on; the session runs
+    under statement, lock and idle-in-transaction timeouts."""
+    with (
+        _db(pg, monkeypatch, time_limit_s=0.5, word_list=False) as db,
+        _db(pg, monkeypatch, time_limit_s=0.5, word_list=False) as other,
+        _db(pg, monkeypatch, "owner", time_limit_s=0.5, word_list=False) as owner,
+    ):
+        for sql in ('SELECT "pg_advisory_lock"(1)', "SELECT pg_advisory_lock_shared(2)"):
+            assert db.run(sql).ok, sql
+        free = "SELECT pg_try_advisory_lock(1), pg_try_advisory_lock(2)"
+        assert owner.run(free).rows == [(True, True)]
+        others = "FROM pg_stat_activity WHERE usename = 'reader' AND pid <> pg_backend_pid()"
+        for fn in ("pg_terminate_backend", "pg_cancel_backend"):
+            out = db.run(f'SELECT "{fn}"(pid) {others}')
+            assert out.status in ("denied", "error") and "permission denied" in out.message, out
+        assert other.run("SELECT count(*) FROM genre").rows == [(25,)]
+        limits = db.run(
+            "SELECT current_setting('statement_timeout'), current_setting('lock_timeout'),"
+            " current_setting('idle_in_transaction_session_timeout')"
+        ).rows
+        assert limits == [("500ms", "500ms", "1min")], limits
+
+
 def test_prepare_refuses_a_login_that_may_do_more_than_read(
     pg: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -303,14 +339,24 @@ def test_prepare_refuses_a_login_that_may_do_more_than_read(
     psql, pw = pg["psql"], "x-" + secrets.token_hex(6)
     psql(f"CREATE ROLE filer LOGIN PASSWORD '{pw}' IN ROLE pg_read_server_files")
     psql(f"CREATE ROLE maker LOGIN PASSWORD '{pw}'")
-    psql("GRANT CONNECT ON DATABASE chinook TO filer, maker")
+    psql(f"CREATE ROLE signaler LOGIN PASSWORD '{pw}' IN ROLE pg_signal_backend")
+    psql(f"CREATE ROLE ender LOGIN PASSWORD '{pw}'")
+    psql(f"CREATE ROLE viewer LOGIN PASSWORD '{pw}'")
+    psql("GRANT CONNECT ON DATABASE chinook TO filer, maker, signaler, ender, viewer")
     psql("GRANT USAGE, CREATE ON SCHEMA public TO maker", "chinook")
+    psql("GRANT USAGE ON SCHEMA public TO viewer", "chinook")
+    psql("GRANT EXECUTE ON FUNCTION pg_terminate_backend TO ender", "chinook")
+    psql("CREATE VIEW genre_names AS SELECT id, name FROM genre", "chinook")
+    psql("GRANT SELECT, INSERT ON genre_names TO viewer", "chinook")  # auto-updatable
     where = pg["url"].split("@", 1)[1]
     try:
         cases = {
             "owner": (pg["owner_pw"], ["owner: superuser"]),
             "filer": (pw, ["filer: a member of pg_read_server_files"]),
             "maker": (pw, ["maker: CREATE on schema public"]),
+            "signaler": (pw, ["signaler: a member of pg_signal_backend"]),
+            "ender": (pw, ["ender: may end its other sessions", "REVOKE EXECUTE ON FUNCTION"]),
+            "viewer": (pw, ["viewer: may write 1 table(s), view(s)"]),
             "reader": (pg["reader_pw"], []),
         }
         for who, (secret, named) in cases.items():
@@ -329,10 +375,12 @@ def test_prepare_refuses_a_login_that_may_do_more_than_read(
                 assert phrase in str(e.value), (who, str(e.value))
             assert "may only read" in str(e.value) and secret not in str(e.value)
     finally:
-        psql("REVOKE ALL ON SCHEMA public FROM maker", "chinook")
-        psql("REVOKE CONNECT ON DATABASE chinook FROM filer, maker")
-        psql("DROP ROLE filer")
-        psql("DROP ROLE maker")
+        psql("REVOKE ALL ON SCHEMA public FROM maker, viewer", "chinook")
+        psql("REVOKE EXECUTE ON FUNCTION pg_terminate_backend FROM ender", "chinook")
+        psql("DROP VIEW genre_names", "chinook")
+        psql("REVOKE CONNECT ON DATABASE chinook FROM filer, maker, signaler, ender, viewer")
+        for role in ("filer", "maker", "signaler", "ender", "viewer"):
+            psql(f"DROP ROLE {role}")
 
 
 def test_the_schema_is_read_from_the_server(pg: dict[str, Any], monkeypatch) -> None:
@@ -343,10 +391,10 @@ def test_the_schema_is_read_from_the_server(pg: dict[str, Any], monkeypatch) -> 
         schema = db.schema()
         assert db.fingerprint() == db.fingerprint() == fingerprint(schema)
         assert db.namespace == "public" and {"user", "order", "select"} <= db.keywords
-        assert db.can_write() == ""  # the role the README asks for
+        assert db.unsafe_privileges() == []  # the role docs/your-data.md asks for
     with _db(pg, monkeypatch, "owner") as owner:
         assert "salary" in {t.name for t in owner.schema().tables}
-        assert owner.can_write().endswith("logs in as a superuser")  # prepare warns
+        assert "owner: superuser" in owner.unsafe_privileges()  # prepare refuses it
     con = open_checked(pg["sqlite"])
     lite = inspect_database(con)
     con.close()

@@ -18,7 +18,15 @@ from moe.hashing import sha256_file
 from moe.sql.databases import Databases, is_link
 from moe.sql.sandbox import copy_database, open_checked
 from moe.sql.schema import fingerprint
-from moe.sql.server import LINK_SUFFIX, ServerDb, ServerLink, is_url, parse_url, shown
+from moe.sql.server import (
+    LINK_SUFFIX,
+    REVOKE_SIGNALS,
+    ServerDb,
+    ServerLink,
+    is_url,
+    parse_url,
+    shown,
+)
 from moe.sql.themed import build_database
 from moe.sql.themes import DOMAIN_THEME
 
@@ -67,8 +75,8 @@ class DomainDatabase:
                 f" than read ({'; '.join(unsafe)}). Log in as a role that may only read, e.g."
                 " CREATE ROLE moe_reader LOGIN PASSWORD '...'; GRANT CONNECT ON DATABASE <db>"
                 f" TO moe_reader; GRANT USAGE ON SCHEMA {db.namespace} TO moe_reader; GRANT"
-                f" SELECT ON ALL TABLES IN SCHEMA {db.namespace} TO moe_reader (docs/your-data.md: Your"
-                " database where it lives)"
+                f" SELECT ON ALL TABLES IN SCHEMA {db.namespace} TO moe_reader; {REVOKE_SIGNALS}"
+                " (docs/your-data.md: Your database where it lives)"
             )
 
     def place(self, dbs_dir: Path, rng: random.Random, src: dict[str, str]) -> Path:

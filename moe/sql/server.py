@@ -11,19 +11,23 @@ enforced by the server's own means.
   the URL without a password, where the password comes from, the schema and the fingerprint
   at prepare. The prepared data travels to other machines with it; each opens the server.
 - `ServerDb` runs one statement per call on a session opened read-only
-  (`default_transaction_read_only`, `statement_timeout`, `lock_timeout`), each in its own
-  transaction that starts `SET TRANSACTION READ ONLY` and is always rolled back, as a
+  (`default_transaction_read_only`, `statement_timeout`, `lock_timeout`,
+  `idle_in_transaction_session_timeout`), each in its own transaction that starts
+  `SET TRANSACTION READ ONLY` and is always rolled back (and every advisory lock the
+  statement took released: a session-level one outlives the rollback), as a
   server-side cursor (`DECLARE ... CURSOR FOR`: PostgreSQL accepts nothing but a query there,
   one statement, no data-modifying WITH) from which at most `row_limit + 1` rows are fetched.
   What is not a query (DROP, INSERT, COPY ... TO PROGRAM, SET ROLE, several statements) and
   functions that act beyond the transaction (`pg_terminate_backend`, `lo_export`,
-  `set_config`, `dblink`, ...) are denied before they reach the server: a fast first refusal
+  `set_config`, `dblink`, ..., quoted or not) are denied before they reach the server: a fast first refusal
   with a clear reason, not the guard (`word_list=False` turns it off, and the tests show the
   server refusing each of them).
 - The guard is the login's own privileges: `unsafe_privileges` names what a login may do
-  beyond reading (superuser, pg_read_server_files, pg_write_server_files,
-  pg_execute_server_program, CREATE on the database or schema, writes to tables, creating
-  roles or databases), and prepare refuses such a login. A role SET after login cannot take
+  beyond reading its own session (superuser, pg_read_server_files, pg_write_server_files,
+  pg_execute_server_program, pg_signal_backend, CREATE on the database or schema, writes to
+  tables, views or foreign tables, creating roles or databases, EXECUTE on
+  pg_terminate_backend or pg_cancel_backend, which end the role's other sessions), and
+  prepare refuses such a login, saying how to take each away. A role SET after login cannot take
   its place: a statement can reset the role to the login's (`set_config('role', ...)`)
   within its own evaluation, so the role that evaluates must be the one that logs in.
 
@@ -56,16 +60,29 @@ PASSWORD_SOURCES: dict[str, Callable[[str], str]] = {}
 _QUERY_WORDS = {"select", "with", "values", "table"}
 # Functions that act beyond a read-only transaction or reach the server's files, other
 # sessions or other servers: denied by name (a read-only role should not have them either).
+# A name may be quoted ("pg_advisory_lock"(1) calls the same function).
 _DENIED_CALL = re.compile(
-    r"\b(pg_terminate_backend|pg_cancel_backend|pg_reload_conf|pg_rotate_logfile|pg_promote"
+    r"(?<![\w$])\"?(pg_terminate_backend|pg_cancel_backend|pg_reload_conf|pg_rotate_logfile|pg_promote"
     r"|pg_switch_wal|pg_create_\w+|pg_drop_\w+|pg_read_file|pg_read_binary_file|pg_ls_\w+"
     r"|pg_stat_file|pg_file_\w+|lo_\w+|dblink\w*|set_config|pg_advisory\w*|pg_notify"
-    r"|pg_logical_\w+|pg_replication_\w+|query_to_xml\w*|cursor_to_xml\w*)\s*\(",
+    r"|pg_logical_\w+|pg_replication_\w+|query_to_xml\w*|cursor_to_xml\w*)\"?\s*\(",
     re.IGNORECASE,
 )
-# Roles whose members reach the server's files and programs (PostgreSQL 11+).
+# Roles whose members reach the server's files and programs (PostgreSQL 11+), or signal any
+# session but a superuser's.
 SERVER_FILE_ROLES = ("pg_read_server_files", "pg_write_server_files", "pg_execute_server_program")
+REACHING_ROLES = (*SERVER_FILE_ROLES, "pg_signal_backend")
+# Relations a role writes through when granted INSERT, UPDATE, DELETE or TRUNCATE: tables,
+# partitioned tables, (auto-updatable) views, foreign tables.
+WRITABLE_KINDS = "('r', 'p', 'v', 'f')"
+# What a role may signal its own other sessions with (EXECUTE is granted to PUBLIC by default).
+SIGNALS = ("pg_terminate_backend", "pg_cancel_backend")
+REVOKE_SIGNALS = (
+    "REVOKE EXECUTE ON FUNCTION pg_terminate_backend, pg_cancel_backend FROM PUBLIC"
+    " (in this database, as a superuser)"
+)
 _COMMENT = re.compile(r"\s*(--[^\n]*(\n|$)|/\*.*?\*/)", re.DOTALL)
+_COMMENTS = re.compile(r"--[^\n]*|/\*.*?\*/", re.DOTALL)
 
 
 def is_url(target: object) -> bool:
@@ -250,7 +267,9 @@ class ServerDb:
             return Outcome(
                 None, "denied", f"only a query may run, not {first.upper() or repr(text[:20])}"
             )
-        call = _DENIED_CALL.search(text) if self.word_list else None
+        call = None
+        if self.word_list:  # in the text, and with its comments out (name /* */ (...))
+            call = _DENIED_CALL.search(text) or _DENIED_CALL.search(_COMMENTS.sub(" ", text))
         if call:
             return Outcome(None, "denied", f"{call.group(1)}() is not allowed")
         cur = None
@@ -273,6 +292,10 @@ class ServerDb:
                 self.pg.rollback()  # nothing a statement did is kept, whatever it was
                 if cur is not None:
                     cur.close()
+                # ...nor a session-level advisory lock, which outlives the rollback
+                with self.pg.cursor() as c:
+                    c.execute("SELECT pg_advisory_unlock_all()")
+                self.pg.rollback()
             except psycopg.Error:
                 pass  # a lost connection: this statement's error says so, and the next's
         if len(rows) > self.row_limit:
@@ -314,47 +337,41 @@ class ServerDb:
             raise InputError(f"{self.label}: cannot read the schema ({_message(e.orig)})") from None
 
     def unsafe_privileges(self) -> list[str]:
-        """What the login (and the role it acts as, where another) may do beyond reading,
-        one phrase each; [] for a role fit to run predicted SQL."""
-        roles = ", ".join(f"pg_has_role(r.oid, '{x}', 'MEMBER')" for x in SERVER_FILE_ROLES)
+        """What the login (and the role it acts as, where another) may do beyond reading its
+        own session, one phrase each; [] for a role fit to run predicted SQL: no superuser,
+        no member of the server-file roles or pg_signal_backend, no CREATE on the database
+        or schema, no write to a table, view or foreign table of the schema, no CREATEROLE
+        or CREATEDB, and no EXECUTE on pg_terminate_backend or pg_cancel_backend (with it a
+        statement ends or cancels the role's other sessions)."""
+        ns = _literal(self.namespace)
+        roles = ", ".join(f"pg_has_role(r.oid, '{x}', 'MEMBER')" for x in REACHING_ROLES)
+        signals = ", ".join(f"'{f}'" for f in SIGNALS)
         rows = self._rows(
             "SELECT r.rolname, r.rolsuper, r.rolcreaterole, r.rolcreatedb, "
             + roles
             + ", has_database_privilege(r.oid, current_database(), 'CREATE')"
-            + f", has_schema_privilege(r.oid, {_literal(self.namespace)}, 'CREATE')"
+            + f", has_schema_privilege(r.oid, {ns}, 'CREATE')"
             + ", (SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
-            + f" WHERE c.relkind IN ('r', 'p') AND n.nspname = {_literal(self.namespace)}"
+            + f" WHERE c.relkind IN {WRITABLE_KINDS} AND n.nspname = {ns}"
             + " AND has_table_privilege(r.oid, c.oid, 'INSERT, UPDATE, DELETE, TRUNCATE'))"
+            + ", (SELECT count(*) FROM pg_proc p WHERE p.pronamespace = 'pg_catalog'::regnamespace"
+            + f" AND p.proname IN ({signals}) AND has_function_privilege(r.oid, p.oid, 'EXECUTE'))"
             + " FROM pg_roles r WHERE r.rolname IN (session_user, current_user) ORDER BY 1"
         )
         out: list[str] = []
         for name, superuser, createrole, createdb, *rest in rows:
-            member, (db_create, schema_create, tables) = rest[:3], rest[3:]
+            n = len(REACHING_ROLES)
+            member, (db_create, schema_create, tables, signal) = rest[:n], rest[n:]
             held = ["superuser"] * superuser
-            held += [
-                f"a member of {x}" for x, m in zip(SERVER_FILE_ROLES, member, strict=True) if m
-            ]
+            held += [f"a member of {x}" for x, m in zip(REACHING_ROLES, member, strict=True) if m]
             held += ["CREATE on the database"] * db_create
             held += [f"CREATE on schema {self.namespace}"] * schema_create
-            held += [f"may write {tables} table(s)"] * (tables > 0)
+            held += [f"may write {tables} table(s), view(s) or foreign table(s)"] * (tables > 0)
             held += ["CREATEROLE"] * createrole + ["CREATEDB"] * createdb
+            if signal and not superuser:
+                held += [f"may end its other sessions ({', '.join(SIGNALS)}): {REVOKE_SIGNALS}"]
             out += [f"{name}: {h}" for h in held]
         return out
-
-    def can_write(self) -> str:
-        """What this login may change besides what the sandbox stops ('' = nothing): a
-        superuser, or a role with write privileges on tables of its schema. The sandbox holds
-        either way; a read-only role is the boundary the server keeps (README)."""
-        rows = self._rows(
-            "SELECT r.rolsuper, (SELECT count(*) FROM pg_class c JOIN pg_namespace n"
-            " ON n.oid = c.relnamespace WHERE c.relkind IN ('r', 'p') AND n.nspname ="
-            f" {_literal(self.namespace)} AND has_table_privilege(c.oid,"
-            " 'INSERT, UPDATE, DELETE, TRUNCATE')) FROM pg_roles r WHERE r.rolname = current_user"
-        )
-        superuser, tables = rows[0] if rows else (False, 0)
-        if superuser:
-            return f"{self.label} logs in as a superuser"
-        return f"{self.label} logs in as a role that may write {tables} table(s)" if tables else ""
 
     def close(self) -> None:
         self._con.close()
