@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from moe.errors import InputError
-from tasks.archive import dataset_version
+from tasks.archive import dataset_version, prepared_output_digest
 from tasks.config import Config
 from tasks.lineage import StageRecord
 
@@ -72,21 +72,37 @@ def read_published(cfg: Config) -> dict[str, Any]:
     """The receipt of the published dataset a stage is about to read, refused (before any
     compute) when the prepared data on this machine is not what was published: `prepare`
     ran again (another domain database, other pairs) and publish did not, so the stage
-    would train or score on the old data and nothing would say so. A machine without the
-    prepared data (a GPU pool that only downloads) reads the receipt as it is."""
+    would train or score on the old data and nothing would say so. The check compares two
+    recorded digests, hashing nothing: the one prepare's lineage record gives its output
+    and the one publish wrote in the receipt. A machine without prepare's record (a GPU pool
+    that only downloads) reads the receipt as it is, and says so."""
     receipt = read_receipt()
     prepared = Path(cfg.data.out_dir)
-    # the whole prepared data, not the few files a hand-off brings a GPU worker (meta.json,
-    # params.yaml, lineage.json: dispatch: deployments)
-    if (prepared / "meta.json").is_file() and (prepared / "tokenizer.json").is_file():
-        on_disk = dataset_version(prepared)
-        if on_disk != receipt["version"]:
-            raise InputError(
-                f"{prepared} holds dataset {on_disk} but {PUBLISHED / 'receipt.json'} publishes"
-                f" {receipt['name']}/{receipt['version']}: prepare ran again and publish did"
-                " not. Publish it first (moe-pipeline stage publish, or include publish in"
-                " `moe-pipeline run --stages`; dvc repro does it)"
-            )
+    recorded = prepared_output_digest(prepared)
+    if recorded is None or not (prepared / "meta.json").is_file():
+        log.info(
+            "%s holds no prepare lineage record here (a worker that downloads the published"
+            " data): the check that it is what was published does not apply",
+            prepared,
+        )
+        return receipt
+    published = receipt.get("prepared_sha256")
+    if published is None:  # a receipt written before publish recorded the digest
+        if not (prepared / "tokenizer.json").is_file():  # a hand-off's few files
+            log.info("%s predates the recorded digest: the check does not apply", PUBLISHED)
+            return receipt
+        log.info("%s predates the recorded digest: hashing %s once", PUBLISHED, prepared)
+        on_disk, published = dataset_version(prepared), receipt["version"]
+    else:
+        on_disk = recorded
+    if on_disk != published:
+        raise InputError(
+            f"{prepared} holds data {on_disk[:16]} (its lineage.json) but"
+            f" {PUBLISHED / 'receipt.json'} publishes {receipt['name']}/{receipt['version']}"
+            f" (data {published[:16]}): prepare ran again and publish did not. Publish it"
+            " first (moe-pipeline stage publish, or include publish in `moe-pipeline run"
+            " --stages`; dvc repro does it)"
+        )
     return receipt
 
 

@@ -28,6 +28,7 @@ from prefect.cache_policies import NONE
 from moe.errors import InputError
 from moe.hashing import sha256_file
 from tasks.config import Config
+from tasks.lineage import folder_digest
 from tasks.storage import RETRIES, HfObjectStore, _check_key, open_store
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,9 @@ class Published:
     token_bytes: int
     token_archive_ratio: float  # compressed / raw, measured on the token files alone
     seconds: float
+    # The prepared data's digest as prepare's lineage record gives it (outputs.prepared): a
+    # stage compares it with that record instead of hashing the data again (flows/stage.py).
+    prepared_sha256: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -156,6 +160,14 @@ def publish_dataset(cfg: Config, prepared: Path, work: Path) -> Published:
     else:  # published by an earlier version that did not record it
         token_bytes, ratio = _token_ratio(prepared, s.zstd_level, s.zstd_threads)
     raw_bytes = sum(f["bytes"] for f in files.values())
+    prepared_sha256 = folder_digest({rel: f["sha256"] for rel, f in files.items()})
+    recorded = prepared_output_digest(prepared)
+    if recorded is not None and recorded != prepared_sha256:
+        log.warning(
+            "%s changed since prepare recorded it in its lineage.json: published as it is now;"
+            " a stage will refuse it until prepare runs again",
+            prepared,
+        )
     return Published(
         name=s.dataset_name,
         version=version,
@@ -168,7 +180,17 @@ def publish_dataset(cfg: Config, prepared: Path, work: Path) -> Published:
         token_bytes=token_bytes,
         token_archive_ratio=round(ratio, 4),
         seconds=round(time.perf_counter() - t0, 3),
+        prepared_sha256=prepared_sha256,
     )
+
+
+def prepared_output_digest(prepared: Path) -> str | None:
+    """What prepare's lineage record (prepared/lineage.json) says the prepared data is, with
+    no file hashed; None where there is no record."""
+    try:
+        return json.loads((prepared / "lineage.json").read_text())["outputs"]["prepared"]["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _cached_copy_intact(dest: Path, marker: Path, archive_sha256: str) -> bool:

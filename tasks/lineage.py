@@ -39,15 +39,30 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+RECORDS = ("lineage.json", "params.yaml")  # a stage's own records, beside its outputs
+
+
+def folder_digest(files: dict[str, str]) -> str:
+    """The digest of a folder from its files' sha256 (relative path: sha256, in sorted path
+    order), its records (RECORDS) left out: what a lineage record says a folder output is."""
+    h = hashlib.sha256()
+    for rel, sha in files.items():
+        if Path(rel).name not in RECORDS:
+            h.update(f"{rel}\0{sha}\n".encode())
+    return h.hexdigest()
+
+
 def content_hash(path: Path) -> str:
     """sha256 of a file, or of a folder's (relative path, sha256) list."""
     if path.is_file():
         return sha256_file(path)
-    h = hashlib.sha256()
-    for p in sorted(path.rglob("*")):
-        if p.is_file() and p.name not in ("lineage.json", "params.yaml"):
-            h.update(f"{p.relative_to(path)}\0{sha256_file(p)}\n".encode())
-    return h.hexdigest()
+    return folder_digest(
+        {
+            str(p.relative_to(path)): sha256_file(p)
+            for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name not in RECORDS
+        }
+    )
 
 
 def code_version() -> dict[str, Any]:

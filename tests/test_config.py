@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -229,19 +230,40 @@ def test_cli_check_ok(tmp_path: Path) -> None:
     assert r.returncode == 0 and "OK" in r.stdout
 
 
+def _prepare_again(prepared: Path, question: str) -> None:
+    """What prepare leaves: its data, and its lineage record's digest of it."""
+    from tasks.lineage import content_hash
+
+    (prepared / "sql_domain_test.jsonl").write_text(json.dumps({"question": question}) + "\n")
+    record = {"outputs": {"prepared": {"path": "data/prepared", "sha256": content_hash(prepared)}}}
+    (prepared / "lineage.json").write_text(json.dumps(record))
+
+
+def _publish(prepared: Path) -> dict[str, str]:
+    """The receipt publish writes for the data in `prepared` (tasks/archive.py's digests)."""
+    from tasks.archive import _file_manifest, _version
+    from tasks.lineage import folder_digest
+
+    files = _file_manifest(prepared)
+    receipt = {
+        "name": "demo",
+        "version": _version(files),
+        "prepared_sha256": folder_digest({k: f["sha256"] for k, f in files.items()}),
+    }
+    (prepared.parent / "published" / "receipt.json").write_text(json.dumps(receipt))
+    return receipt
+
+
 def _prepared_and_published(root: Path) -> Path:
     """data/prepared as prepare leaves it, data/published/receipt.json as publish leaves it
     for that data, and a pretrained model folder: what a finetune stage reads."""
-    from tasks.archive import dataset_version
-
     prepared = root / "data" / "prepared"
     prepared.mkdir(parents=True)
     (prepared / "meta.json").write_text('{"vocab_size": 64}')
     (prepared / "tokenizer.json").write_text("{}")
-    (prepared / "sql_domain_test.jsonl").write_text('{"question": "old"}\n')
-    receipt = {"name": "demo", "version": dataset_version(prepared)}
+    _prepare_again(prepared, "old")
     (root / "data" / "published").mkdir(parents=True)
-    (root / "data" / "published" / "receipt.json").write_text(json.dumps(receipt))
+    _publish(prepared)
     for stage in ("pretrain", "finetune_sql", "finetune_domain"):
         (root / "models" / stage).mkdir(parents=True)
         (root / "models" / stage / "model.safetensors").write_bytes(b"weights")
@@ -249,19 +271,32 @@ def _prepared_and_published(root: Path) -> Path:
 
 
 def test_a_stage_never_reads_a_publish_that_the_prepared_data_has_left_behind(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """`prepare` ran again (another test set) and publish did not: a stage that reads the
     published data stops before any compute (exit 2) naming both digests and the command;
     `run --stages` that prepares without publishing says publish is left out. Nothing is
-    written. (The stages are asked in this process, the `run` in a real one.)"""
+    written. (The stages are asked in this process, the `run` in a real one.) The check
+    compares prepare's and publish's recorded digests: no prepared file is hashed."""
+    import moe.hashing
     from flows.cli import main
-    from tasks.archive import dataset_version
+    from tasks.lineage import content_hash
 
     prepared = _prepared_and_published(tmp_path)
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     published = json.loads((tmp_path / "data/published/receipt.json").read_text())["version"]
-    (prepared / "sql_domain_test.jsonl").write_text('{"question": "new"}\n')
+    _prepare_again(prepared, "new")
+    now = content_hash(prepared)
+
+    def no_hashing(path: Path) -> str:
+        raise AssertionError(f"{path} was hashed at a stage's start")
+
+    monkeypatch.setattr(moe.hashing, "sha256_file", no_hashing)
+    for module in ("tasks.archive", "tasks.lineage"):
+        monkeypatch.setattr(f"{module}.sha256_file", no_hashing)
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     with monkeypatch.context() as mp:
         mp.chdir(tmp_path)
@@ -278,23 +313,28 @@ def test_a_stage_never_reads_a_publish_that_the_prepared_data_has_left_behind(
             err = capsys.readouterr().err
             assert code == 2, err
             assert published in err and "moe-pipeline stage publish" in err, err
-            assert dataset_version(prepared) in err
+            assert now[:16] in err
     r = _cli("run", "--stages", "prepare", "finetune_domain", "evaluate", cwd=tmp_path)
     assert r.returncode == 2 and "Add publish to --stages" in r.stderr, r.stderr
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
     # published again (the receipt names what is on disk): the check lets the stage start
-    (tmp_path / "data/published/receipt.json").write_text(
-        json.dumps({"name": "demo", "version": dataset_version(prepared)})
-    )
+    monkeypatch.undo()
+    receipt = _publish(prepared)
     from flows.stage import read_published
 
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(tmp_path)
-        assert read_published(load_config("params.yaml", []))["version"] == dataset_version(
-            prepared
-        )
+        mp.setattr("tasks.archive.sha256_file", no_hashing)
+        assert read_published(load_config("params.yaml", []))["version"] == receipt["version"]
         # a GPU worker under dispatch: deployments holds only what prepare hands off (meta,
-        # params, lineage): it reads the receipt as it is
+        # params, lineage): the same two digests are compared
         (prepared / "tokenizer.json").unlink()
         (prepared / "sql_domain_test.jsonl").write_text('{"question": "elsewhere"}\n')
         assert read_published(load_config("params.yaml", []))["name"] == "demo"
+        # a worker with no prepare record at all reads the receipt as it is, and says so
+        (prepared / "lineage.json").unlink()
+        logger = logging.getLogger("flows.stages")  # Prefect's config may not propagate it
+        mp.setattr(logger, "handlers", [*logger.handlers, caplog.handler])
+        with caplog.at_level(logging.INFO, logger="flows.stages"):
+            assert read_published(load_config("params.yaml", []))["name"] == "demo"
+        assert "does not apply" in caplog.text
