@@ -136,22 +136,45 @@ def test_sampling_is_seeded_and_the_scores_are_the_models_log_probabilities() ->
         assert abs(score - want) < 1e-4, (score, want)
 
 
-def test_the_evaluation_votes_over_candidates_and_one_candidate_is_greedy(
-    tmp_path: Path,
-    shop: ReadOnlyDb,
-    tok,  # noqa: F811
-) -> None:
-    """sql_accuracy with candidates > 1 scores the voted answer and says how many agreed;
-    with one candidate its rows are the greedy path's, unchanged."""
-    from moe.sql.evaluate import sql_accuracy
-    from moe.sql.records import SqlPair
-
+def _taught(tok, pairs: list, prompts: list[list[int]], eos: int) -> MoETransformer:  # noqa: F811
+    """A tiny model taught to answer each prompt with its pair's SQL (a few seconds)."""
     torch.manual_seed(0)
     model = MoETransformer(
         ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=160, dense_hidden=32),
         MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
         tok.get_vocab_size(),
-    ).eval()
+    )
+    seqs = []
+    for prompt, pair in zip(prompts, pairs, strict=True):
+        answer = [*tok.encode(pair.sql + "\n", add_special_tokens=False).ids, eos]  # as SFT
+        x = torch.tensor([prompt + answer[:-1]])
+        y = torch.tensor([[-100] * (len(prompt) - 1) + answer])
+        seqs.append((x, y))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(800):
+        loss = sum(model(x, y, logits=False)[1] for x, y in seqs)
+        if float(loss.detach()) < 0.02:
+            break
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def test_the_evaluation_votes_over_candidates_and_one_candidate_is_greedy(
+    tmp_path: Path,
+    shop: ReadOnlyDb,
+    tok,  # noqa: F811
+) -> None:
+    """sql_accuracy scores the greedy answer with one candidate (here the taught SQL: both
+    right); with 4 it scores the answer the vote picks from the very candidates the sampler
+    draws (the same seed, drawn again here and voted by consistency.choose on the database),
+    and each row says how many agreed."""
+    from moe.sql.evaluate import Candidates, sql_accuracy, stop_ids
+    from moe.sql.prompts import prompt_text
+    from moe.sql.records import SqlPair
+
     pairs = [
         SqlPair("What costs more than 4?", "SELECT name FROM item WHERE price > 4", "shop.sqlite",
                 "item(id int pk, name text, price int)"),
@@ -159,15 +182,30 @@ def test_the_evaluation_votes_over_candidates_and_one_candidate_is_greedy(
                 "item(id int pk, name text, price int)"),
     ]  # fmt: skip
     eos = tok.token_to_id("[EOS]") or 0
-    args = (model, tok, pairs, tmp_path, 8, eos)
-    greedy = sql_accuracy(*args, test_suite=0)
-    one = sql_accuracy(*args, test_suite=0, candidates=1)
-    assert one == greedy and greedy["decoding"]["method"] == "greedy"
-    voted = sql_accuracy(*args, test_suite=0, candidates=4, temperature=1.0, seed=1)
-    assert voted["decoding"]["method"] == "execution-guided self-consistency"
-    assert voted["decoding"]["candidates"] == 4 and 0 <= voted["decoding"]["agreement"] <= 1
-    assert voted["examples"] == 2
-    assert voted["decoding"]["vote"] == VOTES["grounded"]  # the default
-    for vote in ("plain", "rows"):
-        other = sql_accuracy(*args, test_suite=0, candidates=4, temperature=1.0, seed=1, vote=vote)
-        assert other["decoding"]["vote"] == VOTES[vote] and other["examples"] == 2
+    prompts = [tok.encode(prompt_text(p), add_special_tokens=False).ids for p in pairs]
+    model = _taught(tok, pairs, prompts, eos)
+    args = (model, tok, pairs, tmp_path, 24, eos)
+    rows: list[dict] = []
+    greedy = sql_accuracy(*args, test_suite=0, answers=rows)
+    assert greedy["decoding"]["method"] == "greedy"
+    assert [r["predicted"] for r in rows] == [p.sql for p in pairs]
+    assert greedy["execution_accuracy"] == 1.0
+    for vote in ("plain", "rows", "grounded"):
+        rows = []
+        voted = sql_accuracy(
+            *args, test_suite=0, candidates=4, temperature=1.5, seed=1, vote=vote, answers=rows
+        )
+        assert voted["decoding"]["method"] == "execution-guided self-consistency"
+        assert voted["decoding"]["candidates"] == 4 and voted["decoding"]["vote"] == VOTES[vote]
+        drawn = Candidates(model, tok, 24, stop_ids(tok, eos), 4, 1.5, 1)(prompts, None, None)
+        for row, cands in zip(rows, drawn, strict=True):
+            assert len(cands) == 4
+            if vote == "grounded":  # its rule reads the question: the pick is one that ran
+                assert row["predicted"] in [c for c, _ in cands] and row["ran"] >= 1
+                continue
+            choice = choose(shop, cands, prefer_rows=vote == "rows")
+            assert (row["predicted"], row["agreed"], row["ran"]) == (
+                choice.sql,
+                choice.agreed,
+                choice.ran,
+            ), (vote, cands)
