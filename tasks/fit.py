@@ -133,9 +133,14 @@ def refusal(
     return (
         f"{stage} ({sec.method}) holds {state.total / 1e9:.1f} GB of weights and trainable "
         f"state, and {(state.per_gpu(1) - state.total - state.one_process) / 1e9:.2f} GB of"
-        f" activations ({state.one_process / 1e9:+.2f} GB under autocast) on one GPU:"
+        f" activations ({signed_gb(state.one_process)} GB under autocast) on one GPU:"
         " "
         f"{mine.gpus_needed} GPU(s) of {pool.gpu_memory_gib:g} GiB on {pool_name}, which "
         f"gives it {given}. Would fit: pools {', '.join(other_pools) or 'none'} as it is; "
         f"methods {', '.join(other_methods) or 'none'} on {pool_name}; or more nodes"
     )
+
+
+def signed_gb(n_bytes: float, width: int = 0) -> str:
+    """Bytes as signed GB to 2 places, never "-0.00" (a few bytes under zero)."""
+    return f"{round(n_bytes / 1e9, 2) + 0.0:+{width}.2f}"

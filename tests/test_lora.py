@@ -699,6 +699,7 @@ def test_plan_prints_what_fits_where_even_for_a_config_the_check_refuses(
     out = capsys.readouterr().out
     for stage in ("pretrain", "finetune_sql", "finetune_domain"):
         assert f"{stage}: pool " in out
+    assert "-0.00" not in out and "+0.00 GB under autocast" in out  # LoRA's: a few bytes
     assert "does not fit" not in out
     sets = [x for s in BIG for x in ("--set", s)]
     assert main(["plan", *sets]) == 2
@@ -707,6 +708,23 @@ def test_plan_prints_what_fits_where_even_for_a_config_the_check_refuses(
     # pretraining from scratch cannot take adapters: no method is offered for it
     assert "does not fit: pretrain (full)" in out and "methods none on gpu-h100" in out
     assert "does not fit: finetune_domain (full)" in out and "methods qlora on gpu-4090" in out
+    assert "-0.00" not in out
+
+
+def test_signed_gigabytes_never_print_minus_zero() -> None:
+    from tasks.fit import signed_gb
+
+    assert [signed_gb(b) for b in (-4e6, 4e6, -6e6, 2.5e9)] == ["+0.00", "+0.00", "-0.01", "+2.50"]
+    assert signed_gb(-1e6, 6) == " +0.00"
+
+
+def test_a_model_init_that_is_no_folder_is_named_once(tmp_path: Path) -> None:
+    from moe.config import ConfigError
+    from tasks.config import load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(str(ROOT / "params.yaml"), [f"model.init={tmp_path / 'nowhere'}"])
+    assert str(e.value).count("model.init =") == 1 and "no such folder" in str(e.value)
 
 
 @pytest.mark.parametrize("method", ["full", "lora", "qlora"])

@@ -36,7 +36,7 @@ def plan(args: argparse.Namespace) -> int:
                 f"  {mark} {method:5s} {state.trainable / 1e6:10.2f}M trainable"
                 f"  {state.weights / 1e9:8.2f} GB weights + {state.trainable_state / 1e9:8.2f}"
                 f" GB trainable state + {(state.per_gpu(1) - state.total - state.one_process) / 1e9:6.2f}"
-                f" GB activations {state.one_process / 1e9:+6.2f} GB under autocast"
+                f" GB activations {fit.signed_gb(state.one_process, 6)} GB under autocast"
                 f" = {state.per_gpu(1) / 1e9:7.2f} GB on one GPU"
             )
             for f in fit.pool_fits(state, sec, cfg.pools.definitions):

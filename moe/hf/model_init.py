@@ -58,8 +58,9 @@ def resolve_init(params: Any, p: Problems, tokenizer: bool = True) -> None:
         own = Path(params.model.init) / "tokenizer.json"
         if not params.tokenizer.path and (tokenizer or own.is_file()):
             params.tokenizer.path = str(own)
-    except InputError as e:
-        p.add("model.init", params.model.init, str(e))
+    except InputError as e:  # its own "model.init = '...': " once, from p
+        said = f"model.init = {str(params.model.init)!r}: "
+        p.add("model.init", params.model.init, str(e).removeprefix(said))
 
 
 def init_architecture(
