@@ -12,7 +12,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from moe.recipes.finetune import finetune
-from moe.train.trainer import TrainResult
+from moe.train.report import TrainResult
 from tasks.config import Config
 from tasks.launch import run_training
 from tasks.training import TRAIN_RETRIES, stage_context

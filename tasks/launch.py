@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from moe.errors import InputError
-from moe.train.trainer import TrainResult
+from moe.train.report import TrainResult
 from tasks.config import Config
 from tasks.events import row_events
 from tasks.multinode import run_on_cluster

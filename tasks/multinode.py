@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from moe.checkpoint.layout import step_of
-from moe.train.trainer import TrainResult
+from moe.train.report import TrainResult
 from tasks.cluster import (
     MOUNT,
     RUN_LABEL,

@@ -95,10 +95,7 @@ def sql_accuracy(
             _refuse_long_prompts(prompts, chunk, keep)
             names = [scorer.names(p) for p in chunk] if pieces is not None else None
             if candidates > 1:
-                for pair, cands in zip(chunk, sampler(prompts, pieces, names), strict=True):
-                    choice = scorer.choose(pair, cands, vote)
-                    row = scorer.score(pair, choice.sql)
-                    rows.append({**row, "agreed": choice.agreed, "ran": choice.ran})
+                rows += _voted(scorer, chunk, sampler(prompts, pieces, names), vote)
             else:
                 adjust = IdentifierConstraint(tok, pieces, names) if names else None
                 outs = model.generate_batch(prompts, max_new_tokens, stop, adjust=adjust)
@@ -135,6 +132,17 @@ def _decoding(
             "vote": VOTES[vote],
         }
     return out
+
+
+def _voted(
+    scorer: _Scorer, pairs: list[SqlPair], drawn: list[list[tuple[str, float]]], vote: str
+) -> list[dict[str, Any]]:
+    """Each pair's row for the answer its candidates vote for, with how many agreed and ran."""
+    rows = []
+    for pair, cands in zip(pairs, drawn, strict=True):
+        choice = scorer.choose(pair, cands, vote)
+        rows.append({**scorer.score(pair, choice.sql), "agreed": choice.agreed, "ran": choice.ran})
+    return rows
 
 
 def _answer(tok: Any, out: list[int]) -> str:

@@ -26,13 +26,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor.experimental import implicit_replication
 
 from moe.checkpoint.store import CheckpointStore
 from moe.model.growth import GrowthManager
 from moe.model.routing import AFTER_WARMUP
-from moe.model.stats import ExpertLoad, summarize
+from moe.model.stats import ExpertLoad
 from moe.model.transformer import MoETransformer
 from moe.train import distributed as D
 from moe.train.cadence import SaveCadence
@@ -42,6 +41,7 @@ from moe.train.early_stop import EarlyStopper
 from moe.train.metrics import MetricsLog, Window
 from moe.train.optim import LrSchedule, build_optimizer
 from moe.train.ranks import Ranks
+from moe.train.report import TrainResult, report
 from moe.train.resilience import AttemptJournal, begin_attempt
 from moe.train.rng import rng_state, set_rng_state
 from moe.train.stop import Budget, Divergence, StopPolicy
@@ -52,28 +52,6 @@ log = logging.getLogger(__name__)
 # The stop reason when `Trainer.interrupted` asked for a stop (the machine is going away):
 # the step's checkpoint is written and the attempt stays open in the journal (not finished).
 INTERRUPTED = "interrupted"
-
-
-@dataclass
-class TrainResult:
-    steps: int
-    resumed_from: int | None
-    train_loss: float
-    val_loss: float | None
-    tokens: int
-    wall_s: float
-    stop_reason: str
-    checkpoint: str
-    tokens_per_s: float
-    expert_share: list[list[float]] = field(default_factory=list)
-    expert_cv: float = 0.0
-    expert_events: list[dict[str, Any]] = field(default_factory=list)  # growth / pruning
-    experts_per_layer: list[int] = field(default_factory=list)
-    # Interruptions survived, their cost and goodput; the checkpoint interval and its inputs.
-    resilience: dict[str, Any] = field(default_factory=dict)
-    # The process group it trained in: "nccl" or "gloo" and how many processes ("" and 1 alone)
-    backend: str = ""
-    world: int = 1
 
 
 @dataclass
@@ -397,7 +375,7 @@ class Trainer:
         val_loss = run.val_loss
         if val_loss is None and stop_reason != INTERRUPTED:  # no validation on short notice
             val_loss = self.evaluate()
-        return _report(self, run, stop_reason, path, val_loss, resilience)
+        return report(self, run, stop_reason, path, val_loss, resilience)
 
 
 def _account_time(trainer: Trainer, t_step: float) -> None:
@@ -446,37 +424,6 @@ def _validate(trainer: Trainer) -> float | None:
     trainer.metrics.emit({"step": trainer.step, "val_loss": val_loss, "val_ppl": ppl})
     log.info("step %d val loss %.4f (ppl %.1f)", trainer.step, val_loss, ppl)
     return val_loss
-
-
-def _report(
-    trainer: Trainer,
-    run: _Run,
-    stop_reason: str,
-    path: Path | None,
-    val_loss: float | None,
-    resilience: dict[str, Any],
-) -> TrainResult:
-    """What a run of fit() reports."""
-    total = summarize(trainer.state.load.total)
-    progress = trainer.state.progress
-    return TrainResult(
-        steps=progress.step,
-        resumed_from=run.resumed,
-        train_loss=float(run.last_loss),
-        val_loss=val_loss,
-        tokens=progress.tokens,
-        wall_s=progress.elapsed_s,
-        stop_reason=stop_reason,
-        checkpoint=str(path) if path else "",
-        tokens_per_s=progress.tokens / max(progress.elapsed_s, 1e-9),
-        expert_share=total["share"],  # type: ignore[arg-type]
-        expert_cv=float(total["cv"]),  # type: ignore[arg-type]
-        expert_events=trainer.expert_events,
-        experts_per_layer=trainer.model.experts_per_layer(),
-        resilience=resilience,
-        backend=str(dist.get_backend()) if dist.is_initialized() else "",
-        world=trainer.ranks.world,
-    )
 
 
 def _grow(trainer: Trainer, run: _Run, growth: GrowthManager) -> None:
