@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from moe.sql.consistency import choose
-from moe.sql.grounding import for_database
+from moe.sql.grounding import HELD, NAMED, UNHELD, UNNAMED, for_database
 from moe.sql.sandbox import ReadOnlyDb
 from tests.test_consistency import sandbox
 
@@ -34,7 +34,7 @@ def music(tmp_path: Path) -> Iterator[ReadOnlyDb]:
 
 
 @pytest.fixture
-def grounded(music: ReadOnlyDb) -> Callable[[str], bool]:
+def grounded(music: ReadOnlyDb) -> Callable[[str, str], int]:
     return for_database(music)
 
 
@@ -89,12 +89,12 @@ def grounded(music: ReadOnlyDb) -> Callable[[str], bool]:
     ],
 )
 def test_a_literal_is_grounded_when_its_column_holds_it(
-    grounded: Callable[[str], bool], sql: str, held: bool
+    grounded: Callable[[str], int], sql: str, held: bool
 ) -> None:
-    assert grounded(sql) is held
+    assert grounded(sql) == (HELD if held else UNHELD)
 
 
-def test_only_grounded_candidates_vote(music: ReadOnlyDb, grounded: Callable[[str], bool]) -> None:
+def test_only_grounded_candidates_vote(music: ReadOnlyDb, grounded: Callable[[str], int]) -> None:
     """Two samples filter the genre's key by its name and agree on a count of 0; the one that
     joins the genre's name is the answer once the ungrounded lose their votes. A real value
     with an empty answer keeps its vote against a larger ungrounded group."""
@@ -132,15 +132,73 @@ def test_only_grounded_candidates_vote(music: ReadOnlyDb, grounded: Callable[[st
 
 
 def test_with_the_question_a_value_must_be_the_one_asked_about(
-    grounded: Callable[[str, str], bool],
+    grounded: Callable[[str, str], int],
 ) -> None:
-    """A real value the question does not name (a real genre, the wrong one) is not grounded
-    once the question is given; words are compared as the value index compares them."""
+    """A real value the question does not name (a real genre, the wrong one) is UNNAMED once
+    the question is given; words are compared as the value index compares them."""
     sql = "SELECT count(*) FROM genre AS T1 JOIN track AS T2 ON T1.id = T2.genre_id WHERE T1.name = '{}'"
     asked = "How many tracks are in the heavy metal genre?"
-    assert grounded(sql.format("Heavy Metal"), asked)
-    assert not grounded(sql.format("Rock"), asked)
-    assert grounded(sql.format("Rock"), "")  # no question: the database alone
-    assert not grounded(sql.format("Metal Heavy"), asked)  # held neither
+    assert grounded(sql.format("Heavy Metal"), asked) == NAMED
+    assert grounded(sql.format("Rock"), asked) == UNNAMED
+    assert grounded(sql.format("Rock"), "") == HELD  # no question: the database alone
+    assert grounded(sql.format("Metal Heavy"), asked) == UNHELD  # held neither
     # a number compared with a number column needs no question's word
-    assert grounded("SELECT name FROM track WHERE milliseconds > '300000'", asked)
+    assert grounded("SELECT name FROM track WHERE milliseconds > '300000'", asked) == HELD
+
+
+@pytest.mark.parametrize(
+    ("value", "question", "named"),
+    [
+        ("France", "How many French singers are there?", True),  # a demonym
+        ("USA", "List the American customers.", True),
+        ("United States", "Which customers live in the USA?", True),  # a code
+        ("Netherlands", "Show the Dutch players.", True),
+        ("Comedy", "How many comedies were released?", True),  # a plural
+        ("Country", "Which countries have a lake?", True),
+        ("Rock", "Name the rockers.", True),  # the start of the question's word
+        ("heavy metal", "Tracks in the Heavy Metal genre", True),  # case
+        ("Rock", "How many tracks are in the heavy metal genre?", False),
+        ("Paris", "Invoices billed to Lyon", False),
+        ("USA", "Tell us every customer.", False),  # "us" is no country here
+        ("Germany", "How many French singers are there?", False),
+    ],
+)
+def test_a_question_names_a_value_in_its_forms(value: str, question: str, named: bool) -> None:
+    from moe.sql.forms import named_in
+
+    assert named_in(value, question) is named
+
+
+# The vote's reproductions (issue 68): real questions name values in other forms.
+FRENCH = "SELECT count(*) FROM invoice WHERE billingcountry = 'France'"  # 2: right
+ALL = "SELECT count(*) FROM invoice"  # 3: names no value, wrong
+GERMANY = "SELECT count(*) FROM invoice WHERE billingcountry = 'Norway'"  # held, unnamed
+
+
+@pytest.mark.parametrize(
+    "question",
+    ["How many invoices were billed to French customers?", "How many invoices went to Frankreich?"],
+)
+def test_a_held_value_is_never_outvoted_through_the_questions_words_by_one_naming_none(
+    music: ReadOnlyDb, grounded: Callable[[str, str], int], question: str
+) -> None:
+    """7 candidates filter on 'France' (held; named by "French", or in a form the table does
+    not know), 1 names no value: the 7 win, as the plain vote would have it. Before, the
+    question's-words rule took the 7 votes and the one unfiltered count won."""
+    cands = [(FRENCH, -1.0 - i / 10) for i in range(7)] + [(ALL, -0.5)]
+    got = choose(music, cands, grounded=lambda sql: grounded(sql, question))
+    assert (got.sql, got.agreed, got.ran) == (FRENCH, 7, 8)
+
+
+def test_the_question_still_picks_its_own_value_over_another_held_one(
+    music: ReadOnlyDb, grounded: Callable[[str, str], int]
+) -> None:
+    """A real value, but not the one asked about (Norway for "French"), loses its votes to
+    the candidate that names the question's value, however many they are; against a
+    candidate naming no value alone it keeps them."""
+    asked = "How many invoices were billed to French customers?"
+    cands = [(GERMANY, -1.0 - i / 10) for i in range(5)] + [(FRENCH, -2.0), (ALL, -0.5)]
+    got = choose(music, cands, grounded=lambda sql: grounded(sql, asked))
+    assert got.sql == FRENCH
+    alone = [(GERMANY, -1.0 - i / 10) for i in range(5)] + [(ALL, -0.5)]
+    assert choose(music, alone, grounded=lambda sql: grounded(sql, asked)).sql == GERMANY

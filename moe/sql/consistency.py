@@ -17,10 +17,14 @@ otherwise outvotes the one candidate that joined the genre's name. Rows of nothi
 (`max(...)` over no rows) count as empty; a count of 0 does not. An empty result is the
 answer only when every candidate that ran returned nothing.
 
-With `grounded` (a test of one query: moe/sql/grounding.py), a candidate that compares a
-column with a value the database does not hold or the question does not name gets no vote:
-groups are weighed by their grounded members, and a group's answer is its best grounded
-query. A filter on the question's own value that returns nothing keeps its vote.
+With `grounded` (a test of one query giving its level: moe/sql/grounding.py), a candidate
+that compares a column with a value the database does not hold gets no vote, nor one whose
+held value the question does not name where another candidate names the question's values
+(a real doctor, not the one asked about); a held value the question does not name in any
+form it knows keeps its vote against candidates that name no value. Votes tied, the group
+with more candidates naming the question's values wins. A group's answer is its
+best-grounded query. A filter on the question's own value that returns nothing keeps its
+vote.
 """
 
 from __future__ import annotations
@@ -52,11 +56,12 @@ def choose(
     candidates: list[tuple[str, float]],
     dialect: str = "sqlite",
     prefer_rows: bool = False,
-    grounded: Callable[[str], bool] | None = None,
+    grounded: Callable[[str], int] | None = None,
 ) -> Choice:
     """The answer of `candidates` ((query, the model's log-probability of it)) on `db` (a
     sandbox with `run`); with `prefer_rows`, results with rows before empty ones; with
-    `grounded`, only the queries it passes vote."""
+    `grounded` (moe/sql/grounding.py's levels: 0 unheld, 1 unnamed, 2 held, 3 named), by
+    grounding (the module)."""
     ranked = sorted(candidates, key=lambda c: -c[1])  # the model's best first
     groups: list[tuple[list[Any], bool, list[str]]] = []  # (rows, ordered, queries)
     seen: dict[str, int | None] = {}  # a query text already run -> its group
@@ -84,18 +89,32 @@ def choose(
             groups.append((rows, ordered, [sql]))
     if not groups:
         return Choice(ranked[0][0] if ranked else "", 0, 0, len(candidates))
-    # the group with the most grounded members (all of them without `grounded`), results with
-    # rows first with `prefer_rows`; then the larger; among equals the first formed, whose
-    # first member scored highest
-    held = {q: grounded(q) for q in seen} if grounded else {}
-    votes = [sum(held.get(q, True) for q in g[2]) for g in groups]
+    # results with rows first with `prefer_rows`; then the most votes (every member without
+    # `grounded`), the most members naming the question's values, the larger group; among
+    # equals the first formed, whose first member scored highest
+    level = {q: grounded(q) for q in seen} if grounded else {}
+    rival = any(level.get(q) == 3 for g in groups for q in g[2])  # a candidate names them
+    votes = [sum(_votes(level.get(q, 2), rival) for q in g[2]) for g in groups]
+    named = [sum(level.get(q) == 3 for q in g[2]) for g in groups]
     best = max(
         range(len(groups)),
-        key=lambda i: (prefer_rows and _has_values(groups[i][0]), votes[i], len(groups[i][2]), -i),
+        key=lambda i: (
+            prefer_rows and _has_values(groups[i][0]),
+            votes[i],
+            named[i],
+            len(groups[i][2]),
+            -i,
+        ),
     )
     members = groups[best][2]
-    answer = next((q for q in members if held.get(q, True)), members[0])
+    answer = max(members, key=lambda q: level.get(q, 2))  # the first of the best-grounded
     return Choice(answer, len(members), ran, len(candidates))
+
+
+def _votes(level: int, rival: bool) -> bool:
+    """Whether a candidate of this grounding level votes (`rival`: another names the
+    question's values)."""
+    return level >= 2 or (level == 1 and not rival)
 
 
 def _has_values(rows: list[Any]) -> bool:

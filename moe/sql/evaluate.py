@@ -214,7 +214,7 @@ class _Scorer:
         self.db_dir, self.time_limit_s, self.row_limit = db_dir, time_limit_s, row_limit
         self.dbs: dict[Path, ReadOnlyDb] = {}
         self.schemas: dict[Path, Schema] = {}
-        self.grounded: dict[Path, Callable[[str, str], bool]] = {}  # grounding.py, per database
+        self.grounded: dict[Path, Callable[[str, str], int]] = {}  # grounding.py, per database
         self.tmp = tempfile.TemporaryDirectory(prefix="test-suite-") if test_suite else None
         self.suites: dict[str, list[Path]] = {}
         if self.tmp is not None:

@@ -12,6 +12,14 @@ real doctor's name, but not the one asked about). A column the index did not rea
 query does not resolve, and every other literal say nothing. Unlike preferring results with
 rows, a query on the question's own value that returns nothing (a doctor without
 appointments) stays grounded.
+
+The test gives a level, not a yes or no: UNHELD (a value the database does not hold),
+UNNAMED (held, but a text value the question does not name, in any of the forms
+moe/sql/forms.py matches: "French" for 'France'), HELD (held, and no text value compared
+with the question) and NAMED (held, and the question names every text value).
+moe/sql/consistency.py `choose` takes an UNHELD candidate's vote, and an UNNAMED one's only
+when another candidate NAMES the question's values: a held value is never outvoted through
+the question's words by a candidate that names no value.
 """
 
 from __future__ import annotations
@@ -19,20 +27,21 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from moe.sql.databases import Database
+from moe.sql.forms import named_in
 from moe.sql.pruners import pruner_for
 from moe.sql.pruning import SAMPLE_ROWS, VALUES_PER_COLUMN, ValueIndex, phrase
 from moe.sql.schema import Column, Schema
 
 _DIALECTS = {"sqlite": "sqlite", "postgresql": "postgres"}
+UNHELD, UNNAMED, HELD, NAMED = 0, 1, 2, 3  # a query's grounding (the module says which is which)
 
 
 def grounding(
     schema: Schema, index: ValueIndex, read_limit: int = VALUES_PER_COLUMN
-) -> Callable[[str, str], bool]:
+) -> Callable[[str, str], int]:
     """A test of one query (and the question it answers, with its evidence; "" for none) on
     the database of `schema`, whose value index read at most `read_limit` values a column:
-    True unless a comparison in it names a value the database does not hold or the question
-    does not name (see the module)."""
+    UNHELD, UNNAMED, HELD or NAMED (see the module)."""
     tables = {t.name.lower(): t for t in schema.tables}
     counted = {t.name for t in schema.tables if not t.estimated and t.rows < SAMPLE_ROWS}
     whole = {  # a column read only in part proves nothing; the index drops some values it
@@ -44,14 +53,14 @@ def grounding(
     read_text = {(t.lower(), c.lower()) for t, c in index.values}  # text columns the index read
     dialect = _DIALECTS.get(schema.dialect, "sqlite")
 
-    def grounded(sql: str, question: str = "") -> bool:
+    def grounded(sql: str, question: str = "") -> int:
         import sqlglot
         from sqlglot import exp
 
         try:
             tree = sqlglot.parse_one(sql, read=dialect)
         except Exception:  # noqa: BLE001 (what does not parse says nothing here)
-            return True
+            return HELD
         scopes: dict[int, dict[str, str]] = {}  # a SELECT's own tables, by alias
 
         def scope(node: exp.Expression) -> dict[str, str]:
@@ -72,6 +81,7 @@ def grounding(
             hits = [(t.name, c) for t in owners for c in t.columns if c.name.lower() == name]
             return hits[0] if len(hits) == 1 else None
 
+        named = unnamed = 0  # text values the question names, and does not
         for node in tree.find_all(exp.EQ, exp.NEQ, exp.In):
             if isinstance(node, exp.In):
                 col, lits = node.this, node.expressions
@@ -90,22 +100,23 @@ def grounding(
             values, asked = whole.get(key), key in read_text and question
             for text in texts:
                 if c.numeric and not _number(text):
-                    return False
+                    return UNHELD
                 if not 2 <= len(text) <= 60:  # the index reads values of 2 to 60 characters
                     continue
                 said = phrase(text)
                 if len(said.strip()) < 2:  # not words the index or a question compares
                     continue
                 if values is not None and said.strip() not in values:
-                    return False
-                if asked and said not in phrase(question):
-                    return False
-        return True
+                    return UNHELD
+                if asked:
+                    named, unnamed = (named + 1, unnamed) if named_in(text, question) else (
+                        named, unnamed + 1)  # fmt: skip
+        return UNNAMED if unnamed else NAMED if named else HELD
 
     return grounded
 
 
-def for_database(db: Database, schema: Schema | None = None) -> Callable[[str, str], bool]:
+def for_database(db: Database, schema: Schema | None = None) -> Callable[[str, str], int]:
     """`grounding` for an open database (a sqlite file or a server; `schema`: its schema when
     already read), its value index read as schema pruning reads it (moe/sql/pruners.py)."""
     schema = schema or db.schema()
