@@ -41,16 +41,32 @@ def _is_sync(func: Any, args: tuple, kwargs: dict) -> bool:
         return True
     if name == "repeat_interleave":  # tensor repeats without output_size: summed on the host
         return func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None
-    if name == "index" and len(args) > 1:  # x[mask]: boolean indices become nonzero()
+    if name in ("index", "index_put", "index_put_", "_index_put_impl_") and len(args) > 1:
+        # x[mask] and x[mask] = v: boolean indices become nonzero()
         return any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None
         )
+    if name == "_to_copy":  # t.cpu(), t.to("cpu") of a device tensor
+        to = kwargs.get("device")
+        return _on_device(args[0]) and to is not None and torch.device(to).type == "cpu"
+    if name == "copy_" and len(args) > 1:  # host.copy_(device tensor)
+        return not _on_device(args[0]) and _on_device(args[1])
     return False
+
+
+def _on_device(t: Any) -> bool:
+    """A tensor on an accelerator (not the host's memory, nor the meta device)."""
+    return isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")
+
+
+# Tensor methods that read the data on the host without dispatching an aten op: wrapped.
+# (`.numpy()` takes host tensors only: its device read is the `.cpu()` before it, counted.)
+_WRAPPED = ("tolist",)
 
 
 class HostSyncs(TorchDispatchMode):
     """Counts host syncs while active, each labelled by `label()` (the trainer's step, say):
-    `counts[(label, op)]`. `.tolist()` does not dispatch, so it is counted by wrapping it."""
+    `counts[(label, op)]`. `.tolist()` does not dispatch: it is counted by wrapping it."""
 
     def __init__(
         self,
@@ -61,7 +77,7 @@ class HostSyncs(TorchDispatchMode):
         super().__init__()
         self.label, self.ignore = label, ignore
         self.counts: Counter[tuple[Any, str]] = Counter()
-        self._tolist: Any = None
+        self._methods: dict[str, Any] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -70,17 +86,21 @@ class HostSyncs(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def __enter__(self) -> HostSyncs:
-        tolist, mode = torch.Tensor.tolist, self
-
-        def counted(t: torch.Tensor, *a: Any, **k: Any) -> Any:
-            mode.counts[(mode.label(), "tolist")] += 1
-            return tolist(t, *a, **k)
-
-        self._tolist, torch.Tensor.tolist = tolist, counted  # type: ignore[method-assign]
+        for name in _WRAPPED:
+            self._methods[name] = method = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, self._counting(name, method))
         return super().__enter__()
 
+    def _counting(self, name: str, method: Any) -> Any:
+        def counted(t: torch.Tensor, *a: Any, **k: Any) -> Any:
+            self.counts[(self.label(), name)] += 1
+            return method(t, *a, **k)
+
+        return counted
+
     def __exit__(self, *exc: Any) -> None:
-        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        for name, method in self._methods.items():
+            setattr(torch.Tensor, name, method)
         super().__exit__(*exc)
 
     def at(self, label: Any) -> Counter[str]:

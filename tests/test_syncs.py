@@ -1,0 +1,77 @@
+"""What `HostSyncs` (moe/train/syncs.py) counts: every device-to-host read and every op whose
+output size depends on the data, once each; ops that stay on the device count nothing. Each
+case is its own test: dropping an op from the counter fails the case that uses it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from moe.train.syncs import HostSyncs, _is_sync
+
+x = torch.arange(6.0)
+mask = x > 2
+
+SYNCS: dict[str, Callable[[], object]] = {
+    "item": lambda: x.sum().item(),
+    "float": lambda: float(x.sum()),
+    "if": lambda: bool(x.sum() > 0),
+    "nonzero": lambda: mask.nonzero(),
+    "where(cond)": lambda: torch.where(mask),
+    "x[mask]": lambda: x[mask],
+    "x[mask] = v": lambda: x.clone().__setitem__(mask, 0.0),
+    "masked_select": lambda: x.masked_select(mask),
+    "bincount": lambda: torch.bincount(torch.tensor([0, 2, 2])),
+    "unique": lambda: torch.unique(torch.tensor([1, 1, 2])),
+    "repeat_interleave by tensor": lambda: x.repeat_interleave(torch.ones(6, dtype=torch.long)),
+    "tolist": lambda: x.tolist(),
+    "equal": lambda: torch.equal(x, x),
+}
+NO_SYNCS: dict[str, Callable[[], object]] = {
+    "add": lambda: x + 1,
+    "x[index]": lambda: x[torch.tensor([0, 2])],
+    "x[index] = v": lambda: x.clone().__setitem__(torch.tensor([0, 2]), 0.0),
+    "where(cond, a, b)": lambda: torch.where(mask, x, 0.0),
+    "repeat_interleave with output_size": lambda: x.repeat_interleave(
+        torch.ones(6, dtype=torch.long), output_size=6
+    ),
+    "to(cpu) of a host tensor": lambda: x.to("cpu"),
+}
+
+
+@pytest.mark.parametrize("case", list(SYNCS))
+def test_each_host_read_counts(case: str) -> None:
+    with HostSyncs() as syncs:
+        SYNCS[case]()
+    assert sum(syncs.counts.values()) >= 1, case
+
+
+@pytest.mark.parametrize("case", list(NO_SYNCS))
+def test_what_stays_on_the_device_counts_nothing(case: str) -> None:
+    with HostSyncs() as syncs:
+        NO_SYNCS[case]()
+    assert sum(syncs.counts.values()) == 0, (case, syncs.counts)
+
+
+def test_a_copy_from_a_device_to_the_host_counts() -> None:
+    """t.cpu() and host.copy_(t) of a device tensor (a CPU tensor's stay uncounted): judged
+    on the op's arguments, so this runs without a GPU (a meta tensor stands for one in the
+    device test only; tests/test_cuda.py reads a real one)."""
+    to_copy = torch.ops.aten._to_copy.default
+    copy = torch.ops.aten.copy_.default
+    dev = torch.empty(2, device="meta")
+    assert not _is_sync(to_copy, (x,), {"device": torch.device("cpu")})
+    assert not _is_sync(copy, (x.clone(), x), {})
+
+    class Device(torch.Tensor):  # a tensor that says it is on a GPU
+        @property
+        def device(self) -> torch.device:  # type: ignore[override]
+            return torch.device("cuda", 0)
+
+    on_gpu = x.as_subclass(Device)
+    assert _is_sync(to_copy, (on_gpu,), {"device": torch.device("cpu")})
+    assert _is_sync(copy, (x.clone(), on_gpu), {})
+    assert not _is_sync(copy, (on_gpu, x), {})  # host to device: no wait
+    assert not _is_sync(to_copy, (dev,), {"device": torch.device("cpu")})
