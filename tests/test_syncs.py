@@ -75,3 +75,26 @@ def test_a_copy_from_a_device_to_the_host_counts() -> None:
     assert _is_sync(copy, (x.clone(), on_gpu), {})
     assert not _is_sync(copy, (on_gpu, x), {})  # host to device: no wait
     assert not _is_sync(to_copy, (dev,), {"device": torch.device("cpu")})
+
+
+def test_generation_reads_the_device_once_a_token_the_stop_check() -> None:
+    """generate_batch keeps its tokens on the device and reads them once at the end: a token
+    costs one host read (whether every row has stopped), whatever the batch; the MoE layers'
+    decode steps read nothing."""
+    from moe.model.config import ModelConfig, MoEConfig
+    from moe.model.transformer import MoETransformer
+
+    torch.manual_seed(0)
+    model = MoETransformer(
+        ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=64, dense_hidden=32),
+        MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+        50,
+    ).eval()
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
+    reads = {}
+    for n in (4, 12):  # no stop token: every step runs
+        with HostSyncs() as syncs:
+            out = model.generate_batch(prompts, n, set())
+        assert [len(o) for o in out] == [n] * 3
+        reads[n] = sum(syncs.counts.values())
+    assert reads[12] - reads[4] == 8, reads  # one a token

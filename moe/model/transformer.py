@@ -353,8 +353,12 @@ class MoETransformer(nn.Module):
         out: list[list[int]] = [[] for _ in range(B)]
         logp_B = torch.zeros(B, device=device)
         done_B = torch.zeros(B, dtype=torch.bool, device=device)
-        step_in = idx_BS
-        for _ in range(max_new_tokens):
+        # the tokens and whether each is kept, on the device: read once at the end (a step
+        # reads only its stop check; `adjust` reads what the rows wrote, on the host)
+        gen_BT = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)
+        kept_BT = torch.zeros(B, max_new_tokens, dtype=torch.bool, device=device)
+        step_in, steps = idx_BS, 0
+        for t in range(max_new_tokens):
             cache.start(step_in.shape[1])
             x = self.embed(step_in)
             zero = torch.zeros((), device=device)
@@ -375,13 +379,19 @@ class MoETransformer(nn.Module):
                 chosen_B = own_BV.log_softmax(-1).gather(1, nxt_B[:, None]).squeeze(1)
                 logp_B += torch.where(done_B, 0.0, chosen_B)
             done_B |= torch.isin(nxt_B, stop)
-            for b in (~done_B).nonzero().flatten().tolist():
-                out[b].append(int(nxt_B[b]))
-            if bool(done_B.all()):
+            gen_BT[:, t], kept_BT[:, t], steps = nxt_B, ~done_B, t + 1
+            if adjust is not None:
+                alive_B = (~done_B).tolist()
+                for b, (tok, alive) in enumerate(zip(nxt_B.tolist(), alive_B, strict=True)):
+                    out[b] += [tok] * alive
+            if bool(done_B.all()):  # the stop check: the one read a step
                 break
             step_in = nxt_B[:, None]
         if scores is not None:
             scores.extend(logp_B.tolist())
+        if adjust is None:
+            rows = zip(gen_BT[:, :steps].tolist(), kept_BT[:, :steps].tolist(), strict=True)
+            out = [[tok for tok, kept in zip(g, k, strict=True) if kept] for g, k in rows]
         return out
 
     @torch.no_grad()
