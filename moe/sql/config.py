@@ -26,9 +26,9 @@ class EvaluateConfig:
     temperature: float = knob(0.8, gt=0, le=2)  # of the sampled candidates
     # How the candidates vote (moe/sql/consistency.py): plain, the largest group of equal
     # results; rows, a result with rows outvotes an empty one whatever the counts; grounded,
-    # a candidate comparing a column with a value the database does not hold or the question
-    # does not name has no vote (moe/sql/grounding.py: `genre_id = 'Rock'`, a wrong name;
-    # on the demo's model 0.580 against plain's 0.552 at 4 candidates, no answer lost).
+    # a candidate comparing a column with a value the database does not hold has no vote, nor
+    # one with a held value the question does not name where another names the question's
+    # (moe/sql/grounding.py: `genre_id = 'Rock'`, a wrong name; "French" names 'France').
     vote: Literal["plain", "rows", "grounded"] = "grounded"
     # Identifiers held to each question's (pruned) schema while decoding
     # (moe/sql/constrain.py): after FROM or JOIN one of its tables, after `alias.` one of
