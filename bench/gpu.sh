@@ -10,7 +10,8 @@
 #      tokens/s, peak memory beside the plan's figure, MFU, host syncs per step;
 #   5. the recipes (`python -m moe.recipes`, issue 54) without Prefect: pretrain, its resume,
 #      finetune_sql, on the carried data/prepared;
-#   6. bench/moe_vs_dense.py at a scale where the literature sees the MoE's gain per token
+#   6. bench/packing.py: packed finetuning rows against one example a row (issue 66);
+#   7. bench/moe_vs_dense.py at a scale where the literature sees the MoE's gain per token
 #      (two seeds, 2000 steps of 64 x 512 tokens: 65M tokens a run), after `prepare`.
 # Each step has its own time limit and log under $OUT (the device tool brings $OUT back);
 # one failing step does not stop the others. The figures go into bench/RESULTS.md, marked as
@@ -52,6 +53,12 @@ step train_fsdp2 300 "$PY" -m torch.distributed.run --standalone --nproc_per_nod
 step gpu_peer 480 "$PY" bench/gpu_peer.py --shape gpu --steps 5 --rounds 3 --compile
 step moe_layer 180 "$PY" bench/moe_layer.py --device cuda --tokens 32768 --d-model 1024 \
   --hidden 1024 --experts 64 --top-k 4
+# Packed finetuning against one example a row (issue 66) on the demo's prepared SQL pairs
+# (carried: data/prepared), the demo's model shape at random, bf16 on the GPU: real tokens per
+# second of each arm, interleaved. Attention over packed rows goes through SDPA's masked path.
+if [ -f data/prepared/meta.json ]; then
+  step packing 240 "$PY" bench/packing.py . --fresh --device cuda --steps 6 --rounds 4
+fi
 # The stages' own training where Prefect is not installed (issue 54): pretrain then
 # finetune_sql through `python -m moe.recipes` on the demo's prepared data (carried:
 # data/prepared, 7 MB), on the GPU in bf16; a second pretrain run resumes from its checkpoint.

@@ -3,6 +3,7 @@ stage's real batches: real (non-padding) tokens per second of a training step, a
 time and shape.
 
     .venv/bin/python bench/packing.py PROJECT [--steps 6] [--rounds 4] [--dtype bfloat16]
+        [--device cuda] [--fresh]
 
 PROJECT is a bench/sql_real.py project (its data/prepared: SmolLM2's tokenizer, Spider's
 training pairs; its models/pretrain, or --model: the imported SmolLM2-135M), read with the recipe
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -51,16 +53,19 @@ def real_tokens(batch: tuple) -> int:
     return n
 
 
-def step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: tuple, dtype) -> None:
+def step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: tuple, dtype, device) -> None:
     x, y, w, *seg = batch
     rows = torch.from_numpy(np.flatnonzero(y.numpy().reshape(-1) != -100))
-    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-        _, loss, aux = model(
-            x, y, w, logits=False, loss_rows=rows, segments_BS=seg[0] if seg else None
-        )
+    x, y, rows = x.to(device), y.to(device), rows.to(device)
+    w = w.to(device) if w is not None else None
+    segments = seg[0].to(device) if seg else None
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        _, loss, aux = model(x, y, w, logits=False, loss_rows=rows, segments_BS=segments)
     (loss + aux.balance_loss).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main() -> None:
@@ -72,18 +77,35 @@ def main() -> None:
     ap.add_argument(
         "--model", type=Path, default=None, help="default PROJECT/models/pretrain (or the import)"
     )
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (bench/gpu.sh)")
+    ap.add_argument(
+        "--fresh",
+        action="store_true",
+        help="PROJECT/params.yaml's own model (at random: the step's cost without carrying"
+        " weights) and finetune_sql section, not the SmolLM2 recipe's (bench/gpu.sh, the demo)",
+    )
     args = ap.parse_args()
+    device = torch.device(args.device)
     # the recipe's sections as written (its model and Spider folders are the project's here)
     recipe = ROOT / "configs/smollm2-135m-sql-cpu.yaml"
     raw, lines, src = read_params(recipe, ["model.init=", "data.sql_generic_source=generated"])
     cfg = from_dict(raw, lines, src, resolve=False, check_fit=False)
+    if args.fresh:  # the project's own sections: its model, its finetune's lengths
+        cfg = from_dict(*read_params(args.project / "params.yaml", [])[:3], resolve=False)
     f = cfg.finetune_sql
     d = args.project / "data/prepared"
     tok = load_tokenizer(d / "tokenizer.json")
     sp = specials(tok, d / "tokenizer.json")
     examples = sft_examples(d / "sql/generic.jsonl", tok, sp)
     focus = focus_token_ids(tok, f.focus_tokens)
-    base = load_model_dir(args.model or args.project / "models/pretrain", torch.float32)
+    if args.fresh:
+        from moe.model.transformer import MoETransformer
+
+        shape = dataclasses.replace(cfg.model, seq_len=max(cfg.model.seq_len, f.max_len))
+        base = MoETransformer(shape, cfg.moe, tok.get_vocab_size())
+    else:
+        base = load_model_dir(args.model or args.project / "models/pretrain", torch.float32)
+    base.to(device)
     base.set_routing_step(10**6, 0.5)
     dtype = getattr(torch, args.dtype)
     arms = {}
@@ -95,7 +117,7 @@ def main() -> None:
         rows = max(1, round((sft.rows if packing else f.batch_size) * f.replay_ratio))
         replay = BatchSampler(TokenStore(d, f.replay_split), rows, f.max_len, f.seed + 1)
         model = copy.deepcopy(base).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=f.lr)
+        opt = torch.optim.AdamW(model.parameters(), lr=f.lr, fused=True)  # as the trainer
         arms[name] = dict(batches=MixedBatches(sft, replay), model=model, opt=opt, times=[],
                           tokens=[], shapes=set(), next=0)  # fmt: skip
     for r in range(args.rounds + 1):
@@ -104,7 +126,7 @@ def main() -> None:
                 batch = a["batches"].batch_at(a["next"])
                 a["next"] += 1
                 t0 = time.perf_counter()
-                step(a["model"], a["opt"], batch, dtype)
+                step(a["model"], a["opt"], batch, dtype, device)
                 dt = time.perf_counter() - t0
                 if r:  # the first round warms up
                     a["times"].append(dt)
@@ -112,7 +134,7 @@ def main() -> None:
                     a["shapes"].add(tuple(batch[0].shape))
             print(f"round {r} {name}: {statistics.median(a['times'] or [dt]):.2f} s/step",
                   flush=True)  # fmt: skip
-    out = {"steps_counted": args.rounds * args.steps, "dtype": args.dtype}
+    out = {"steps_counted": args.rounds * args.steps, "dtype": args.dtype, "device": args.device}
     for name, a in arms.items():
         out[name] = {
             "median_step_s": round(statistics.median(a["times"]), 3),
