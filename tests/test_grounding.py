@@ -202,3 +202,16 @@ def test_the_question_still_picks_its_own_value_over_another_held_one(
     assert got.sql == FRENCH
     alone = [(GERMANY, -1.0 - i / 10) for i in range(5)] + [(ALL, -0.5)]
     assert choose(music, alone, grounded=lambda sql: grounded(sql, asked)).sql == GERMANY
+
+
+def test_votes_tied_the_question_breaks_the_tie(
+    music: ReadOnlyDb, grounded: Callable[[str, str], int]
+) -> None:
+    """One candidate filters on a held genre the question does not name (scored highest),
+    one names no value: a tie of one vote each, which the question's words break (the demo's
+    "Which department has the most doctors?" against `department = 'oncology'`)."""
+    asked = "How many tracks are there?"
+    rock = "SELECT count(*) FROM track AS T1 JOIN genre AS T2 ON T1.genre_id = T2.id WHERE T2.name = 'Rock'"
+    every = "SELECT count(*) FROM track"
+    got = choose(music, [(rock, -1.0), (every, -2.0)], grounded=lambda sql: grounded(sql, asked))
+    assert got.sql == every
