@@ -22,7 +22,9 @@ loss on the second half, bf16 autocast, AdamW. Arms:
   1024 by default): a bf16 matmul's primitive is made per shape, and the widths change;
 - `lruN`: PyTorch's own cache of oneDNN computations (ideep's, `LRU_CACHE_CAPACITY`, 1024);
 - `packed`: every step one shape, `--packed-rows` rows of 640 tokens (packed finetuning:
-  bench/packing.py found 3 packed rows and 1 replay row a step).
+  bench/packing.py found 3 packed rows and 1 replay row a step); `packed+varyloss`: the same
+  shape, but each row's prompt (no loss) 100-400 tokens long, drawn each step, so the
+  positions through the output head (`loss_rows`) are a new count each step, as in the stage.
 
 Arms combine with `+` (`mmap+onednn0`).
 
@@ -56,7 +58,9 @@ def _vm(field: str) -> int:
     raise KeyError(field)
 
 
-def worker(model_dir: str, steps: int, rows: int, trim_every: int, fixed: int = 0) -> None:
+def worker(
+    model_dir: str, steps: int, rows: int, trim_every: int, fixed: int = 0, vary_loss: bool = False
+) -> None:
     import numpy as np
     import torch
 
@@ -72,11 +76,16 @@ def worker(model_dir: str, steps: int, rows: int, trim_every: int, fixed: int = 
         width = fixed or width  # packed finetuning: every step max_len wide
         x = torch.randint(0, vocab, (rows, width))
         y = x.clone()
-        y[:, : width // 2] = -100
+        # the loss on each row's second half; `vary_loss`: after a prompt of 100-400 tokens a
+        # row, drawn each step, so the positions through the output head vary (packed rows do)
+        for r in range(rows):
+            y[r, : int(rng.integers(100, 401)) if vary_loss else width // 2] = -100
+        loss_rows = torch.from_numpy(np.flatnonzero(y.numpy().reshape(-1) != -100))
         Path("/proc/self/clear_refs").write_text("5")
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss, aux = model(x, y, torch.ones_like(y, dtype=torch.float32), logits=False)
+            w = torch.ones_like(y, dtype=torch.float32)
+            _, loss, aux = model(x, y, w, logits=False, loss_rows=loss_rows)
         (loss + aux.balance_loss).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -91,7 +100,7 @@ def worker(model_dir: str, steps: int, rows: int, trim_every: int, fixed: int = 
 
 def run_arm(arm: str, a: argparse.Namespace) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    every, rows, fixed = 0, a.rows, 0
+    every, rows, fixed, vary = 0, a.rows, 0, False
     for part in arm.split("+"):  # glibc, trim[N], mmap[N], arenaN, jemalloc, keep, onednnN, lruN; +
         if part.startswith("mmap"):
             env["MALLOC_MMAP_THRESHOLD_"] = str(int(part[4:] or 1) << 20)
@@ -109,8 +118,11 @@ def run_arm(arm: str, a: argparse.Namespace) -> list[dict]:
             env["LRU_CACHE_CAPACITY"] = part[3:]
         elif part == "packed":  # one shape a step: the packed rows of the SQL stage
             rows, fixed = a.packed_rows, 640
+        elif part == "varyloss":  # ...and the loss positions a new count each step
+            vary = True
     cmd = [sys.executable, __file__, a.model, "--worker", "--steps", str(a.steps)]
     cmd += ["--rows", str(rows), "--trim-every", str(every), "--fixed", str(fixed)]
+    cmd += ["--vary-loss"] * vary
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"arm {arm} failed:\n{out.stderr[-3000:]}")
@@ -126,12 +138,13 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=["glibc", "trim", "mmap", "jemalloc"])
     ap.add_argument("--packed-rows", type=int, default=4)  # 3 packed + 1 replay (bench/packing.py)
     ap.add_argument("--fixed", type=int, default=0)  # worker: every step this wide
+    ap.add_argument("--vary-loss", action="store_true")  # worker: the loss positions vary
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--trim-every", type=int, default=0)
     ap.add_argument("--trim", dest="trim_every", action="store_const", const=1)  # = every 1
     a = ap.parse_args()
     if a.worker:
-        worker(a.model, a.steps, a.rows, a.trim_every, a.fixed)
+        worker(a.model, a.steps, a.rows, a.trim_every, a.fixed, a.vary_loss)
         return
     arms = [x for x in a.arms if "jemalloc" not in x or JEMALLOC.exists()]
     runs: dict[str, list[list[dict]]] = {arm: [] for arm in arms}

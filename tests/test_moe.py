@@ -10,7 +10,7 @@ import torch
 from moe.model.config import ModelConfig, MoEConfig
 from moe.model.experts import GroupedExperts, reference_moe
 from moe.model.routing import Router, capacity_mask
-from moe.model.transformer import MoETransformer
+from moe.model.transformer import LOSS_ROW_BUCKET, MoETransformer
 
 
 def _layer(E: int = 4, D: int = 16, F: int = 32, K: int = 2, cf: float = 0.0, seed: int = 0):
@@ -545,7 +545,8 @@ def test_the_loss_without_logits_equals_the_loss_with_them() -> None:
     y[:, :15] = -100  # the prompt carries no loss
     y[2, 20:] = -100  # padding
     w = torch.rand(3, 24) + 0.5
-    losses, grads = [], []
+    losses, grads, rows = [], [], []
+    model.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
     for logits in (True, False):
         model.zero_grad()
         out, loss, _ = model(x, y, w, logits=logits)
@@ -556,6 +557,8 @@ def test_the_loss_without_logits_equals_the_loss_with_them() -> None:
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # the 23 loss positions go through the head as 64 rows (the rest ignored): a few sizes
+    assert rows[-1] == LOSS_ROW_BUCKET and 3 * 9 - 4 < LOSS_ROW_BUCKET
 
 
 @pytest.mark.parametrize("renormalize", ["auto", True])

@@ -44,6 +44,10 @@ class MoEAux:
     dropped_fraction: list[torch.Tensor] = field(default_factory=list)
 
 
+# The positions through the output head in a loss-only forward, a multiple of this.
+LOSS_ROW_BUCKET = 64
+
+
 class SwiGLU(nn.Module):
     def __init__(self, d_model: int, hidden: int) -> None:
         super().__init__()
@@ -286,9 +290,18 @@ class MoETransformer(nn.Module):
             logits_TV = logits_BSV.view(-1, logits_BSV.size(-1))
         else:  # only the positions that carry loss go through the head
             keep_T = (t_T != -100).nonzero().squeeze(1) if loss_rows is None else loss_rows
+            # rounded up to a multiple of LOSS_ROW_BUCKET with ignored rows (no loss, no
+            # gradient): the head's operands take a few sizes, not a new one each step, which
+            # fragments a CPU heap step after step (bench/RESULTS.md: host memory)
+            n = keep_T.numel()
+            pad = -n % LOSS_ROW_BUCKET
+            if pad:
+                keep_T = torch.cat([keep_T, keep_T.new_zeros(pad)])
             logits_TV = self.lm_head(h_BSD.reshape(B * S, -1)[keep_T])
             t_T = t_T[keep_T]
             w_T = None if w_T is None else w_T[keep_T]
+            if pad:
+                t_T[n:] = -100
         ce = F.cross_entropy(logits_TV.float(), t_T, ignore_index=-100, reduction="none")
         mask = (t_T != -100).float()
         w = mask if w_T is None else mask * w_T
