@@ -24,7 +24,9 @@ loss on the second half, bf16 autocast, AdamW. Arms:
 - `packed`: every step one shape, `--packed-rows` rows of 640 tokens (packed finetuning:
   bench/packing.py found 3 packed rows and 1 replay row a step); `packed+varyloss`: the same
   shape, but each row's prompt (no loss) 100-400 tokens long, drawn each step, so the
-  positions through the output head (`loss_rows`) are a new count each step, as in the stage.
+  positions through the output head (`loss_rows`) are a new count each step, as in the stage;
+  `bucketN`: those positions rounded up to a multiple of N (moe/model/transformer.py
+  `LOSS_ROW_BUCKET`, 64; `bucket1`: as they come).
 
 Arms combine with `+` (`mmap+onednn0`).
 
@@ -64,7 +66,10 @@ def worker(
     import numpy as np
     import torch
 
+    import moe.model.transformer as T
     from moe.hf.model_dir import load_model_dir
+
+    T.LOSS_ROW_BUCKET = int(os.environ.get("BENCH_LOSS_ROW_BUCKET", T.LOSS_ROW_BUCKET))
 
     torch.manual_seed(0)
     model = load_model_dir(model_dir, dtype=torch.float32).train()
@@ -120,6 +125,8 @@ def run_arm(arm: str, a: argparse.Namespace) -> list[dict]:
             rows, fixed = a.packed_rows, 640
         elif part == "varyloss":  # ...and the loss positions a new count each step
             vary = True
+        elif part.startswith("bucket"):  # the output head's rows a multiple of N (1: as they come)
+            env["BENCH_LOSS_ROW_BUCKET"] = part[6:]
     cmd = [sys.executable, __file__, a.model, "--worker", "--steps", str(a.steps)]
     cmd += ["--rows", str(rows), "--trim-every", str(every), "--fixed", str(fixed)]
     cmd += ["--vary-loss"] * vary
