@@ -59,4 +59,6 @@ class BackgroundWriter:
                 log.error("checkpoint write failed: %s", e)
                 self._error = e
             finally:
+                # the save's host copy (gigabytes) must not wait here for the next save
+                del job
                 self._queue.task_done()
