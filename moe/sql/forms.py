@@ -15,9 +15,7 @@ apart in the question, in any order: each word is matched on its own.
 
 from __future__ import annotations
 
-import re
-
-_WORD = re.compile(r"[a-z0-9]+")
+from moe.sql.pruning import phrase
 
 # Each line: the forms of one country that questions and databases use interchangeably.
 COUNTRIES = """
@@ -73,7 +71,8 @@ FORMS = _forms()
 
 
 def words(text: str) -> list[str]:
-    return _WORD.findall(text.lower())
+    """The lower-case words of `text`, as the value index compares them (`phrase`)."""
+    return phrase(text).split()
 
 
 def _stem(word: str) -> str:
