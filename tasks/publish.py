@@ -221,6 +221,7 @@ def ask(
     temperature: float = 0.8,
     constrain: bool = False,
     vote: str = "grounded",
+    question_values: int = 0,
 ) -> dict[str, Any]:
     """The SQL the model writes for `question` over the database `db` (a sqlite file, or a
     server's URL with its password from `password`: data.sql_domain_password; `ask_prompt`
@@ -248,7 +249,8 @@ def ask(
     ro = open_database(db, time_limit_s, row_limit, password)
     try:
         prompt, pruned = _ask_prompt(ro, question, model.cfg.seq_len, tok, sp,
-                                     max_new_tokens, schema_values, prune_schema)  # fmt: skip
+                                     max_new_tokens, schema_values, prune_schema,
+                                     question_values)  # fmt: skip
         room, stop = model.cfg.seq_len - len(prompt), stop_ids(tok, sp.eos)
         pieces = Pieces(tok) if constrain else None
         names = [Names.of(ro.schema())] if constrain else None
@@ -277,6 +279,7 @@ def ask_prompt(
     schema_values: int = 0,
     prune_schema: bool = True,
     password: str = "",
+    question_values: int = 0,
 ) -> list[int]:
     """The tokens `ask` gives the model for `question` over `db`."""
     from moe.sql.databases import open_database
@@ -286,7 +289,8 @@ def ask_prompt(
     tok = load_tokenizer(tok_path)
     with open_database(db, password=password) as ro:
         return _ask_prompt(ro, question, seq_len, tok, specials(tok, tok_path),
-                           max_new_tokens, schema_values, prune_schema)[0]  # fmt: skip
+                           max_new_tokens, schema_values, prune_schema,
+                           question_values)[0]  # fmt: skip
 
 
 def _ask_prompt(
@@ -298,30 +302,33 @@ def _ask_prompt(
     max_new_tokens: int,
     schema_values: int,
     prune_schema: bool,
+    question_values: int = 0,
 ) -> tuple[list[int], str]:
     """The prompt for `question` (after the model's bos, in its chat template, as
     finetuning and evaluation give it) with the schema read from the database `ro` as prepare
     reads it, pruned to what the question names when the whole schema leaves the answer no
-    room (with schema pruning on, as prepare does), and what pruning left out."""
+    room (with schema pruning on, as prepare does), the values it names (up to
+    `question_values`: data.sql_question_values), and what pruning left out."""
     from moe.sql.prompts import prompt_text
     from moe.sql.pruners import pruner_for
     from moe.sql.records import SqlPair
     from moe.sql.sandbox import SchemaStyle, serialize_schema
+    from moe.sql.values import values_line
 
     full = ro.schema()
     style = SchemaStyle(values=schema_values)
+    pruner = pruner_for(full, ro)
+    line = values_line(pruner.index, question, question_values) if question_values else ""
 
     def encode(schema: str) -> list[int]:
-        pair = SqlPair(question, "", ro.label, schema)
+        pair = SqlPair(question, "", ro.label, schema, values=line)
         return [*sp.prefix, *tok.encode(sp.chat(prompt_text(pair)), add_special_tokens=False).ids]
 
     # room for the answer as evaluation gives it
     room_needed = min(max_new_tokens, seq_len // 2)
     prompt, pruned = encode(serialize_schema(full, style)), ""
     if len(prompt) + room_needed > seq_len and prune_schema:
-        cut = pruner_for(full, ro).prune(
-            question, style, lambda text: len(encode(text)) + room_needed <= seq_len
-        )
+        cut = pruner.prune(question, style, lambda text: len(encode(text)) + room_needed <= seq_len)
         if cut is not None:
             prompt, pruned = encode(cut.text), cut.note
     if seq_len - len(prompt) < 1:

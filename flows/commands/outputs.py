@@ -224,6 +224,7 @@ def answer(args: argparse.Namespace) -> int:
         cfg.evaluate.temperature,
         cfg.evaluate.constrain_identifiers,
         cfg.evaluate.vote,
+        cfg.data.sql_question_values,
     )
     if got["pruned"]:
         print(f"-- {got['pruned']}")

@@ -101,6 +101,11 @@ class DataConfig:
     # Up to this many sample values of each categorical column in the schema the model reads
     # (0 = none; dropped first when an example does not fit max_len).
     sql_schema_values: int = knob(0, ge=0, le=30)
+    # Up to this many cell values that a question names, shown in its prompt beside their
+    # columns (`-- values: customer.country = 'France'`, as BRIDGE and CodeS do), found by
+    # the value index of schema pruning (moe/sql/values.py); in training, evaluation and
+    # `ask` alike. 0 = none.
+    sql_question_values: int = knob(0, ge=0, le=20)
     # An example whose database's whole schema does not fit the model gets the tables and
     # columns its question names (by names and by values the database holds; a training
     # example keeps its gold SQL's tables), recorded with the example. false = shorten the

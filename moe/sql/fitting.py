@@ -42,7 +42,8 @@ class Limits:
 
 
 def _prompt(schema: str, r: Record, limits: Limits) -> str:
-    return limits.wrap(prompt_text(SqlPair(r.question, r.sql, "", schema, evidence=r.evidence)))
+    pair = SqlPair(r.question, r.sql, "", schema, evidence=r.evidence, values=r.values)
+    return limits.wrap(prompt_text(pair))
 
 
 @dataclass

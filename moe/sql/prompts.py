@@ -8,10 +8,12 @@ from moe.sql.records import SqlPair
 
 
 def prompt_text(pair: SqlPair) -> str:
-    """What the model sees before it writes SQL (the schema keeps it grounded; BIRD's
-    evidence, when a pair has it, comes before the question)."""
+    """What the model sees before it writes SQL (the schema keeps it grounded; the cell
+    values the question names, beside their columns, and BIRD's evidence, when a pair has
+    them, come before the question)."""
+    vals = f"-- values: {pair.values}\n" if pair.values else ""
     ev = f"-- evidence: {pair.evidence}\n" if pair.evidence else ""
-    return f"-- schema: {pair.schema}\n{ev}-- question: {pair.question}\n"
+    return f"-- schema: {pair.schema}\n{vals}{ev}-- question: {pair.question}\n"
 
 
 def response_text(pair: SqlPair) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe.sql.databases import Database
-from moe.sql.pruning import SAMPLE_ROWS, VALUES_PER_COLUMN, Pruner, ValueIndex, phrase
+from moe.sql.pruning import SAMPLE_ROWS, VALUES_PER_COLUMN, Pruner, ValueIndex
 from moe.sql.schema import Schema
 from moe.sql.server import ServerDb
 
@@ -25,13 +25,7 @@ class ServerPruner(Pruner):
         if self._index is None:
             db = self.db
             got = db.text_values(VALUES_PER_COLUMN, SAMPLE_ROWS) if db is not None else {}
-            # each value as pruning.py's index holds it
-            self._index = ValueIndex(
-                {
-                    k: [p for v in vals if len(p := phrase(v).strip()) >= 2]
-                    for k, vals in got.items()
-                }
-            )
+            self._index = ValueIndex.of_texts(got)
         return self._index
 
 

@@ -60,9 +60,31 @@ def phrase(text: str) -> str:
 @dataclass
 class ValueIndex:
     """Text values of each column, lower-cased, for finding a question's values:
-    `{(table, column): values}`."""
+    `{(table, column): values}`; `raw` gives each lower-cased value as the database writes it
+    (for showing it to the model: moe/sql/values.py)."""
 
     values: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    raw: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
+    # each value under its first word, built at the first `hits`
+    _first: dict[str, list[tuple[tuple[str, str], str]]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    @classmethod
+    def of_texts(cls, texts: dict[tuple[str, str], list[str]]) -> ValueIndex:
+        """The index of each column's text values as the database holds them (values of
+        fewer than 2 characters once compared are left out; one value per text read, so
+        that a count of them says how much of the column was read: moe/sql/grounding.py)."""
+        values: dict[tuple[str, str], list[str]] = {}
+        raw: dict[tuple[str, str], dict[str, str]] = {}
+        for key, vals in texts.items():
+            pairs = [(p, v) for v in vals if len(p := phrase(v).strip()) >= 2]
+            if pairs:
+                values[key] = [p for p, _ in pairs]
+                raw[key] = {}
+                for p, v in pairs:
+                    raw[key].setdefault(p, v)
+        return cls(values, raw)
 
     @classmethod
     def build(
@@ -82,24 +104,25 @@ class ValueIndex:
                 )
                 got = db.run(q)
                 if got.ok and got.rows:
-                    out[(t.name, c.name)] = [
-                        p for (v,) in got.rows if len(p := phrase(str(v)).strip()) >= 2
-                    ]
-        return cls(out)
+                    out[(t.name, c.name)] = [str(v) for (v,) in got.rows]
+        return cls.of_texts(out)
 
     def hits(self, question: str) -> dict[tuple[str, str], list[str]]:
-        """The columns holding a value the question names (whole words), with the values."""
+        """The columns holding a value the question names (whole words), with the values
+        (each once). Looked up by the question's words: a value's first word must be one."""
         q = phrase(question)
+        if self._first is None:
+            first: dict[str, list[tuple[tuple[str, str], str]]] = {}
+            for key, vals in self.values.items():
+                for v in dict.fromkeys(vals):
+                    first.setdefault(v.split(" ", 1)[0], []).append((key, v))
+            self._first = first
         found: dict[tuple[str, str], list[str]] = {}
-        for key, vals in self.values.items():
-            # a one-word value must not be a stop word or a short number ("a", "1")
-            hit = [
-                v
-                for v in vals
-                if f" {v} " in q and (" " in v or (v not in _STOP and not v.isdigit()))
-            ]
-            if hit:
-                found[key] = hit
+        for w in dict.fromkeys(q.split()):
+            for key, v in self._first.get(w, ()):
+                # a one-word value must not be a stop word or a short number ("a", "1")
+                if f" {v} " in q and (" " in v or (v not in _STOP and not v.isdigit())):
+                    found.setdefault(key, []).append(v)
         return found
 
 

@@ -33,6 +33,7 @@ class SqlPair:
     weight: float = 1.0  # sampling weight in finetuning (user-written domain pairs > 1)
     origin: str = ""  # "FILE, line N" for a pair read from a file, "generated" otherwise
     pruned: str = ""  # what schema pruning left out of `schema` ("" = the whole schema)
+    values: str = ""  # the cell values the question names (moe/sql/values.py), in the prompt
 
     def __post_init__(self) -> None:
         self.kind = self.kind or kind_of(self.sql)
@@ -52,6 +53,8 @@ class SqlPair:
             d["weight"] = self.weight
         if self.pruned:
             d["pruned"] = self.pruned
+        if self.values:
+            d["values"] = self.values
         return json.dumps(d)
 
 
@@ -66,6 +69,7 @@ class Record:
     evidence: str = ""
     split: str = ""  # the pair file's stem (Spider: train_spider, train_others, dev)
     weight: float = 1.0
+    values: str = ""  # the cell values the question names (data.sql_question_values)
 
 
 def load_pairs(path: Path) -> list[SqlPair]:
@@ -95,6 +99,7 @@ def load_pairs(path: Path) -> list[SqlPair]:
                 float(d.get("weight", 1.0)),
                 d.get("origin", ""),
                 d.get("pruned", ""),
+                d.get("values", ""),
             )
         )
     if not pairs:

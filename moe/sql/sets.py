@@ -25,6 +25,7 @@ from moe.sql.pruning import Pruned
 from moe.sql.records import Record, SqlPair, settle
 from moe.sql.sandbox import SchemaStyle, copy_database, serialize_schema
 from moe.sql.sources import Split, domain_records, generated_generic, outside_generic
+from moe.sql.values import values_line
 
 SET_ROLE = {  # which length limit a set's examples must fit
     "generic": "train",
@@ -184,14 +185,17 @@ def _fit_schemas(
     for db_path, members in by_db.items():
         db = dbs.get(db_path)
         schema = db.schema()
-        pruner = pruner_for(schema, db) if d.sql_schema_pruning else None
+        pruner = pruner_for(schema, db)
+        if d.sql_question_values:
+            for _, r in members:
+                r.values = values_line(pruner.index, r.question, d.sql_question_values)
         fitted = fit_schema(
             db_path,
             lambda style, s=schema: serialize_schema(s, style),
             members,
             SchemaStyle(d.sql_schema_values, True),
             limits,
-            pruner,
+            pruner if d.sql_schema_pruning else None,
         )
         texts[db_path] = fitted.text
         too_long |= fitted.dropped
@@ -245,7 +249,16 @@ def _make_sets(
 def _pair(r: Record, names: dict[Path, str], texts: dict[Path, str], cut: Pruned | None) -> SqlPair:
     schema, note = (texts[r.db], "") if cut is None else (cut.text, cut.note)
     return SqlPair(
-        r.question, r.sql, names[r.db], schema, "", r.evidence, r.weight, r.where, pruned=note
+        r.question,
+        r.sql,
+        names[r.db],
+        schema,
+        "",
+        r.evidence,
+        r.weight,
+        r.where,
+        pruned=note,
+        values=r.values,
     )
 
 
