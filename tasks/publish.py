@@ -222,6 +222,8 @@ def ask(
     constrain: bool = False,
     vote: str = "grounded",
     question_values: int = 0,
+    device: str = "auto",
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """The SQL the model writes for `question` over the database `db` (a sqlite file, or a
     server's URL with its password from `password`: data.sql_domain_password; `ask_prompt`
@@ -231,9 +233,10 @@ def ask(
     (moe/sql/consistency.py): the answer most of the greedy and the sampled queries agree
     on (by `vote`: moe/sql/consistency.py `VOTES`), and how many agreed. With
     `constrain`, identifiers are held to the database's tables and columns while decoding
-    (moe/sql/constrain.py)."""
-    import torch
-
+    (moe/sql/constrain.py). The model runs where evaluation runs it (`device`, `dtype`:
+    evaluate.device and evaluate.dtype; auto is bf16 weights on a GPU, fp32 on a CPU)."""
+    from moe.recipes.evaluate import load_for_evaluation
+    from moe.sql.config import EvaluateConfig
     from moe.sql.consistency import choose
     from moe.sql.constrain import IdentifierConstraint, Names, Pieces
     from moe.sql.databases import open_database
@@ -242,7 +245,7 @@ def ask(
     from tasks.databases import remember_password
 
     remember_password(password)
-    model = load_model_dir(Path(model_dir), dtype=torch.float32).eval()
+    model = load_for_evaluation(Path(model_dir), EvaluateConfig(device=device, dtype=dtype)).eval()
     tok_path = find_tokenizer(Path(model_dir), data_dir)
     tok = load_tokenizer(tok_path)
     sp = specials(tok, tok_path)

@@ -179,3 +179,42 @@ def test_ask_prunes_a_schema_that_leaves_the_answer_no_room(
     with pytest.raises(InputError, match="turn data.sql_schema_pruning on"):
         ask(tmp_path / "model", "How many customers?", wide_db, tmp_path, 8, prune_schema=False)
     assert wide_db.read_bytes() == before
+
+
+def test_ask_runs_the_model_at_the_evaluate_sections_dtype(
+    tmp_path: Path,
+    tok,  # noqa: F811
+    chinook_db: Path,  # noqa: F811
+) -> None:
+    """`ask` loads the model as evaluation does (evaluate.device, evaluate.dtype): its answer
+    is the one the model decodes with bf16 weights when the section says bfloat16."""
+    import torch
+
+    from moe.data.tokenizer import specials
+    from moe.hf.model_dir import load_model_dir, save_model_dir
+    from moe.model.config import ModelConfig, MoEConfig
+    from moe.model.transformer import MoETransformer
+    from moe.sql.evaluate import stop_ids
+    from tasks.publish import ask, ask_prompt
+
+    torch.manual_seed(3)
+    cfg = ModelConfig(seq_len=2048, n_layer=2, d_model=64, n_head=4, n_kv_head=2)
+    model = MoETransformer(cfg, MoEConfig(num_experts=4, top_k=2), tok.get_vocab_size())
+    with torch.no_grad():  # weights of a spread that writes tokens (a fresh head writes none)
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    save_model_dir(model, tmp_path / "model")
+    tok.save(str(tmp_path / "model" / "tokenizer.json"))
+    q = "How many customers live in Brazil?"
+    prompt = ask_prompt(tmp_path / "model", q, chinook_db, tmp_path, 24)
+    stop = stop_ids(tok, specials(tok, tmp_path / "model" / "tokenizer.json").eos)
+
+    def decoded(dtype: torch.dtype) -> str:
+        m = load_model_dir(tmp_path / "model", dtype).eval()
+        return tok.decode(m.generate_batch([prompt], 24, stop)[0]).strip()
+
+    bf16, fp32 = decoded(torch.bfloat16), decoded(torch.float32)
+    assert bf16 and fp32 and bf16 != fp32  # the seed gives a model whose answer tells the two apart
+    got = ask(tmp_path / "model", q, chinook_db, tmp_path, 24, device="cpu", dtype="bfloat16")
+    assert got["sql"] == bf16
+    assert ask(tmp_path / "model", q, chinook_db, tmp_path, 24, device="cpu")["sql"] == fp32

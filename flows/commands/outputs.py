@@ -225,6 +225,8 @@ def answer(args: argparse.Namespace) -> int:
         cfg.evaluate.constrain_identifiers,
         cfg.evaluate.vote,
         cfg.data.sql_question_values,
+        cfg.evaluate.device,
+        cfg.evaluate.dtype,
     )
     if got["pruned"]:
         print(f"-- {got['pruned']}")
