@@ -276,6 +276,36 @@ def rng_resume(out: Path, steps: int, ep: int) -> None:
     )
 
 
+def notice(out: Path) -> None:
+    """Rank 1 alone is asked to stop from step 2 on; metrics rows every 4 steps, no save
+    planned before step 100. Each rank writes OUT/notice.rank<R>.json: where it stopped,
+    why, its training time, and how often it met the other ranks to agree (`agree_max`)."""
+    cfg = optim_cfg(8, 0)
+    cfg.log_every, cfg.checkpoint_every = 4, 100
+    holder: list[Trainer] = []
+
+    def interrupted() -> bool:
+        return holder[0].ranks.rank == 1 and holder[0].step >= 2
+
+    trainer = Trainer(build(meta=True), cfg, Batches(), CheckpointStore(out / "notice"),
+                      fingerprint="notice", schedule="cosine", interrupted=interrupted)  # fmt: skip
+    holder.append(trainer)
+    calls: list[int] = []
+    agree = trainer.ranks.agree_max
+    trainer.ranks.agree_max = lambda v: calls.append(trainer.step) or agree(v)  # type: ignore[method-assign]
+    result = trainer.fit()
+    (out / f"notice.rank{trainer.ranks.rank}.json").write_text(
+        json.dumps(
+            {
+                "steps": result.steps,
+                "stop": result.stop_reason,
+                "elapsed_s": trainer.state.progress.elapsed_s,
+                "agreed_at": calls,
+            }
+        )
+    )
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     device = sys.argv[7] if len(sys.argv) > 7 else "cpu"
@@ -285,6 +315,8 @@ def main() -> None:
         store, steps, stop, ep = sys.argv[3], *map(int, sys.argv[4:7])
         flags = tuple(sys.argv[8].split(",")) if len(sys.argv) > 8 else ()
         train(out, store, steps, stop, ep, device, flags)
+    elif mode == "notice":
+        notice(out)
     elif mode == "die":
         trainer = Trainer(
             build(),

@@ -333,6 +333,21 @@ def test_cold_experts_of_a_sharded_checkpoint_land_in_the_cold_tier(world4: Path
     _equal(store.load(last).model, _weights(world4, "a4"))
 
 
+def test_ranks_agree_on_time_and_a_stop_at_metrics_rows_only(tmp_path: Path) -> None:
+    """At world 2 no step but a metrics row (every 4 steps here), a save and the end makes
+    the ranks meet on the host: a stop asked of rank 1 alone from step 2 stops both at step
+    4, the next row, saved there, and both ranks hold the same training time."""
+    proc = _torchrun("notice", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = [json.loads((tmp_path / f"notice.rank{r}.json").read_text()) for r in (0, 1)]
+    for g in got:
+        assert (g["steps"], g["stop"]) == (4, "interrupted")
+        # step 4's row: the time, then the stop; the save at the stop; the end
+        assert g["agreed_at"] == [4, 4, 4, 4]
+    assert got[0]["elapsed_s"] == got[1]["elapsed_s"] > 0
+    assert CheckpointStore(tmp_path / "notice").latest_valid().name == "step_00000004"
+
+
 def test_a_dead_rank_fails_the_run_fast(tmp_path: Path) -> None:
     # Rank 1 vanishes mid-step (os._exit(3)). torchrun notices, stops rank 0 and fails the
     # launch; subprocess.run's timeout (120 s) fails this test (TimeoutExpired) if the launch

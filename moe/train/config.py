@@ -51,7 +51,9 @@ class OptimConfig:
     # Where it trains: auto (a GPU when there is one), cpu, cuda or cuda:N.
     device: str = knob("auto", pattern=DEVICE, note="auto, cpu, cuda or cuda:N")
     seed: int = 1337  # model init, data order and dropout
-    # Steps between metrics rows (W&B, metrics.jsonl, the progress bar).
+    # Steps between metrics rows (W&B, metrics.jsonl, the progress bar). Across several
+    # processes the ranks also agree there on the training time and on a stop asked for
+    # from outside: keep log_every steps well inside a spot machine's notice.
     log_every: int = knob(10, ge=1)
     # Steps between checkpoints (with checkpoint.every: stage).
     checkpoint_every: int = knob(100, ge=1)

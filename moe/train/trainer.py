@@ -81,6 +81,8 @@ class _Run:
     val_loss: float | None = None
     aux: Any = None  # the last forward's routing statistics
     saved: int | None = None  # the step of the newest checkpoint this run made or resumed
+    # this rank's training time not yet agreed with the other ranks (world > 1: `_agree_time`)
+    unagreed_s: float = 0.0
     diverged: Divergence = field(default_factory=Divergence)  # read where the host reads
 
 
@@ -116,7 +118,9 @@ class Trainer:
         model trains adapters (moe/adapters/method.py); checkpoints then hold what trains.
         `interrupted`: asked after each step whether to stop now (a SIGTERM's notice that
         the machine is going away, moe/recipes/context.py); then the step is saved at once and
-        fit() returns with stop_reason INTERRUPTED. Every rank must pass one or none.
+        fit() returns with stop_reason INTERRUPTED. Every rank must pass one or none; at world
+        > 1 it is asked at metrics rows only (log_every: keep log_every steps well inside the
+        notice the machine gives).
         `notice`: exceptions that say the machine is going away (Prefect's TerminationSignal
         from a SIGTERM). One raised in a step's forward or backward, where the weights and
         the optimizer still hold the step before, saves that step and is raised again; one
@@ -171,6 +175,21 @@ class Trainer:
     def step(self) -> int:
         return self.state.progress.step
 
+    def _row_step(self) -> bool:
+        """Whether this step ends with a metrics row (every log_every steps, and the last):
+        where the host reads the device, and, at world > 1, where the ranks agree."""
+        return self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps
+
+    def _asked_to_stop(self) -> bool:
+        """Whether a stop was asked for from outside (`interrupted`): every step in one
+        process; at world > 1 at metrics rows only, where the ranks agree (one signalled
+        rank stops them all there: the save is collective) and read the host anyway."""
+        if self.interrupted is None:
+            return False
+        if self.ranks.world == 1:
+            return bool(self.interrupted())
+        return self._row_step() and bool(self.ranks.agree_max(float(self.interrupted())))
+
     def evaluate(self) -> float | None:
         """The validation loss now (None without validation batches)."""
         return validation_loss(self.model, self.validation, self.ranks)
@@ -189,12 +208,12 @@ class Trainer:
                 lr = self._set_lr()
                 loss, counts = self._forward_backward(run)
             grad_norm = self._optimizer_step(run, counts)
-            _account_time(self, t_step)
+            _account_time(self, run, t_step)
             # no device read above: rows, saves and stops read it (moe/train/syncs.py)
             run.steps += 1
             run.last_loss = loss
             run.window.loss += loss
-            if self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps:
+            if self._row_step():
                 self._log_window(run, lr, grad_norm)
             reason = self._stop_decision(run, lr)
             self._checkpoint_if_due(run, reason)
@@ -313,8 +332,7 @@ class Trainer:
         a stop asked for from outside (no validation then: the notice may be short)."""
         reason = None
         v, progress = self.validation, self.state.progress
-        # ranks agree: one signalled rank stops them all at this step (its save is collective)
-        if self.interrupted is not None and self.ranks.agree_max(float(self.interrupted())):
+        if self._asked_to_stop():
             self.stop.record(self.step, INTERRUPTED, progress.elapsed_s)
             return INTERRUPTED
         if v and v.every and (self.step % v.every == 0 or self.step == self.cfg.max_steps):
@@ -346,6 +364,7 @@ class Trainer:
                 journal.progress(self.step)
             return
         run.diverged.check()  # a checkpoint never holds a diverged step
+        _agree_time(self, run)  # the save is collective: the ranks meet here anyway
         t_save = self.clock()
         self.checkpointer.save(run.val_loss)
         run.saved = self.step
@@ -361,6 +380,7 @@ class Trainer:
     def _end(self, run: _Run, stop_reason: str) -> TrainResult:
         """Wait for the checkpoint writes, close the attempt in the journal, and report."""
         run.diverged.check()
+        _agree_time(self, run)  # every rank ends here, at the same step
         store = self.checkpointer.store
         store.flush()  # background checkpoint writes are on disk before we report
         path = store.latest_valid()
@@ -378,13 +398,27 @@ class Trainer:
         return report(self, run, stop_reason, path, val_loss, resilience)
 
 
-def _account_time(trainer: Trainer, t_step: float) -> None:
-    """Add this step's time: at a metrics row after the GPU's backlog (it runs behind)."""
-    step, cfg, ranks = trainer.step, trainer.cfg, trainer.ranks
-    if (step % cfg.log_every == 0 or step == cfg.max_steps) and ranks.device.type == "cuda":
+def _account_time(trainer: Trainer, run: _Run, t_step: float) -> None:
+    """Add this step's time: at a metrics row after the GPU's backlog (it runs behind). In
+    one process the training time moves every step; at world > 1 the ranks agree on it (the
+    largest) at metrics rows, saves and the end only, so that no other step waits for the
+    host: the time-based lr, the cost and time budgets and the save plan read the time agreed
+    last, the same on every rank."""
+    ranks = trainer.ranks
+    row = trainer._row_step()
+    if row and ranks.device.type == "cuda":
         torch.cuda.synchronize(ranks.device)
+    run.unagreed_s += trainer.clock() - t_step
+    if ranks.world == 1 or row:
+        _agree_time(trainer, run)
+
+
+def _agree_time(trainer: Trainer, run: _Run) -> None:
+    """Fold this rank's time since the last agreement into the training time, as the ranks
+    agree on it (the largest; a collective at world > 1)."""
     progress = trainer.state.progress
-    progress.elapsed_s = ranks.agree_max(progress.elapsed_s + trainer.clock() - t_step)
+    progress.elapsed_s = trainer.ranks.agree_max(progress.elapsed_s + run.unagreed_s)
+    run.unagreed_s = 0.0
 
 
 @contextlib.contextmanager
