@@ -48,6 +48,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 step cuda_tests 240 "$PY" -m pytest -q -p no:randomly tests/test_cuda.py
+# packed rows through FlexAttention: loss and gradients of the examples unpacked (issue 66)
+step flex_tests 180 "$PY" -m pytest -q -p no:randomly tests/test_packing.py -k flex
 step train_fsdp2 300 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 \
   bench/gpu_train.py --steps 300
 step gpu_peer 480 "$PY" bench/gpu_peer.py --shape gpu --steps 5 --rounds 3 --compile
@@ -55,7 +57,7 @@ step moe_layer 180 "$PY" bench/moe_layer.py --device cuda --tokens 32768 --d-mod
   --hidden 1024 --experts 64 --top-k 4
 # Packed finetuning against one example a row (issue 66) on the demo's prepared SQL pairs
 # (carried: data/prepared), the demo's model shape at random, bf16 on the GPU: real tokens per
-# second of each arm, interleaved. Attention over packed rows goes through SDPA's masked path.
+# second of each arm, interleaved; packed rows through FlexAttention and through SDPA's mask.
 if [ -f data/prepared/meta.json ]; then
   step packing 240 "$PY" bench/packing.py . --fresh --device cuda --steps 6 --rounds 4
 fi

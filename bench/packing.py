@@ -10,9 +10,12 @@ training pairs; its models/pretrain, or --model: the imported SmolLM2-135M), rea
 configs/smollm2-135m-sql-cpu.yaml's finetune_sql settings (batch 8, max_len 640, replay rows
 of pretraining text beside them). Both arms draw from the same examples with the same seeds;
 each trains its own copy of the model (AdamW, the recipe's dtype under autocast), the arms
-taking turns `--steps` steps at a time (A B A B ...), the first round a warm-up. Reported per
-arm: the median step time, real tokens a step, real tokens per second (the sum over counted
-steps over their time) and its ratio packed / unpacked, the shapes seen. JSON last.
+taking turns `--steps` steps at a time (A B A B ...), the first round a warm-up. On a GPU the
+packed rows attend through FlexAttention's block mask (moe/model/attention.py
+`PACKED_ATTENTION`), and a third arm, `packed-masked`, packs the same rows through SDPA's
+boolean mask. Reported per arm: the median step time, real tokens a step, real tokens per
+second (the sum over counted steps over their time) and its ratio to unpacked, the shapes
+seen. JSON last.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import moe.model.attention as attention  # noqa: E402
 from moe.data.tokenizer import load_tokenizer, specials  # noqa: E402
 from moe.data.tokens import BatchSampler, MixedBatches, SFTBatches, TokenStore  # noqa: E402
 from moe.hf.model_dir import load_model_dir  # noqa: E402
@@ -109,7 +113,10 @@ def main() -> None:
     base.set_routing_step(10**6, 0.5)
     dtype = getattr(torch, args.dtype)
     arms = {}
-    for name, packing in (("unpacked", False), ("packed", True)):
+    kinds = [("unpacked", False, "auto"), ("packed", True, "auto")]
+    if device.type == "cuda":  # FlexAttention (auto on a GPU) against the boolean mask
+        kinds.append(("packed-masked", True, "masked"))
+    for name, packing, how in kinds:
         sft = SFTBatches(
             examples, f.batch_size, f.max_len, f.seed, sp.pad, focus, f.focus_weight,
             packing=packing,
@@ -119,9 +126,10 @@ def main() -> None:
         model = copy.deepcopy(base).train()
         opt = torch.optim.AdamW(model.parameters(), lr=f.lr, fused=True)  # as the trainer
         arms[name] = dict(batches=MixedBatches(sft, replay), model=model, opt=opt, times=[],
-                          tokens=[], shapes=set(), next=0)  # fmt: skip
+                          tokens=[], shapes=set(), next=0, attention=how)  # fmt: skip
     for r in range(args.rounds + 1):
         for name, a in arms.items():
+            attention.PACKED_ATTENTION = a["attention"]
             for _ in range(args.steps):
                 batch = a["batches"].batch_at(a["next"])
                 a["next"] += 1
@@ -145,9 +153,13 @@ def main() -> None:
     out["ratio_real_tokens_per_s"] = round(
         out["packed"]["real_tokens_per_s"] / out["unpacked"]["real_tokens_per_s"], 3
     )
+    if "packed-masked" in out:
+        out["ratio_flex_over_masked"] = round(
+            out["packed"]["real_tokens_per_s"] / out["packed-masked"]["real_tokens_per_s"], 3
+        )
     for name in arms:
         o = out[name]
-        print(f"{name:9s} {o['median_step_s']:.2f} s/step, {o['real_tokens_per_step']:.0f} real "
+        print(f"{name:13s} {o['median_step_s']:.2f} s/step, {o['real_tokens_per_step']:.0f} real "
               f"tokens/step, {o['real_tokens_per_s']:.0f} real tokens/s, "
               f"{len(o['shapes'])} shape(s)")  # fmt: skip
     print(f"packed / unpacked real tokens per second: {out['ratio_real_tokens_per_s']}")

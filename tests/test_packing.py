@@ -101,6 +101,38 @@ def test_a_packed_batch_has_the_loss_and_gradients_of_its_examples_unpacked(kind
         torch.testing.assert_close(grads_p[name], g, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))],
+)  # fmt: skip
+@pytest.mark.parametrize("kind", ["dense", "moe", "sliding", "sinks"])
+def test_flex_attentions_block_mask_computes_what_the_boolean_mask_does(
+    kind: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FlexAttention (a GPU's packed attention) gives the loss of the unpacked examples,
+    sliding windows and sinks included, and on a GPU their gradients (torch 2.13's
+    FlexAttention has no backward on a CPU: there its eager form checks the forward)."""
+    import moe.model.attention as A
+
+    model = _model(kind).to(device)
+    examples = _examples(9, seed=2)
+    x, y, w, seg = (t.to(device) for t in _packed(examples, rows=3, width=64))
+    monkeypatch.setattr(A, "PACKED_ATTENTION", "flex")
+    assert A.PackedRows(model.cfg, seg).block_masks is not None
+    if device == "cpu":
+        with torch.no_grad():
+            loss_u = model(*_unpacked(examples), logits=False)[1]
+            loss_p = model(x, y, w, logits=False, segments_BS=seg)[1]
+        torch.testing.assert_close(loss_p, loss_u, rtol=1e-5, atol=1e-5)
+        return
+    loss_u, grads_u = _loss_and_grads(model, *(t.to(device) for t in _unpacked(examples)))
+    loss_p, grads_p = _loss_and_grads(model, x, y, w, segments=seg)
+    torch.testing.assert_close(loss_p, loss_u, rtol=1e-4, atol=1e-4)
+    assert grads_u.keys() == grads_p.keys()
+    for name, g in grads_u.items():
+        torch.testing.assert_close(grads_p[name], g, rtol=1e-4, atol=1e-4, msg=name)
+
+
 def test_without_segments_the_examples_of_a_row_see_each_other() -> None:
     """The control: the same packed rows read as plain causal rows give another loss (so the
     equality above is the mask's and the positions' doing)."""

@@ -13,8 +13,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moe.model.config import ModelConfig
-from moe.model.masking import attention, causal_mask, window_masks
+from moe.model.masking import attention, block_masks, causal_mask, flex_attention, window_masks
 from moe.model.rope import rope_frequencies, softmax_scale
+
+# How packed rows attend (`PackedRows`): "auto" is FlexAttention with a block mask on a GPU
+# (blocks of other examples skipped) and a boolean mask through scaled_dot_product_attention
+# elsewhere (on 2 CPU cores the eager FlexAttention writes every score out); "flex" or
+# "masked" chooses one everywhere. Latent attention always takes the mask.
+PACKED_ATTENTION = "auto"
 
 
 class RMSNorm(nn.Module):
@@ -114,8 +120,12 @@ class CausalSelfAttention(nn.Module):
         else:  # decoding: each row's own positions, keys and values appended to the cache
             q, k = cache.rotate(q, cos, sin), cache.rotate(k, cos, sin)
             k, v = cache.append(layer, k, v)
-            mask = cache.window_masks[self.window] if self.window else cache.mask
-            y = attention(q, k, v, mask, self.sinks)
+            flex = getattr(cache, "block_masks", None)
+            if flex is not None:
+                y = flex_attention(q, k, v, flex[self.window], self.sinks)
+            else:
+                mask = cache.window_masks[self.window] if self.window else cache.mask
+                y = attention(q, k, v, mask, self.sinks)
         return self.proj(y.transpose(1, 2).reshape(B, S, self.n_head * Dh))
 
 
@@ -253,9 +263,15 @@ class PackedRows:
         first_BS[:, 1:] = segments_BS[:, 1:] != segments_BS[:, :-1]
         start_BS = torch.where(first_BS, idx_S, 0).cummax(dim=1).values
         self.pos_BS = idx_S[None, :] - start_BS
+        windows = {w for w in map(c.window, range(c.n_layer)) if w}
+        how = PACKED_ATTENTION
+        flex = how == "flex" or (how == "auto" and device.type == "cuda")
+        self.block_masks = None
+        if flex and c.attention != "mla":  # FlexAttention's block masks (moe/model/masking.py)
+            self.block_masks = block_masks(segments_BS, windows)
+            return
         same_1BSS = (segments_BS[:, :, None] == segments_BS[:, None, :]).unsqueeze(1)
         self.mask = same_1BSS & causal_mask(S, 0, device)  # (B, 1, S, S): query, key
-        windows = {w for w in map(c.window, range(c.n_layer)) if w}
         self.window_masks = {w: same_1BSS & causal_mask(S, w, device) for w in windows}
 
     def rotate(

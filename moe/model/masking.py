@@ -10,6 +10,11 @@ forward alone, with the sinks' gradients through the mask; equal to it within fp
 
 from __future__ import annotations
 
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -68,3 +73,56 @@ def attention(
     sink = sinks.to(q.dtype).view(1, H, 1, 1).expand(Bm, H, S, 1)
     mask = torch.cat([sink, bias], dim=-1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+# --------------------------------------------------------------------------- FlexAttention
+
+
+@functools.cache
+def _flex(device_type: str) -> Callable[..., Any]:
+    """FlexAttention, compiled on a GPU (its fused kernel); on a CPU the eager one, which
+    writes the scores out (tests compare it with the masked path)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device_type == "cpu":
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        return flex_attention
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def block_masks(segments_BS: torch.Tensor, windows: set[int]) -> dict[int, Any]:
+    """FlexAttention's block masks for rows that pack examples (`segments_BS`: each token's
+    example, -1 for the padding after them): a token sees the tokens of its own example up
+    to itself, within a window where one is given (the key 0: none). Blocks no query of a
+    block may see are skipped: the cost grows with the examples' lengths, not the row's."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, S = segments_BS.shape
+    seg = segments_BS
+
+    def make(w: int) -> Any:
+        def allowed(b: Any, h: Any, q: Any, k: Any) -> Any:
+            ok = (seg[b, q] == seg[b, k]) & (k <= q)
+            return ok & (q - k < w) if w else ok
+
+        return create_block_mask(allowed, B, None, S, S, device=seg.device)
+
+    return {w: make(w) for w in {0, *windows}}
+
+
+def flex_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """Attention of q (B, H, S, Dh) over k, v (B, Hkv, S, Dh) under a FlexAttention block
+    mask, with the heads' `sinks` (H,): a sink's logit joins each softmax's denominator, so
+    the output is scaled by sum / (sum + e^sink) = sigmoid(lse - sink), lse the log of the
+    sum over the keys seen (FlexAttention returns it)."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    flex = _flex(q.device.type)
+    gqa = k.shape[1] != q.shape[1]
+    if sinks is None:
+        return flex(q, k, v, block_mask=mask, enable_gqa=gqa)
+    y, aux = flex(q, k, v, block_mask=mask, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+    keep = torch.sigmoid(aux.lse - sinks.to(aux.lse.dtype).view(1, -1, 1))
+    return y * keep.unsqueeze(-1).to(y.dtype)
