@@ -137,11 +137,13 @@ def _decoding(
 def _voted(
     scorer: _Scorer, pairs: list[SqlPair], drawn: list[list[tuple[str, float]]], vote: str
 ) -> list[dict[str, Any]]:
-    """Each pair's row for the answer its candidates vote for, with how many agreed and ran."""
+    """Each pair's row for the answer its candidates vote for, with how many agreed and ran,
+    and the candidates themselves (a dump can be voted again: bench/revote.py)."""
     rows = []
     for pair, cands in zip(pairs, drawn, strict=True):
         choice = scorer.choose(pair, cands, vote)
-        rows.append({**scorer.score(pair, choice.sql), "agreed": choice.agreed, "ran": choice.ran})
+        score = scorer.score(pair, choice.sql)
+        rows.append({**score, "agreed": choice.agreed, "ran": choice.ran, "candidates": cands})
     return rows
 
 
