@@ -333,6 +333,9 @@ def _ask_prompt(
     if len(prompt) + room_needed > seq_len and prune_schema:
         cut = pruner.prune(question, style, lambda text: len(encode(text)) + room_needed <= seq_len)
         if cut is not None:
+            if question_values:  # no value of a table the cut left out (as prepare does)
+                kept = set(cut.kept_tables)
+                line = values_line(pruner.index, question, question_values, kept)
             prompt, pruned = encode(cut.text), cut.note
     if seq_len - len(prompt) < 1:
         raise InputError(

@@ -30,9 +30,11 @@ KINDS = {
 }
 
 
-def _model(kind: str) -> MoETransformer:
+def _model(kind: str, d_model: int = 32) -> MoETransformer:
     torch.manual_seed(0)
-    cfg = ModelConfig(n_layer=2, n_head=4, d_model=32, seq_len=64, dense_hidden=48, **KINDS[kind])
+    cfg = ModelConfig(
+        n_layer=2, n_head=4, d_model=d_model, seq_len=64, dense_hidden=48, **KINDS[kind]
+    )
     model = MoETransformer(cfg, MoEConfig(num_experts=4, top_k=2, expert_hidden=24), VOCAB)
     model.set_routing_step(10**6, 0.5)  # past the expert warm-up (its noise is per batch)
     with torch.no_grad():
@@ -114,11 +116,12 @@ def test_flex_attentions_block_mask_computes_what_the_boolean_mask_does(
     FlexAttention has no backward on a CPU: there its eager form checks the forward)."""
     import moe.model.attention as A
 
-    model = _model(kind).to(device)
+    model = _model(kind, d_model=64).to(device)  # heads 16 wide: FlexAttention's GPU kernel
     examples = _examples(9, seed=2)
     x, y, w, seg = (t.to(device) for t in _packed(examples, rows=3, width=64))
     monkeypatch.setattr(A, "PACKED_ATTENTION", "flex")
     assert A.PackedRows(model.cfg, seg).block_masks is not None
+    assert A.PackedRows(_model(kind).cfg, seg).block_masks is None  # heads 8 wide: the mask
     if device == "cpu":
         with torch.no_grad():
             loss_u = model(*_unpacked(examples), logits=False)[1]

@@ -15,7 +15,7 @@ import pytest
 from moe.sql.prompts import prompt_text
 from moe.sql.pruning import ValueIndex
 from moe.sql.records import load_pairs
-from moe.sql.sandbox import ReadOnlyDb
+from moe.sql.sandbox import ReadOnlyDb, SchemaStyle, serialize_schema
 from moe.sql.sets import build_sql_sets
 from moe.sql.values import named_values, values_line
 from tests.test_pruning import wide_db  # noqa: F401 (a fixture)
@@ -118,3 +118,44 @@ def test_the_index_reads_values_as_the_database_writes_them(wide_db: Path, limit
         index = ValueIndex.build(ro, ro.schema())
     got = named_values(index, "Which albums did aerosmith make?", limit)
     assert got[0] == ("artist", "name", "Aerosmith") and len(got) <= limit
+
+
+def test_a_values_spelling_and_its_columns_do_not_depend_on_the_databases_order() -> None:
+    texts = {("genre", "name"): ["Rock", "ROCK", "Line one\nline two", "Jazz"]}
+    again = {("genre", "name"): list(reversed(texts[("genre", "name")]))}
+    a, b = ValueIndex.of_texts(texts), ValueIndex.of_texts(again)
+    assert a.raw == b.raw and a.raw[("genre", "name")]["rock"] == "ROCK"
+    assert a.holding("jazz") == [("genre", "name")] and a.holding("blues") == []
+    assert values_line(a, "rock or jazz?", 3) == "genre.name = 'Jazz'; genre.name = 'ROCK'"
+    assert values_line(a, "line one line two", 3) == ""  # a line of its own stays one line
+    # a column read whose values are all too short once compared stays in the index, empty
+    assert ValueIndex.of_texts({("g", "grade"): ["A+", "B-"]}).values == {("g", "grade"): []}
+    # a pruned schema's tables only
+    q = "How many French singers live in New York?"
+    assert named_values(INDEX, q, 5, tables={"singer"}) == [("singer", "country", "France")]
+
+
+def test_a_pruned_example_names_no_value_of_a_table_it_lost(
+    tmp_path: Path,
+    tok,  # noqa: F811
+    wide_db: Path,  # noqa: F811
+) -> None:
+    test = _pairs_file(
+        tmp_path / "test.jsonl",
+        [("How many customers live in Canada?", "SELECT count(*) FROM customer WHERE country = 'Canada'")],
+    )  # fmt: skip
+    d = dict(sql_domain_database=str(wide_db), sql_domain_test=str(test), sql_domain_train_pairs=40)
+    with ReadOnlyDb(wide_db) as ro:
+        whole = len(tok.encode(serialize_schema(ro.schema(), SchemaStyle())).ids)
+    cap = whole * 2 // 3  # the whole schema does not fit: every example is pruned
+    build_sql_sets(small(**d, sql_question_values=4), tmp_path / "p", limits(tok, cap, cap, cap))
+    pairs = load_pairs(tmp_path / "p" / "domain_test.jsonl")
+    pairs += load_pairs(tmp_path / "p" / "domain_train.jsonl")
+    named = 0
+    for p in pairs:
+        assert p.pruned
+        shown = {t.split("(")[0] for t in p.schema.split("; ")}
+        tables = {v.split(".")[0] for v in p.values.split("; ")} if p.values else set()
+        assert tables <= shown, (p.question, p.values, shown)
+        named += bool(p.values)
+    assert named and pairs[0].values.startswith("customer.country = 'Canada'")

@@ -19,7 +19,8 @@ from moe.model.rope import rope_frequencies, softmax_scale
 # How packed rows attend (`PackedRows`): "auto" is FlexAttention with a block mask on a GPU
 # (blocks of other examples skipped) and a boolean mask through scaled_dot_product_attention
 # elsewhere (on 2 CPU cores the eager FlexAttention writes every score out); "flex" or
-# "masked" chooses one everywhere. Latent attention always takes the mask.
+# "masked" chooses one everywhere. Latent attention, and heads under 16 wide (FlexAttention's
+# GPU kernel refuses them), always take the mask.
 PACKED_ATTENTION = "auto"
 
 
@@ -267,7 +268,8 @@ class PackedRows:
         how = PACKED_ATTENTION
         flex = how == "flex" or (how == "auto" and device.type == "cuda")
         self.block_masks = None
-        if flex and c.attention != "mla":  # FlexAttention's block masks (moe/model/masking.py)
+        # FlexAttention's block masks (moe/model/masking.py); its GPU kernel needs heads 16+ wide
+        if flex and c.attention != "mla" and c.head_width >= 16:
             self.block_masks = block_masks(segments_BS, windows)
             return
         same_1BSS = (segments_BS[:, :, None] == segments_BS[:, None, :]).unsqueeze(1)

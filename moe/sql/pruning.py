@@ -69,22 +69,38 @@ class ValueIndex:
     _first: dict[str, list[tuple[tuple[str, str], str]]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    # the columns holding each value, built at the first `holding`
+    _holders: dict[str, list[tuple[str, str]]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def of_texts(cls, texts: dict[tuple[str, str], list[str]]) -> ValueIndex:
         """The index of each column's text values as the database holds them (values of
-        fewer than 2 characters once compared are left out; one value per text read, so
-        that a count of them says how much of the column was read: moe/sql/grounding.py)."""
+        fewer than 2 characters once compared are left out, but a column read stays, if
+        empty; one value per text read, so that a count of them says how much of the column
+        was read: moe/sql/grounding.py). Of several texts compared alike ('Rock', 'ROCK') `raw`
+        keeps the first in sort order, whatever order the database returned them in."""
         values: dict[tuple[str, str], list[str]] = {}
         raw: dict[tuple[str, str], dict[str, str]] = {}
         for key, vals in texts.items():
+            if not vals:
+                continue
             pairs = [(p, v) for v in vals if len(p := phrase(v).strip()) >= 2]
-            if pairs:
-                values[key] = [p for p, _ in pairs]
-                raw[key] = {}
-                for p, v in pairs:
-                    raw[key].setdefault(p, v)
+            values[key], raw[key] = [p for p, _ in pairs], {}
+            for p, v in pairs:
+                raw[key][p] = min(raw[key].get(p, v), v)
         return cls(values, raw)
+
+    def holding(self, value: str) -> list[tuple[str, str]]:
+        """The columns holding `value` (as the index compares it)."""
+        if self._holders is None:
+            holders: dict[str, list[tuple[str, str]]] = {}
+            for key, vals in self.values.items():
+                for v in dict.fromkeys(vals):
+                    holders.setdefault(v, []).append(key)
+            self._holders = holders
+        return self._holders.get(value, [])
 
     @classmethod
     def build(

@@ -204,6 +204,7 @@ def text_values(
             table = sa.table(t.name, sa.column(c.name), schema=schema.namespace)
             s = sa.select(table.c[c.name].label("v")).limit(sample_rows).subquery("s")
             q = sa.select(s.c.v).distinct().where(sa.func.length(s.c.v).between(2, 60))
+            q = q.order_by(s.c.v)  # the same values each time the column has more
             got = _attempt(conn, q.limit(per_column))
             if got:
                 out[(t.name, c.name)] = [str(v) for (v,) in got]

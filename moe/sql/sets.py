@@ -198,6 +198,11 @@ def _fit_schemas(
             pruner if d.sql_schema_pruning else None,
         )
         texts[db_path] = fitted.text
+        if d.sql_question_values:  # a pruned example names no value of a table it lost
+            for _, r in members:
+                if id(r) in fitted.pruned:
+                    kept = set(fitted.pruned[id(r)].kept_tables)
+                    r.values = values_line(pruner.index, r.question, d.sql_question_values, kept)
         too_long |= fitted.dropped
         pruned |= fitted.pruned
         result.schema_tokens[names[db_path]] = fitted.schema_tokens

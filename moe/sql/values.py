@@ -29,23 +29,25 @@ def _literal(v: str) -> str:
     return "'" + v.replace("'", "''") + "'"
 
 
-def named_values(index: ValueIndex, question: str, limit: int) -> list[tuple[str, str, str]]:
+def named_values(
+    index: ValueIndex, question: str, limit: int, tables: set[str] | None = None
+) -> list[tuple[str, str, str]]:
     """The values `question` names, as (table, column, value as the database writes it),
-    longest first, at most `limit`."""
+    longest first, at most `limit`; with `tables` (a pruned schema's), only those of its
+    tables, out of the `limit` chosen (so the line only shrinks when the schema is cut)."""
     if limit <= 0:
         return []
     said = phrase(question)
     found = {k: list(v) for k, v in index.hits(question).items()}
-    countries = {f for form in FORMS for f in FORMS[form] if f" {form} " in said}
-    if countries:
-        for key, vals in index.values.items():
-            more = [v for v in set(vals) if v in countries and v not in found.get(key, [])]
-            if more:
-                found.setdefault(key, []).extend(more)
+    for country in {f for form in FORMS for f in FORMS[form] if f" {form} " in said}:
+        for key in index.holding(country):
+            if country not in found.setdefault(key, []):
+                found[key].append(country)
     cands = [
         (t, c, p)
         for (t, c), vals in found.items()
         for p in sorted(set(vals), key=lambda p: (-len(p), p))[:PER_COLUMN]
+        if len(index.raw.get((t, c), {}).get(p, "").splitlines()) <= 1  # the line stays one
     ]
     asked = words(question)  # a column whose table or name the question uses goes first
     cands.sort(key=lambda x: (-len(x[2]), not asked & (words(x[0]) | words(x[1])), x[0], x[1]))
@@ -56,10 +58,17 @@ def named_values(index: ValueIndex, question: str, limit: int) -> list[tuple[str
         out.append((t, c, p))
         if len(out) == limit:
             break
-    return [(t, c, index.raw.get((t, c), {}).get(p, p)) for t, c, p in out]
+    return [
+        (t, c, index.raw.get((t, c), {}).get(p, p))
+        for t, c, p in out
+        if tables is None or t in tables
+    ]
 
 
-def values_line(index: ValueIndex, question: str, limit: int) -> str:
+def values_line(
+    index: ValueIndex, question: str, limit: int, tables: set[str] | None = None
+) -> str:
     """The text of the prompt's values line for `question` ('' when it names none):
-    `customer.country = 'France'; genre.name = 'Rock'`."""
-    return "; ".join(f"{t}.{c} = {_literal(v)}" for t, c, v in named_values(index, question, limit))
+    `customer.country = 'France'; genre.name = 'Rock'` (`named_values`)."""
+    got = named_values(index, question, limit, tables)
+    return "; ".join(f"{t}.{c} = {_literal(v)}" for t, c, v in got)

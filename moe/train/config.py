@@ -58,7 +58,9 @@ class OptimConfig:
     # Steps between checkpoints (with checkpoint.every: stage).
     checkpoint_every: int = knob(100, ge=1)
     # Above 0: stop after this many seconds of training; the lr decay follows the time used when
-    # that is ahead of the steps, so the run still ends annealed. 0 = max_steps only.
+    # that is ahead of the steps, so the run still ends annealed. 0 = max_steps only. Across
+    # several processes the time moves at metrics rows (log_every): the stop may come up to
+    # log_every steps late, and the time-based lr holds between rows.
     time_budget_s: float = knob(0.0, ge=0, note=" (0 = off)")
     # Processes on this machine (torchrun: data parallel + expert parallel); moe.num_experts
     # and batch_size must divide by it. 0 = one per GPU of the stage's pool
