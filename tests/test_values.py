@@ -159,3 +159,16 @@ def test_a_pruned_example_names_no_value_of_a_table_it_lost(
         assert tables <= shown, (p.question, p.values, shown)
         named += bool(p.values)
     assert named and pairs[0].values.startswith("customer.country = 'Canada'")
+
+
+def test_ask_builds_its_prompt_as_the_data_was_prepared(tmp_path: Path) -> None:
+    """`moe-pipeline ask` takes the prompt's settings from the prepared data's params.yaml
+    (what the model was trained on), not from params changed since."""
+    from flows.commands.outputs import _prompt_settings
+    from moe.data.config import DataConfig
+
+    now = DataConfig(sql_question_values=0, sql_schema_values=2)
+    assert _prompt_settings(now, tmp_path)["sql_question_values"] == 0  # nothing prepared
+    (tmp_path / "params.yaml").write_text("data:\n  sql_question_values: 3\n")
+    got = _prompt_settings(now, tmp_path)
+    assert (got["sql_question_values"], got["sql_schema_values"]) == (3, 2)

@@ -203,28 +203,46 @@ def model_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prompt_settings(data: Any, data_dir: Path) -> dict[str, Any]:
+    """How the prompt is built (schema values, pruning, question values) as `prepare` built
+    the model's training prompts: from the prepared data's params.yaml when it has one (a
+    setting changed since would otherwise ask the model in a form it never saw), else from
+    the params given."""
+    import yaml
+
+    keys = ("sql_schema_values", "sql_schema_pruning", "sql_question_values")
+    out = {k: getattr(data, k) for k in keys}
+    path = data_dir / "params.yaml"
+    if path.is_file():
+        prepared = (yaml.safe_load(path.read_text()) or {}).get("data") or {}
+        out |= {k: prepared[k] for k in keys if k in prepared}
+    return out
+
+
 def answer(args: argparse.Namespace) -> int:
     """`ask`: tasks/publish.py `ask` (--db: a sqlite file, or a server's URL whose password
     data.sql_domain_password names); the SQL, then its rows (exit 1 if it fails)."""
     from tasks.publish import ask
 
     cfg = load_config(args.params, args.overrides)
+    data_dir = args.data or Path(cfg.data.out_dir)
+    prompt = _prompt_settings(cfg.data, data_dir)
     got = ask(
         args.dir,
         args.question,
         args.db,
-        args.data or Path(cfg.data.out_dir),
+        data_dir,
         cfg.evaluate.max_new_tokens,
         cfg.data.sql_time_limit_s,
         cfg.data.sql_row_limit,
-        cfg.data.sql_schema_values,
-        cfg.data.sql_schema_pruning,
+        prompt["sql_schema_values"],
+        prompt["sql_schema_pruning"],
         cfg.data.sql_domain_password,  # a server URL's password: where it comes from
         args.candidates or cfg.evaluate.candidates,
         cfg.evaluate.temperature,
         cfg.evaluate.constrain_identifiers,
         cfg.evaluate.vote,
-        cfg.data.sql_question_values,
+        prompt["sql_question_values"],
         cfg.evaluate.device,
         cfg.evaluate.dtype,
     )
