@@ -175,21 +175,6 @@ class Trainer:
     def step(self) -> int:
         return self.state.progress.step
 
-    def _row_step(self) -> bool:
-        """Whether this step ends with a metrics row (every log_every steps, and the last):
-        where the host reads the device, and, at world > 1, where the ranks agree."""
-        return self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps
-
-    def _asked_to_stop(self) -> bool:
-        """Whether a stop was asked for from outside (`interrupted`): every step in one
-        process; at world > 1 at metrics rows only, where the ranks agree (one signalled
-        rank stops them all there: the save is collective) and read the host anyway."""
-        if self.interrupted is None:
-            return False
-        if self.ranks.world == 1:
-            return bool(self.interrupted())
-        return self._row_step() and bool(self.ranks.agree_max(float(self.interrupted())))
-
     def evaluate(self) -> float | None:
         """The validation loss now (None without validation batches)."""
         return validation_loss(self.model, self.validation, self.ranks)
@@ -213,7 +198,7 @@ class Trainer:
             run.steps += 1
             run.last_loss = loss
             run.window.loss += loss
-            if self._row_step():
+            if _row_step(self):
                 self._log_window(run, lr, grad_norm)
             reason = self._stop_decision(run, lr)
             self._checkpoint_if_due(run, reason)
@@ -332,7 +317,7 @@ class Trainer:
         a stop asked for from outside (no validation then: the notice may be short)."""
         reason = None
         v, progress = self.validation, self.state.progress
-        if self._asked_to_stop():
+        if _asked_to_stop(self):
             self.stop.record(self.step, INTERRUPTED, progress.elapsed_s)
             return INTERRUPTED
         if v and v.every and (self.step % v.every == 0 or self.step == self.cfg.max_steps):
@@ -398,6 +383,23 @@ class Trainer:
         return report(self, run, stop_reason, path, val_loss, resilience)
 
 
+def _row_step(trainer: Trainer) -> bool:
+    """Whether this step ends with a metrics row (every log_every steps, and the last):
+    where the host reads the device, and, at world > 1, where the ranks agree."""
+    return trainer.step % trainer.cfg.log_every == 0 or trainer.step == trainer.cfg.max_steps
+
+
+def _asked_to_stop(trainer: Trainer) -> bool:
+    """Whether a stop was asked for from outside (`interrupted`): every step in one
+    process; at world > 1 at metrics rows only, where the ranks agree (one signalled
+    rank stops them all there: the save is collective) and read the host anyway."""
+    if trainer.interrupted is None:
+        return False
+    if trainer.ranks.world == 1:
+        return bool(trainer.interrupted())
+    return _row_step(trainer) and bool(trainer.ranks.agree_max(float(trainer.interrupted())))
+
+
 def _account_time(trainer: Trainer, run: _Run, t_step: float) -> None:
     """Add this step's time: at a metrics row after the GPU's backlog (it runs behind). In
     one process the training time moves every step; at world > 1 the ranks agree on it (the
@@ -405,7 +407,7 @@ def _account_time(trainer: Trainer, run: _Run, t_step: float) -> None:
     host: the time-based lr, the cost and time budgets and the save plan read the time agreed
     last, the same on every rank."""
     ranks = trainer.ranks
-    row = trainer._row_step()
+    row = _row_step(trainer)
     if row and ranks.device.type == "cuda":
         torch.cuda.synchronize(ranks.device)
     run.unagreed_s += trainer.clock() - t_step
