@@ -14,8 +14,8 @@
 #   7. bench/moe_vs_dense.py at a scale where the literature sees the MoE's gain per token
 #      (two seeds, 2000 steps of 64 x 512 tokens: 65M tokens a run), after `prepare`.
 # Each step has its own time limit and log under $OUT (the device tool brings $OUT back);
-# one failing step does not stop the others. The figures go into bench/RESULTS.md, marked as
-# H200 figures.
+# one failing step does not stop the others. The figures go into bench/RESULTS.md, marked
+# with the card that ran them (gpu.txt: an H100 or an H200).
 #
 # The lent machine's image has PyTorch, safetensors, tokenizers, transformers and PyYAML but
 # not zstandard, torchao or Prefect: carry zstandard and torchao as wheels and install them

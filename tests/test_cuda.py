@@ -128,3 +128,23 @@ def test_a_packed_batch_reaches_the_gpu_through_pinned_memory_and_trains() -> No
     with torch.autocast("cuda", dtype=torch.bfloat16):
         _, loss, _ = model(x, y, w, logits=False, loss_rows=rows, segments_BS=seg)
     assert abs(float(loss) - float(cpu_loss)) < 0.05 * float(cpu_loss)
+
+
+@cuda
+def test_a_copy_to_the_gpu_does_not_wait_for_the_work_queued_before_it() -> None:
+    """`copy_to_device` of a contiguous host tensor and of a strided view (a sampler's
+    x = t[:, :-1], whose pinned copy would keep its strides and go through an unpinned
+    temporary) returns while the GPU is still busy with a queued sleep: it did not wait."""
+    from moe.train.config import FinetuneConfig
+    from moe.train.ranks import Ranks
+
+    ranks = Ranks(FinetuneConfig(device="cuda", max_len=48))
+    t = torch.arange(4 * 65).view(4, 65)
+    for host in (t, t[:, :-1]):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # about a second of the GPU's cycles, queued
+        got = ranks.copy_to_device(host)
+        busy = not torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        assert busy, f"the copy of the {tuple(host.shape)} tensor waited for the GPU"
+        assert torch.equal(got.cpu(), host)

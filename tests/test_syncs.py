@@ -98,3 +98,19 @@ def test_generation_reads_the_device_once_a_token_the_stop_check() -> None:
         assert [len(o) for o in out] == [n] * 3
         reads[n] = sum(syncs.counts.values())
     assert reads[12] - reads[4] == 8, reads  # one a token
+
+
+def test_flexattention_passes_through_and_the_count_goes_on() -> None:
+    """FlexAttention (packed rows on a GPU) is a higher-order operator: under the mode it
+    runs (torch refuses one a mode does not declare it handles) and counts nothing, and
+    the reads after it still count."""
+    from moe.model.masking import block_masks, flex_attention
+
+    seg = torch.tensor([[0] * 5 + [1] * 7 + [-1] * 4])
+    mask = block_masks(seg, set())[0]
+    q, k, v = (torch.randn(1, 2, 16, 16) for _ in range(3))
+    with HostSyncs() as syncs:
+        y = flex_attention(q, k, v, mask, None)
+        assert sum(syncs.counts.values()) == 0, syncs.counts
+        y.sum().item()
+    assert sum(syncs.counts.values()) == 1

@@ -19,7 +19,8 @@ from moe.model.rope import rope_frequencies, softmax_scale
 # How packed rows attend (`PackedRows`): "auto" is FlexAttention with a block mask on a GPU
 # (blocks of other examples skipped) and a boolean mask through scaled_dot_product_attention
 # elsewhere (on 2 CPU cores the eager FlexAttention writes every score out); "flex" or
-# "masked" chooses one everywhere. Latent attention, and heads under 16 wide (FlexAttention's
+# "masked" chooses one everywhere ("flex" cannot train on a CPU: torch 2.13's FlexAttention has
+# no backward there). Latent attention, and heads under 16 wide (FlexAttention's
 # GPU kernel refuses them), always take the mask.
 PACKED_ATTENTION = "auto"
 

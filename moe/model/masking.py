@@ -118,8 +118,11 @@ def flex_attention(
     the output is scaled by sum / (sum + e^sink) = sigmoid(lse - sink), lse the log of the
     sum over the keys seen (FlexAttention returns it)."""
     from torch.nn.attention.flex_attention import AuxRequest
+    from torch.nn.attention.flex_attention import flex_attention as plain
 
-    flex = _flex(q.device.type)
+    # Inside a compiled model (`compile: true`) the plain function: the compiler lowers it to
+    # the fused kernel itself, where a compiled function called in there breaks the graph.
+    flex = plain if torch.compiler.is_compiling() else _flex(q.device.type)
     gqa = k.shape[1] != q.shape[1]
     if sinks is None:
         return flex(q, k, v, block_mask=mask, enable_gqa=gqa)

@@ -141,10 +141,12 @@ class Ranks:
     def copy_to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor on the device. To a GPU through pinned memory, without waiting: a
         copy from pageable memory blocks until the GPU's queued work is done (the caching host
-        allocator keeps the pinned buffer until its copy has run)."""
+        allocator keeps the pinned buffer until its copy has run). Made contiguous first: a
+        strided view (a sampler's x = t[:, :-1]) keeps its strides when pinned, and its copy
+        then goes through an unpinned contiguous temporary, which may wait."""
         if self.device.type != "cuda":
             return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return t.contiguous().pin_memory().to(self.device, non_blocking=True)
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:
         """The mean of `t` over ranks."""

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # aten ops (overload packets) that read the device on the host or size their output by data.
@@ -66,7 +67,17 @@ _WRAPPED = ("tolist",)
 
 class HostSyncs(TorchDispatchMode):
     """Counts host syncs while active, each labelled by `label()` (the trainer's step, say):
-    `counts[(label, op)]`. `.tolist()` does not dispatch: it is counted by wrapping it."""
+    `counts[(label, op)]`. `.tolist()` does not dispatch: it is counted by wrapping it.
+    What torch.compile compiles runs compiled under it (`ignore_compile_internals`: else
+    Dynamo would fall back to eager code, and FlexAttention, which packed rows run on a GPU,
+    refuses to run at all); what the compiled code calls at run time is counted. A
+    higher-order operator (FlexAttention's) passes through whole, its inner ops uncounted."""
+
+    supports_higher_order_operators = True  # else torch refuses them under the mode
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def __init__(
         self,
@@ -81,6 +92,8 @@ class HostSyncs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            return func(*args, **kwargs)
         if _is_sync(func, args, kwargs) and not self.ignore(args):
             self.counts[(self.label(), func.overloadpacket.__name__)] += 1
         return func(*args, **kwargs)
