@@ -104,7 +104,7 @@ class DataConfig:
     # Up to this many cell values that a question names, shown in its prompt beside their
     # columns (`-- values: customer.country = 'France'`, as BRIDGE and CodeS do), found by
     # the value index of schema pruning (moe/sql/values.py); in training, evaluation and
-    # `ask` alike. 0 = none.
+    # `ask` alike. 0 = none (SmolLM2-135M did not gain from it: bench/RESULTS.md).
     sql_question_values: int = knob(0, ge=0, le=20)
     # An example whose database's whole schema does not fit the model gets the tables and
     # columns its question names (by names and by values the database holds; a training
