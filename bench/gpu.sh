@@ -24,6 +24,10 @@
 # Steps 1-5 need only the `moe` package (and peft for step 4); step 6 needs the pipeline's
 # `prepare` stage and is skipped, saying so, where its imports are missing.
 #
+# The limits add up to more than one device call (600 s at most) and a session's device time
+# (15 minutes): run the steps in parts, each call naming its steps in ONLY, e.g.
+#   ONLY="cuda_tests flex_tests packing" bash bench/gpu.sh
+#   ONLY="gpu_peer moe_layer" bash bench/gpu.sh
 #   device: bash bench/gpu.sh        (PY=python3 there; OUT is set by the device tool)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +40,10 @@ export HF_HUB_OFFLINE=1 PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 step() {  # step NAME SECONDS CMD...: run with a limit, keep the log, say how it ended
   local name=$1 limit=$2
   shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
+    echo "=== $name: not in ONLY ($ONLY)"
+    return 0
+  fi
   echo "=== $name (limit ${limit}s): $*"
   local t0=$SECONDS
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
