@@ -602,6 +602,70 @@ def test_a_glued_name_is_asked_in_its_words(chinook_db: Path) -> None:
     assert words("Average", cuts) == "average" and words("AverAge", cuts) == "aver age"
 
 
+def test_a_column_is_also_asked_in_the_words_its_meaning_gives(chinook_db: Path) -> None:
+    """A price, a duration, a place or the date of an event is asked as people ask it ("the 5
+    longest tracks", "tracks that cost more than 0.99", "invoices from Paris", "the employee
+    hired first"; four of Chinook's hand-written questions), with the SQL its column's
+    wording has, and the direction right; "formal" never says it; a name the readings do not
+    know keeps the column's wordings alone."""
+    import random
+    import re
+
+    from moe.sql.generator import QuestionGenerator
+    from moe.sql.roles import done, measure, place
+
+    assert measure("unit_price") == (
+        ("most expensive", "cheapest"),
+        ("cost more than", "cost less than"),
+    )
+    assert (
+        measure("Milliseconds")[0] == ("longest", "shortest") and measure("age")[0][0] == "oldest"
+    )
+    assert measure("total") is None and measure("name") is None and measure("page") is None
+    assert place("billing city", None) and place("Country") and not place("capacity")
+    assert (done("HireDate"), done("birth_date"), done("invoicedate"), done("date")) == (
+        "hired", "born", None, None,
+    )  # fmt: skip
+    checks = [  # (the question, the SQL it must go with)
+        (r"^What are the (\d+) (longest|shortest) tracks\?$",
+         lambda m: f"SELECT name FROM track ORDER BY milliseconds {'DESC' if m[2] == 'longest' else 'ASC'} LIMIT {m[1]}"),
+        (r"^What is the (most expensive|cheapest) track\?$",
+         lambda m: f"SELECT name FROM track ORDER BY unit_price {'DESC' if m[1] != 'cheapest' else 'ASC'} LIMIT 1"),
+        (r"^Which tracks cost (more|less) than ([\d.]+)\?$",
+         lambda m: f"SELECT name FROM track WHERE unit_price {'>' if m[1] == 'more' else '<'} {m[2]}"),
+        (r"^Which employee was hired (first|most recently)\?$",
+         lambda m: "SELECT firstname, lastname FROM employee ORDER BY hiredate "
+                   f"{'ASC' if m[1] == 'first' else 'DESC'} LIMIT 1"),
+        (r"^Which invoices are from (.+)\?$",
+         lambda m: f"SELECT id FROM invoice WHERE billing(city|country|state) = '{m[1]}'"),
+        (r"^How many customers are from (.+)\?$",
+         lambda m: f"SELECT COUNT\\(\\*\\) FROM customer WHERE (city|country|state) = '{m[1]}'"),
+    ]  # fmt: skip
+    with ReadOnlyDb(chinook_db) as ro:
+        schema = ro.schema()
+        varied = list(itertools.islice(QuestionGenerator(schema).stream(random.Random(2)), 3000))
+        formal = list(
+            itertools.islice(QuestionGenerator(schema, "formal").stream(random.Random(2)), 3000)
+        )
+        seen = {pattern: 0 for pattern, _ in checks}
+        for q, sql in varied:
+            for pattern, want in checks:
+                if m := re.match(pattern, q):
+                    seen[pattern] += 1
+                    expect = want(m)
+                    assert re.fullmatch(expect, sql) if "(" in expect else sql == expect, (q, sql)
+                    assert ro.run(sql).ok
+    assert all(seen.values()), seen
+    people = re.compile(r"longest|shortest|expensive|cheapest| cost | are from | was hired ")
+    assert not any(people.search(q) for q, _ in formal)
+    # a name no reading knows: its template's wordings and draws are those it had before
+    assert not any(
+        re.search(r"longest|cheapest|are from", q)
+        for q, s in varied
+        if "genre" in s and "JOIN" not in s
+    )
+
+
 def test_domain_pairs_problems_are_named(tmp_path: Path, tok, chinook_db: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text(

@@ -24,7 +24,10 @@ ones people write ("Which tracks have composer X?", "Count the customers per cou
 where the table's label is what "which tracks" asks for, as in Spider's questions; with
 `wordings="formal"` (`data.sql_generic_wordings`, `data.sql_domain_wordings`) the first alone,
 drawing nothing for it, so the random draws are those made before the others came (the text
-differs only where a glued name is now cut). A name is
+differs only where a glued name is now cut). A column whose name says what it holds is also
+asked in the words that meaning gives, one time in two (`read`: "the 5 longest tracks", "tracks
+that cost more than 0.99", "invoices from Paris", "the employee hired first";
+moe/sql/roles.py `measure`, `place`, `done`). A name is
 said in words (`Tables._words`): `unit_price` as "unit price", and a name glued in lower case
 cut where the schema shows it (`billingcountry` as "billing country", moe/sql/roles.py `glued`).
 
@@ -45,7 +48,7 @@ import re
 from collections.abc import Iterator
 
 from moe.sql.joined import Joins
-from moe.sql.roles import AGGS, Tables, Template, literal, plural
+from moe.sql.roles import AGGS, Tables, Template, done, literal, place, plural
 from moe.sql.sandbox import Schema, ident, in_dialect
 
 KINDS = ("filters", "ordering", "aggregates", "grouping", "joins")
@@ -83,6 +86,7 @@ class _Filters(Tables):
                 f"List the {self._lbl(r)} of {r.nouns} whose {self._words(c.name)} is {v}.",
                 f"Which {r.nouns} have {self._words(c.name)} {v}?",
                 f"Show the {r.nouns} whose {self._words(c.name)} is {v}.",
+                read=self._from(r, c, v),
             ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)}",
         )
@@ -100,6 +104,7 @@ class _Filters(Tables):
                 f"List the {self._lbl(r)} of {r.nouns} with {self._words(c.name)} {op_w} {v}.",
                 f"Which {r.nouns} have {self._words(c.name)} {op_w} {v}?",
                 f"Show the {r.nouns} whose {self._words(c.name)} is {op_w} {v}.",
+                read=(w := self._compared(c, op)) and f"Which {r.nouns} {w} {v}?",
             ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} {op} {literal(v)}",
         )
@@ -167,6 +172,7 @@ class _Filters(Tables):
                 f"Which {r.nouns} have {self._words(c.name)} {v}? Give their {self._lbl(r)}.",
                 f"Which {r.nouns} have {self._words(c.name)} {v}?",
                 f"List the {r.nouns} whose {self._words(c.name)} is {v}.",
+                read=self._from(r, c, v),
             ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)}",
         )
@@ -205,6 +211,7 @@ class _Ordering(Tables):
                 f"Show the {self._lbl(r)} of the {k} {r.nouns} with the {'highest' if high else 'lowest'} {self._words(n.name)}.",
                 f"What are the {k} {r.nouns} with the {'largest' if high else 'smallest'} {self._words(n.name)}?",
                 f"Show the {'top' if high else 'bottom'} {k} {r.nouns} by {self._words(n.name)}.",
+                read=(w := self._extreme(n, high)) and f"What are the {k} {w} {r.nouns}?",
             ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} ORDER BY {ident(n.name)} {'DESC' if high else 'ASC'} LIMIT {k}",
         )
@@ -220,6 +227,7 @@ class _Ordering(Tables):
                 rng,
                 f"What is the {r.label_words} of the {r.noun} with the {'highest' if high else 'lowest'} {self._words(n.name)}?",
                 f"Which {r.noun} has the {'largest' if high else 'smallest'} {self._words(n.name)}?",
+                read=(w := self._extreme(n, high)) and f"What is the {w} {r.noun}?",
             ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)} ORDER BY {ident(n.name)} {'DESC' if high else 'ASC'} LIMIT 1",
         )
@@ -267,6 +275,8 @@ class _Ordering(Tables):
                 rng,
                 f"Which {r.noun} has the {'earliest' if first else 'latest'} {self._words(c.name)}? Give its {r.label_words}.",
                 f"Which {r.noun} has the {'earliest' if first else 'latest'} {self._words(c.name)}?",
+                read=(w := done(c.name))
+                and f"Which {r.noun} was {w} {'first' if first else 'most recently'}?",
             ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)}{known} ORDER BY {ident(c.name)} {'ASC' if first else 'DESC'} LIMIT 1",
         )
@@ -293,6 +303,7 @@ class _Aggregates(Tables):
                 rng,
                 f"How many {r.nouns} have {self._words(c.name)} {v}?",
                 f"How many {r.nouns} are there whose {self._words(c.name)} is {v}?",
+                read=f"How many {r.nouns} are from {v}?" if place(c.name, self.cuts) else None,
             ),
             f"SELECT COUNT(*) FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)}",
         )

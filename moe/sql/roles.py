@@ -24,6 +24,75 @@ _LAST = re.compile(r"^(last|sur|family)_?name$", re.I)
 
 Template = Callable[[random.Random], tuple[str, str] | None]
 
+# What a column's name says its number, place or date is, so a question can also say it the
+# way people ask ("the 5 longest tracks", "tracks that cost more than 0.99", "customers from
+# Brazil", "the employee hired first") beside the wording that names the column. Read from
+# the name's last word (`words`); a name none of these match keeps the column's wordings
+# alone. What they do not read: a unit in another word ("price in dollars"), a name in
+# another language, a measure whose direction people say otherwise ("rank" 1 is the best).
+_MEASURES = (  # (the last word, (the highest, the lowest), (more than, less than))
+    (r"price|cost|fee|fare", ("most expensive", "cheapest"), ("cost more than", "cost less than")),
+    (r"milliseconds|seconds|minutes|hours|duration|runtime",
+     ("longest", "shortest"), ("last longer than", "last less than")),
+    (r"length", ("longest", "shortest"), ("are longer than", "are shorter than")),
+    (r"age", ("oldest", "youngest"), ("are older than", "are younger than")),
+    (r"weight", ("heaviest", "lightest"), ("weigh more than", "weigh less than")),
+    (r"height", ("tallest", "shortest"), ("are taller than", "are shorter than")),
+)  # fmt: skip
+_PLACES = re.compile(r"country|city|state|town|hometown|nationality|region|location|nation")
+# a date named for what happened on it (`hiredate`, `birth_date`): the event's participle
+_DONE = {
+    "hire": "hired",
+    "birth": "born",
+    "release": "released",
+    "order": "ordered",
+    "ship": "shipped",
+    "start": "started",
+    "join": "joined",
+    "create": "created",
+    "publish": "published",
+    "found": "founded",
+    "open": "opened",
+    "register": "registered",
+    "sign": "signed",
+    "purchase": "purchased",
+    "pay": "paid",
+    "build": "built",
+    "launch": "launched",
+    "record": "recorded",
+    "issue": "issued",
+    "enrol": "enrolled",
+    "enroll": "enrolled",
+    "death": "died",
+}  # fmt: skip: not `invoicedate`, `order_date`: "the invoice invoiced first" says it twice
+_DONE_ON = re.compile(rf"({'|'.join(_DONE)})_?(date|time|day|on)", re.I)
+
+
+def measure(
+    name: str, cuts: Mapping[str, str] | None = None
+) -> tuple[tuple[str, str], tuple[str, str]] | None:
+    """What a numeric column's highest and lowest are called and how "more/less than" is said
+    of its rows: `unit_price` -> (("most expensive", "cheapest"), ("cost more than", "cost
+    less than")); None where its name is none of `_MEASURES`."""
+    last = words(name, cuts).split()[-1:] or [""]
+    for pattern, extremes, compared in _MEASURES:
+        if re.fullmatch(pattern, last[0]):
+            return extremes, compared
+    return None
+
+
+def place(name: str, cuts: Mapping[str, str] | None = None) -> bool:
+    """A column of places (`country`, `billing city`, `hometown`): its rows are "from" a value."""
+    last = words(name, cuts).split()[-1:] or [""]
+    return bool(_PLACES.fullmatch(last[0]))
+
+
+def done(name: str) -> str | None:
+    """The participle of the event a date column records: `hiredate`, `HireDate` and
+    `hire_date` -> 'hired', `birthday` -> 'born'; None for another name."""
+    m = _DONE_ON.fullmatch(name.replace(" ", ""))
+    return _DONE[m.group(1).lower()] if m else None
+
 
 def words(name: str, cuts: Mapping[str, str] | None = None) -> str:
     """A column or table name as words: `unit_price` and `UnitPrice` -> 'unit price'; a part
@@ -208,19 +277,39 @@ class Tables:
         """A name of this schema as words (`words`, its glued names cut: `glued`)."""
         return words(name, self.cuts)
 
-    def _say(self, rng: random.Random, *wordings: str) -> str:
+    def _say(self, rng: random.Random, *wordings: str, read: str | None = None) -> str:
         """One of a question's wordings, drawn evenly: the first names what the SELECT lists
         ("List the names of tracks whose ..."); the others say it as people ask it ("Which
         tracks have ...?": the table's label, as Spider's questions mean it). A model that
         saw only the first misread the plainer questions of a user (bench/RESULTS.md).
-        "formal" wordings keep the first and draw nothing, so the draws are those made
-        before the plainer wordings came."""
-        return rng.choice(wordings) if self.varied else wordings[0]
+        `read`: the question in the words the column's meaning gives ("What are the 5
+        longest tracks?", `measure`, `place`, `done`), which people use for such a column
+        more than its name: drawn one time in two. "formal" wordings keep the first and draw
+        nothing, so the draws are those made before the plainer wordings came."""
+        if not self.varied:
+            return wordings[0]
+        if read and rng.random() < 0.5:
+            return read
+        return rng.choice(wordings)
 
     def _op(self, rng: random.Random) -> tuple[str, str]:
         """A comparison and one of the words that say it (the first when "formal")."""
         op, said = rng.choice(OPS)
         return op, rng.choice(_OP_WORDS.get(op, (said,))) if self.varied else said
+
+    def _extreme(self, c: Column, high: bool) -> str | None:
+        """The highest or lowest of a measure as people say it ('longest', 'cheapest'), or None."""
+        m = measure(c.name, self.cuts)
+        return m[0][not high] if m else None
+
+    def _compared(self, c: Column, op: str) -> str | None:
+        """ "more/less than" said of a measure's rows ('cost more than'), or None."""
+        m = measure(c.name, self.cuts)
+        return m[1][op == "<"] if m and op in (">", "<") else None
+
+    def _from(self, r: Role, c: Column, v: object) -> str | None:
+        """ "Which customers are from Brazil?": a place column's filter as people ask it."""
+        return f"Which {r.nouns} are from {v}?" if place(c.name, self.cuts) else None
 
     @staticmethod
     def _sel(r: Role, alias: str = "") -> str:
