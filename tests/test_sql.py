@@ -566,6 +566,19 @@ def test_each_stage_says_its_generated_questions_in_its_own_wordings(tmp_path: P
         assert (wording, same) == ("first", True) if wordings == "formal" else not same
 
 
+def test_a_generic_knob_leaves_the_domain_sets_as_they_were(tmp_path: Path, tok) -> None:
+    """The domain's database, training pairs and test set draw from a stream of their own: a
+    user who changes how the generic pairs are worded or how many there are gets the same
+    domain sets, so the domain's figures before and after compare on the same questions."""
+    build_sql_sets(small(), tmp_path / "a", limits(tok))
+    build_sql_sets(
+        small(sql_generic_wordings="formal", sql_generic_pairs=200), tmp_path / "b", limits(tok)
+    )
+    assert (tmp_path / "a/generic.jsonl").read_text() != (tmp_path / "b/generic.jsonl").read_text()
+    for name in ("domain_train.jsonl", "domain_test.jsonl", "dbs/domain.sqlite"):
+        assert sha(tmp_path / "a" / name) == sha(tmp_path / "b" / name), name
+
+
 def test_a_glued_name_is_asked_in_its_words(chinook_db: Path) -> None:
     """Chinook's port glues its names (`billingcountry`); a question says them as people
     write them ("per billing country", the hand-written set's words): cut where the name ends

@@ -88,8 +88,8 @@ class DataConfig:
     sql_domain_train_pairs: int = knob(500, ge=1)
     # How the generator says the domain's generated questions ("varied" or "formal", as
     # sql_generic_wordings). Trained on "varied", SmolLM2 read Chinook's 25 hand-written
-    # questions better (bench/RESULTS.md). Both knobs also word the generated test questions,
-    # and the stages share one random stream: a change to either changes the other's pairs.
+    # questions better (bench/RESULTS.md). Both knobs also word the generated test questions;
+    # each stage draws from a random stream of its own, so one leaves the other's pairs be.
     sql_domain_wordings: str = knob("varied", pattern="varied|formal", note="varied or formal")
     # Generated held-out domain questions (used when the user gives none).
     sql_domain_test_pairs: int = knob(

@@ -80,7 +80,9 @@ def build_sql_sets(d: Any, out_dir: Path, limits: Limits) -> SqlSets:
     """Read, generate, check and split every pair set of `d` (a DataConfig), write them
     under out_dir (`generic.jsonl`, `generic_test_seen.jsonl`, `generic_test_heldout.jsonl`,
     `domain_train.jsonl`, `domain_test.jsonl` and `dbs/*.sqlite`) and say what was skipped.
-    No test question is a training one."""
+    No test question is a training one. The generic and the domain sets draw from streams of
+    their own, so a knob of one (`data.sql_generic_wordings`, `..._pairs`) leaves the other's
+    database, pairs and test set as they were."""
     rng = random.Random(d.seed)
     dbs_dir = out_dir / "dbs"
     dbs_dir.mkdir(parents=True, exist_ok=True)
@@ -89,7 +91,8 @@ def build_sql_sets(d: Any, out_dir: Path, limits: Limits) -> SqlSets:
     result_dropped: list[str] = []
     try:
         g, gsrc = _generic(d, dbs_dir, dbs, rng, bad, result_dropped)
-        dtrain, dtest, src = domain_records(d, dbs_dir, dbs, rng, bad)
+        domain_rng = random.Random(f"{d.seed}/domain")
+        dtrain, dtest, src = domain_records(d, dbs_dir, dbs, domain_rng, bad)
         settle(bad, d.on_bad_record, "the domain's pairs")
         _refuse_empty(g, gsrc, dtrain, dtest)
         raw = {
