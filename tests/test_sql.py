@@ -671,6 +671,20 @@ def test_a_column_is_also_asked_in_the_words_its_meaning_gives(chinook_db: Path)
     assert all(seen.values()), seen
     people = re.compile(r"longest|shortest|expensive|cheapest| cost | are from | was hired ")
     assert not any(people.search(q) for q, _ in formal)
+    # a place column holding a status ('pending'), not a place's name: no "from"
+    import sqlite3
+
+    from moe.sql.sandbox import inspect_database
+
+    con = sqlite3.connect(":memory:")
+    con.execute("CREATE TABLE parcel (id INTEGER PRIMARY KEY, name TEXT, state TEXT)")
+    rows = [(i, f"p{i}", ("pending", "paid", "Ohio")[i % 3]) for i in range(30)]
+    con.executemany("INSERT INTO parcel VALUES (?, ?, ?)", rows)
+    gen = QuestionGenerator(inspect_database(con))
+    con.close()
+    said = [q for i in range(300) for q, _ in [gen._f_cat(random.Random(i)) or ("", "")]]
+    assert "Which parcels are from Ohio?" in said
+    assert not any(re.search(r"from (pending|paid)", q) for q in said), said
     # a name no reading knows: its template's wordings and draws are those it had before
     assert not any(
         re.search(r"longest|cheapest|are from", q)

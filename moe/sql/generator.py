@@ -48,7 +48,7 @@ import re
 from collections.abc import Iterator
 
 from moe.sql.joined import Joins
-from moe.sql.roles import AGGS, Tables, Template, done, literal, place, plural
+from moe.sql.roles import AGGS, Tables, Template, done, literal, plural
 from moe.sql.sandbox import Schema, ident, in_dialect
 
 KINDS = ("filters", "ordering", "aggregates", "grouping", "joins")
@@ -303,7 +303,7 @@ class _Aggregates(Tables):
                 rng,
                 f"How many {r.nouns} have {self._words(c.name)} {v}?",
                 f"How many {r.nouns} are there whose {self._words(c.name)} is {v}?",
-                read=f"How many {r.nouns} are from {v}?" if place(c.name, self.cuts) else None,
+                read=self._from(r, c, v, "How many {} are from {}?"),
             ),
             f"SELECT COUNT(*) FROM {ident(r.table.name)} WHERE {ident(c.name)} = {literal(v)}",
         )

@@ -307,9 +307,15 @@ class Tables:
         m = measure(c.name, self.cuts)
         return m[1][op == "<"] if m and op in (">", "<") else None
 
-    def _from(self, r: Role, c: Column, v: object) -> str | None:
-        """ "Which customers are from Brazil?": a place column's filter as people ask it."""
-        return f"Which {r.nouns} are from {v}?" if place(c.name, self.cuts) else None
+    def _from(
+        self, r: Role, c: Column, v: object, asked: str = "Which {} are from {}?"
+    ) -> str | None:
+        """ "Which customers are from Brazil?": a place column's filter as people ask it
+        (`asked`, filled with the rows' noun and the value); only for a value named as a
+        place is (a capital first letter), so a `state` of 'pending' is not a place."""
+        if not place(c.name, self.cuts) or not str(v)[:1].isupper():
+            return None
+        return asked.format(r.nouns, v)
 
     @staticmethod
     def _sel(r: Role, alias: str = "") -> str:
