@@ -276,7 +276,7 @@ class _Ordering(Tables):
                 f"Which {r.noun} has the {'earliest' if first else 'latest'} {self._words(c.name)}? Give its {r.label_words}.",
                 f"Which {r.noun} has the {'earliest' if first else 'latest'} {self._words(c.name)}?",
                 read=(w := done(c.name))
-                and f"Which {r.noun} was {w} {'first' if first else 'most recently'}?",
+                and f"Which {r.noun} {w} {'first' if first else 'most recently'}?",
             ),
             f"SELECT {self._sel(r)} FROM {ident(r.table.name)}{known} ORDER BY {ident(c.name)} {'ASC' if first else 'DESC'} LIMIT 1",
         )

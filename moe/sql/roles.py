@@ -26,46 +26,51 @@ Template = Callable[[random.Random], tuple[str, str] | None]
 
 # What a column's name says its number, place or date is, so a question can also say it the
 # way people ask ("the 5 longest tracks", "tracks that cost more than 0.99", "customers from
-# Brazil", "the employee hired first") beside the wording that names the column. Read from
-# the name's last word (`words`); a name none of these match keeps the column's wordings
-# alone. What they do not read: a unit in another word ("price in dollars"), a name in
-# another language, a measure whose direction people say otherwise ("rank" 1 is the best).
+# Brazil", "the employee hired first") beside the wording that names the column. A measure and
+# a place are read from the name in words (`words`), a dated event from the name whole; a
+# name none of these match keeps the column's wordings alone. Not read: a unit in another
+# word ("price in dollars", "length meters"), a measure of something else than the row
+# ("manager age", "average age"), a place the row goes to ("ship country") or is held at
+# ("location"), an adjective ("nationality": 'American'), a name in another language, a
+# measure whose direction people say otherwise ("rank" 1 is the best).
 _MEASURES = (  # (the last word, (the highest, the lowest), (more than, less than))
     (r"price|cost|fee|fare", ("most expensive", "cheapest"), ("cost more than", "cost less than")),
-    (r"milliseconds|seconds|minutes|hours|duration|runtime",
+    (r"milliseconds|seconds|minutes|duration|runtime",
      ("longest", "shortest"), ("last longer than", "last less than")),
     (r"length", ("longest", "shortest"), ("are longer than", "are shorter than")),
     (r"age", ("oldest", "youngest"), ("are older than", "are younger than")),
     (r"weight", ("heaviest", "lightest"), ("weigh more than", "weigh less than")),
     (r"height", ("tallest", "shortest"), ("are taller than", "are shorter than")),
 )  # fmt: skip
-_PLACES = re.compile(r"country|city|state|town|hometown|nationality|region|location|nation")
-# a date named for what happened on it (`hiredate`, `birth_date`): the event's participle
+# the words before a measure that still make it the row's own ("unit price", "list price")
+_OWN = {"unit", "list", "retail", "base", "sale", "selling", "ticket", "running", "run"}
+_PLACES = re.compile(r"country|city|state|town|hometown|region|nation")
+_NOT_FROM = {"ship", "shipping", "delivery", "destination", "arrival", "dest", "to"}
+# a date named for what happened on it (`hiredate`, `birth_date`, `created_at`,
+# `date_of_birth`): what the row did then, said after its noun ("Which employee was hired")
 _DONE = {
-    "hire": "hired",
-    "birth": "born",
-    "release": "released",
-    "order": "ordered",
-    "ship": "shipped",
+    "hire": "was hired",
+    "birth": "was born",
+    "release": "was released",
     "start": "started",
     "join": "joined",
-    "create": "created",
-    "publish": "published",
-    "found": "founded",
+    "create": "was created",
+    "publish": "was published",
+    "found": "was founded",
     "open": "opened",
     "register": "registered",
     "sign": "signed",
-    "purchase": "purchased",
-    "pay": "paid",
-    "build": "built",
-    "launch": "launched",
-    "record": "recorded",
-    "issue": "issued",
+    "build": "was built",
+    "launch": "was launched",
     "enrol": "enrolled",
     "enroll": "enrolled",
     "death": "died",
 }  # fmt: skip: not `invoicedate`, `order_date`: "the invoice invoiced first" says it twice
-_DONE_ON = re.compile(rf"({'|'.join(_DONE)})_?(date|time|day|on)", re.I)
+_EVENT = "|".join(_DONE)
+_DONE_ON = re.compile(
+    rf"(?:(?P<a>{_EVENT})(?:e?d)?_?(?:date|time|day|on|at)|(?:date|day)_?of_?(?P<b>{_EVENT}))",
+    re.I,
+)
 
 
 def measure(
@@ -73,25 +78,30 @@ def measure(
 ) -> tuple[tuple[str, str], tuple[str, str]] | None:
     """What a numeric column's highest and lowest are called and how "more/less than" is said
     of its rows: `unit_price` -> (("most expensive", "cheapest"), ("cost more than", "cost
-    less than")); None where its name is none of `_MEASURES`."""
-    last = words(name, cuts).split()[-1:] or [""]
+    less than")); None where its name is none of `_MEASURES`, or another word qualifies it
+    (`manager_age`, `average_age`; `unit` and the like in `_OWN` do not)."""
+    said = words(name, cuts).split() or [""]
+    if len(said) > 2 or (len(said) == 2 and said[0] not in _OWN):
+        return None
     for pattern, extremes, compared in _MEASURES:
-        if re.fullmatch(pattern, last[0]):
+        if re.fullmatch(pattern, said[-1]):
             return extremes, compared
     return None
 
 
 def place(name: str, cuts: Mapping[str, str] | None = None) -> bool:
-    """A column of places (`country`, `billing city`, `hometown`): its rows are "from" a value."""
-    last = words(name, cuts).split()[-1:] or [""]
-    return bool(_PLACES.fullmatch(last[0]))
+    """A column of the places rows are from (`country`, `billing city`, `hometown`), not one
+    they go to (`ship country`)."""
+    said = words(name, cuts).split() or [""]
+    return bool(_PLACES.fullmatch(said[-1])) and not _NOT_FROM & set(said[:-1])
 
 
 def done(name: str) -> str | None:
-    """The participle of the event a date column records: `hiredate`, `HireDate` and
-    `hire_date` -> 'hired', `birthday` -> 'born'; None for another name."""
+    """What the row did on the date a column records, said after its noun: `hiredate`,
+    `HireDate`, `hire_date` -> 'was hired', `date_of_birth` -> 'was born', `joined_on` ->
+    'joined'; None for another name."""
     m = _DONE_ON.fullmatch(name.replace(" ", ""))
-    return _DONE[m.group(1).lower()] if m else None
+    return _DONE[(m.group("a") or m.group("b")).lower()] if m else None
 
 
 def words(name: str, cuts: Mapping[str, str] | None = None) -> str:
