@@ -47,7 +47,8 @@ _OWN = {"unit", "list", "retail", "base", "sale", "selling", "ticket", "running"
 _PLACES = re.compile(r"country|city|state|town|hometown|region|nation")
 _NOT_FROM = {"ship", "shipping", "delivery", "destination", "arrival", "dest", "to"}
 # a date named for what happened on it (`hiredate`, `birth_date`, `created_at`,
-# `date_of_birth`): what the row did then, said after its noun ("Which employee was hired")
+# `date_of_birth`): what the row did then, said after its noun ("Which employee was hired").
+# Not `invoicedate` or `order_date`: "the invoice invoiced first" says it twice.
 _DONE = {
     "hire": "was hired",
     "birth": "was born",
@@ -65,7 +66,7 @@ _DONE = {
     "enrol": "enrolled",
     "enroll": "enrolled",
     "death": "died",
-}  # fmt: skip: not `invoicedate`, `order_date`: "the invoice invoiced first" says it twice
+}
 _EVENT = "|".join(_DONE)
 _DONE_ON = re.compile(
     rf"(?:(?P<a>{_EVENT})(?:e?d)?_?(?:date|time|day|on|at)|(?:date|day)_?of_?(?P<b>{_EVENT}))",
