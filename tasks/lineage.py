@@ -29,6 +29,8 @@ from tasks.config import Config
 from tasks.redact import scrub
 
 log = logging.getLogger(__name__)
+# the code that runs: its dvc.yaml names each stage's params and source files, its git the commit
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -68,11 +70,16 @@ def content_hash(path: Path) -> str:
 def code_version() -> dict[str, Any]:
     """The git commit of the code (and whether moe/tasks/flows differ from it). Where the code
     is a copy without git (an image, a stack worker's folder), MOE_CODE_COMMIT says it."""
-    if os.environ.get("MOE_CODE_COMMIT") and not Path(".git").exists():
+    if os.environ.get("MOE_CODE_COMMIT") and not (PACKAGE_ROOT / ".git").exists():
         return {"commit": os.environ["MOE_CODE_COMMIT"], "dirty": None}
-    try:
+    try:  # asked of the package's folder: a project folder of the user's own has no git
         commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+            cwd=PACKAGE_ROOT,
         ).stdout.strip()
         dirty = bool(
             subprocess.run(
@@ -80,6 +87,7 @@ def code_version() -> dict[str, Any]:
                 capture_output=True,
                 text=True,
                 timeout=10,
+                cwd=PACKAGE_ROOT,
             ).stdout.strip()
         )
     except (OSError, subprocess.SubprocessError):
@@ -96,12 +104,24 @@ def flow_run_id() -> str | None:
         return None
 
 
+def dvc_file() -> Path | None:
+    """The dvc.yaml that lists each stage's params and code: the working folder's (`make
+    demo`, `dvc repro`), else the package's own, so a `moe-pipeline run` in a project folder
+    of the user's own still compares the code a stage ran (it skipped a stage whose code had
+    changed: no dvc.yaml there, nothing compared). None where neither is (an installed wheel)."""
+    for path in (Path("dvc.yaml"), PACKAGE_ROOT / "dvc.yaml"):
+        if path.is_file():
+            return path
+    return None
+
+
 def dvc_stage(stage: str) -> dict[str, Any]:
-    """The stage's entry in dvc.yaml: the one list of the params and code each stage reads."""
+    """The stage's entry in dvc.yaml (`dvc_file`): the one list of the params and code each
+    stage reads."""
     import yaml
 
-    path = Path("dvc.yaml")
-    if not path.is_file():
+    path = dvc_file()
+    if path is None:
         return {}
     return yaml.safe_load(path.read_text()).get("stages", {}).get(stage, {})
 
@@ -122,12 +142,17 @@ def stage_params_hash(cfg: Config, stage: str) -> str:
 
 
 def code_deps(stage: str) -> dict[str, str]:
-    """sha256 of each source file dvc.yaml lists as a dependency of the stage."""
+    """sha256 of each source file dvc.yaml lists as a dependency of the stage, found beside
+    that dvc.yaml or in the package (`PACKAGE_ROOT`)."""
     out = {}
+    where = dvc_file()
     for dep in dvc_stage(stage).get("deps") or []:
-        p = Path(str(dep))
-        if p.suffix == ".py" and p.is_file():
-            out[str(p)] = sha256_file(p)
+        if not str(dep).endswith(".py"):
+            continue
+        for base in (where.parent if where else None, PACKAGE_ROOT):
+            if base is not None and (base / str(dep)).is_file():
+                out[str(Path(str(dep)))] = sha256_file(base / str(dep))
+                break
     return out
 
 

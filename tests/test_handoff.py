@@ -123,3 +123,40 @@ def test_a_budget_stopped_stage_is_not_skipped(cwd: Path) -> None:
         {}, {"model": out / "model.safetensors"}, {"stop_reason": "cost budget reached"}
     )
     assert up_to_date(cfg, "pretrain", out, {}, stage_outputs(cfg, "pretrain")) is None
+
+
+def test_a_project_folder_of_its_own_compares_the_code_a_stage_ran(
+    cwd: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`moe-pipeline run` in a folder without dvc.yaml (a project of the user's own): the
+    package's dvc.yaml names each stage's code, so a stage whose code changed runs again
+    there too (it was skipped: no dvc.yaml, nothing compared), and the record names the
+    package's commit, not "unknown"."""
+    import shutil
+    import subprocess
+
+    from tasks import lineage
+
+    assert not (cwd / "dvc.yaml").exists()
+    deps = lineage.code_deps("pretrain")
+    assert "moe/recipes/pretrain.py" in deps, deps
+    assert set(lineage.code_deps("prepare")) >= {"moe/sql/generator.py", "moe/sql/roles.py"}
+    if (ROOT / ".git").exists():  # a checkout (CI's is); a copy without git says MOE_CODE_COMMIT
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        assert lineage.code_version()["commit"] == head
+    pkg = cwd / "pkg"  # the package as another version of it: its pretrain code copied
+    for rel in deps:
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, pkg / rel)
+    shutil.copy(ROOT / "dvc.yaml", pkg / "dvc.yaml")
+    monkeypatch.setattr(lineage, "PACKAGE_ROOT", pkg)
+    cfg = load_config(None, [f"storage.root={cwd / 'bucket'}"])
+    _fake_pretrain(cwd)
+    out = Path("models/pretrain")
+    StageRecord(cfg, "pretrain", out).write({}, {"model": out / "model.safetensors"}, {})
+    assert up_to_date(cfg, "pretrain", out, {}, stage_outputs(cfg, "pretrain")) is not None
+    changed = pkg / "moe/recipes/pretrain.py"
+    changed.write_text(changed.read_text() + "\n# another version\n")
+    assert up_to_date(cfg, "pretrain", out, {}, stage_outputs(cfg, "pretrain")) is None
