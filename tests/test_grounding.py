@@ -215,3 +215,24 @@ def test_votes_tied_the_question_breaks_the_tie(
     every = "SELECT count(*) FROM track"
     got = choose(music, [(rock, -1.0), (every, -2.0)], grounded=lambda sql: grounded(sql, asked))
     assert got.sql == every
+
+
+def test_votes_tied_a_group_that_names_the_value_once_is_as_named_as_one_that_names_it_twice(
+    music: ReadOnlyDb, grounded: Callable[[str, str], int]
+) -> None:
+    """Chinook, seed 1339 (issue 68): two copies of a count of the genre table that name
+    'Rock' (wrong) against the join on the genre's name and a filter on its key, which names
+    no value (right). Two votes each; both groups name the question's value, so the tie goes
+    to the group of the model's best candidate, not to the one naming 'Rock' more often."""
+    asked = "How many tracks are in the Rock genre?"
+    genres = "SELECT COUNT(*) FROM genre WHERE name = 'Rock'"
+    joined = (
+        "SELECT COUNT(*) FROM genre AS T1 JOIN track AS T2 ON T1.id = T2.genre_id"
+        " WHERE T1.name = 'Rock'"
+    )
+    by_key = "SELECT COUNT(*) FROM track WHERE genre_id = 1"
+    cands = [(genres, -1.53), (genres, -1.53), (joined, -1.41), (by_key, -32.08)]
+    assert grounded(genres, asked) == grounded(joined, asked) == NAMED
+    assert grounded(by_key, asked) == HELD
+    got = choose(music, cands, grounded=lambda sql: grounded(sql, asked))
+    assert (got.sql, got.agreed, got.ran) == (joined, 2, 4)

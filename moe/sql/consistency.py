@@ -21,10 +21,12 @@ With `grounded` (a test of one query giving its level: moe/sql/grounding.py), a 
 that compares a column with a value the database does not hold gets no vote, nor one whose
 held value the question does not name where another candidate names the question's values
 (a real doctor, not the one asked about); a held value the question does not name in any
-form it knows keeps its vote against candidates that name no value. Votes tied, the group
-with more candidates naming the question's values wins, then the one with fewer naming a
-value the question does not (the question breaks a tie, it does not overturn a majority). A
-group's answer is its best-grounded query. A filter on the question's own value that returns nothing keeps its
+form it knows keeps its vote against candidates that name no value. Votes tied, a group
+where a candidate names the question's values wins over one where none does (one naming
+them is enough: a group that reaches the same rows through a key, naming no value, is as
+named as one whose copies all name it), then the one with fewer naming a value the question
+does not (the question breaks a tie, it does not overturn a majority). A group's answer is
+its best-grounded query. A filter on the question's own value that returns nothing keeps its
 vote.
 """
 
@@ -91,12 +93,12 @@ def choose(
     if not groups:
         return Choice(ranked[0][0] if ranked else "", 0, 0, len(candidates))
     # results with rows first with `prefer_rows`; then the most votes (every member without
-    # `grounded`), the most members naming the question's values, the fewest naming others,
+    # `grounded`), a member naming the question's values, the fewest naming others,
     # the larger group; among equals the first formed, whose first member scored highest
     level = {q: grounded(q) for q in seen} if grounded else {}
     rival = any(level.get(q) == 3 for g in groups for q in g[2])  # a candidate names them
     votes = [sum(_votes(level.get(q, 2), rival) for q in g[2]) for g in groups]
-    named = [sum(level.get(q) == 3 for q in g[2]) for g in groups]
+    named = [any(level.get(q) == 3 for q in g[2]) for g in groups]  # one is enough
     unnamed = [sum(level.get(q) == 1 for q in g[2]) for g in groups]
     best = max(
         range(len(groups)),
