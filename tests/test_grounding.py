@@ -236,3 +236,14 @@ def test_votes_tied_a_group_that_names_the_value_once_is_as_named_as_one_that_na
     assert grounded(by_key, asked) == HELD
     got = choose(music, cands, grounded=lambda sql: grounded(sql, asked))
     assert (got.sql, got.agreed, got.ran) == (joined, 2, 4)
+
+
+def test_votes_tied_a_group_naming_the_value_wins_over_one_naming_none(
+    music: ReadOnlyDb, grounded: Callable[[str, str], int]
+) -> None:
+    """One candidate filters on 'France' (named by "French"), one counts every invoice,
+    naming no value, and the model scored it higher: a vote each, and the question's value
+    breaks the tie against the model's preference."""
+    asked = "How many invoices were billed to French customers?"
+    got = choose(music, [(FRENCH, -2.0), (ALL, -1.0)], grounded=lambda sql: grounded(sql, asked))
+    assert (got.sql, got.agreed) == (FRENCH, 1)

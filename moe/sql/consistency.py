@@ -22,11 +22,12 @@ that compares a column with a value the database does not hold gets no vote, nor
 held value the question does not name where another candidate names the question's values
 (a real doctor, not the one asked about); a held value the question does not name in any
 form it knows keeps its vote against candidates that name no value. Votes tied, a group
-where a candidate names the question's values wins over one where none does (one naming
-them is enough: a group that reaches the same rows through a key, naming no value, is as
-named as one whose copies all name it), then the one with fewer naming a value the question
-does not (the question breaks a tie, it does not overturn a majority). A group's answer is
-its best-grounded query. A filter on the question's own value that returns nothing keeps its
+where a candidate names the question's values wins over one where none does (one such
+candidate is enough: a join naming 'Rock' beside a filter on Rock's key is as named as two
+copies of a query naming 'Rock'), then the one with fewer naming a value the question does
+not (the question breaks a tie, it does not overturn a majority), then the larger group
+(members without a vote count here), then the group of the model's best candidate. A
+group's answer is its best-grounded query. A filter on the question's own value that returns nothing keeps its
 vote.
 """
 
