@@ -115,12 +115,12 @@ def dvc_file() -> Path | None:
     return None
 
 
-def dvc_stage(stage: str) -> dict[str, Any]:
-    """The stage's entry in dvc.yaml (`dvc_file`): the one list of the params and code each
-    stage reads."""
+def dvc_stage(stage: str, path: Path | None = None) -> dict[str, Any]:
+    """The stage's entry in dvc.yaml (`path`, else `dvc_file`): the one list of the params and
+    code each stage reads."""
     import yaml
 
-    path = dvc_file()
+    path = path or dvc_file()
     if path is None:
         return {}
     return yaml.safe_load(path.read_text()).get("stages", {}).get(stage, {})
@@ -146,13 +146,14 @@ def code_deps(stage: str) -> dict[str, str]:
     that dvc.yaml or in the package (`PACKAGE_ROOT`)."""
     out = {}
     where = dvc_file()
-    for dep in dvc_stage(stage).get("deps") or []:
-        if not str(dep).endswith(".py"):
+    bases = [where.parent, PACKAGE_ROOT] if where else [PACKAGE_ROOT]
+    for dep in dvc_stage(stage, where).get("deps") or []:
+        rel = str(dep)
+        if not rel.endswith(".py"):
             continue
-        for base in (where.parent if where else None, PACKAGE_ROOT):
-            if base is not None and (base / str(dep)).is_file():
-                out[str(Path(str(dep)))] = sha256_file(base / str(dep))
-                break
+        found = next((b / rel for b in bases if (b / rel).is_file()), None)
+        if found is not None:
+            out[str(Path(rel))] = sha256_file(found)
     return out
 
 
