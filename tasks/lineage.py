@@ -144,9 +144,11 @@ def stage_params_hash(cfg: Config, stage: str) -> str:
 def code_deps(stage: str) -> dict[str, str]:
     """sha256 of each source file dvc.yaml lists as a dependency of the stage, found beside
     that dvc.yaml or in the package (`PACKAGE_ROOT`)."""
-    out = {}
     where = dvc_file()
-    bases = [where.parent, PACKAGE_ROOT] if where else [PACKAGE_ROOT]
+    if where is None:  # no dvc.yaml: no stage lists its code
+        return {}
+    out = {}
+    bases = [where.parent, PACKAGE_ROOT]
     for dep in dvc_stage(stage, where).get("deps") or []:
         rel = str(dep)
         if not rel.endswith(".py"):
