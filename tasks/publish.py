@@ -242,6 +242,7 @@ def ask(
     from moe.sql.databases import open_database
     from moe.sql.evaluate import Candidates, stop_ids
     from moe.sql.grounding import for_database
+    from moe.sql.spelling import in_schema_spelling
     from tasks.databases import remember_password
 
     remember_password(password)
@@ -267,7 +268,8 @@ def ask(
         else:
             held = IdentifierConstraint(tok, pieces, names) if pieces and names else None
             out = model.generate_batch([prompt], min(max_new_tokens, room), stop, adjust=held)
-            got = {"sql": tok.decode(out[0]).strip()}
+            sql = tok.decode(out[0]).strip()
+            got = {"sql": in_schema_spelling(sql, names[0]) if names else sql}
         return {**got, "outcome": ro.run(got["sql"]), "pruned": pruned}
     finally:
         ro.close()

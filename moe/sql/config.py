@@ -34,6 +34,7 @@ class EvaluateConfig:
     # (moe/sql/constrain.py): after FROM or JOIN one of its tables, after `alias.` one of
     # that table's columns, a bare word where an operand starts one of the columns (after
     # FROM: of the tables the query reads), tables, aliases or SQL's words; literals free.
+    # The answer names them in the schema's spelling (moe/sql/spelling.py).
     constrain_identifiers: bool = False
     val_batches: int = knob(16, ge=1)  # batches of held-out text per perplexity
     batch_size: int = knob(64, ge=1)  # questions decoded together

@@ -23,6 +23,7 @@ from moe.sql.prompts import prompt_text
 from moe.sql.records import SqlPair
 from moe.sql.sandbox import ReadOnlyDb, normalized_sql, orders, same_result
 from moe.sql.schema import Schema
+from moe.sql.spelling import in_schema_spelling
 from moe.sql.testsuite import build_suite
 
 
@@ -99,8 +100,8 @@ def sql_accuracy(
             else:
                 adjust = IdentifierConstraint(tok, pieces, names) if names else None
                 outs = model.generate_batch(prompts, max_new_tokens, stop, adjust=adjust)
-                for pair, out in zip(chunk, outs, strict=True):
-                    rows.append(scorer.score(pair, _answer(tok, out)))
+                for i, (pair, out) in enumerate(zip(chunk, outs, strict=True)):
+                    rows.append(scorer.score(pair, _answer(tok, out, names[i] if names else None)))
             if progress:
                 progress(len(rows))
     finally:
@@ -147,9 +148,11 @@ def _voted(
     return rows
 
 
-def _answer(tok: Any, out: list[int]) -> str:
-    """The query of a generated answer: its first line."""
-    return tok.decode(out).split("\n")[0].strip()
+def _answer(tok: Any, out: list[int], names: Names | None = None) -> str:
+    """The query of a generated answer: its first line; held to `names`, with the schema's
+    spelling of its tables and columns (moe/sql/spelling.py)."""
+    sql = tok.decode(out).split("\n")[0].strip()
+    return in_schema_spelling(sql, names) if names else sql
 
 
 class Candidates:
@@ -192,9 +195,10 @@ class Candidates:
         out = []
         for i, (g, s) in enumerate(zip(greedy, greedy_scores, strict=True)):
             rows = range(i * k, (i + 1) * k)
+            held_to = names[i] if names is not None and pieces is not None else None
             out.append(
-                [(_answer(self.tok, g), s)]
-                + [(_answer(self.tok, sampled[j]), scores[j]) for j in rows]
+                [(_answer(self.tok, g, held_to), s)]
+                + [(_answer(self.tok, sampled[j], held_to), scores[j]) for j in rows]
             )
         return out
 
