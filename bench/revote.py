@@ -14,6 +14,11 @@ two votes differ and which was right; the same over the questions whose gold que
 rows (`..._gold_rows`): where it returns none, any query that returns none scores as right,
 and a vote that refuses a value the database does not hold loses there (Spider's rebuilt
 flight_2 holds none of the airlines its questions name). JSON last.
+
+`--spelling schema` first gives every candidate the schema's spelling of its names, as held
+decoding now writes them (moe/sql/spelling.py), and counts the candidates it changed and
+those whose rows then differ from the rows the candidate returned as written (a dump from
+before that change shows what it moves: nothing but the text, it should read 0).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 from moe.sql.consistency import VOTES
 from moe.sql.evaluate import _Scorer
 from moe.sql.records import load_pairs
+from moe.sql.spelling import in_schema_spelling
 
 
 def main() -> None:
@@ -34,6 +40,7 @@ def main() -> None:
     ap.add_argument("--set", default="domain_test")
     ap.add_argument("--dump", type=Path, required=True)
     ap.add_argument("--votes", nargs="+", choices=list(VOTES), default=["plain", "grounded"])
+    ap.add_argument("--spelling", choices=["as-written", "schema"], default="as-written")
     a = ap.parse_args()
     pairs = {(p.question, p.sql): p for p in load_pairs(a.data / "sql" / f"{a.set}.jsonl")}
     groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
@@ -47,15 +54,19 @@ def main() -> None:
         for (setting, seed), rows in groups.items():
             right: dict[str, list[bool]] = {v: [] for v in a.votes}
             rows_kept: list[bool] = []  # the gold query returns rows
+            spelled = {"respelled": 0, "rows_moved": 0}
             for r in rows:
                 pair = pairs[(r["question"], r["gold"])]
                 gold = scorer.db(pair).run(pair.sql)
                 rows_kept.append(gold.ok and bool(gold.rows))
                 cands = [(s, float(lp)) for s, lp in r["candidates"]]
+                if a.spelling == "schema":
+                    cands = _respelled(scorer, pair, cands, spelled)
                 for v in a.votes:
                     sql = scorer.choose(pair, cands, v).sql
                     right[v].append(bool(scorer.score(pair, sql)["execution_match"]))
             row = {"setting": setting, "seed": seed, "questions": len(rows)}
+            row |= spelled if a.spelling == "schema" else {}
             row |= _compare(right, a.votes, [True] * len(rows), "")
             row["questions_gold_rows"] = sum(rows_kept)
             row |= _compare(right, a.votes, rows_kept, "_gold_rows")
@@ -64,6 +75,20 @@ def main() -> None:
     finally:
         scorer.close()
     print(json.dumps(out))
+
+
+def _respelled(scorer: _Scorer, pair, cands: list, counts: dict[str, int]) -> list:
+    """`cands` in the schema's spelling, counting those it changed and those whose rows
+    (or error) it changed."""
+    out = []
+    for sql, lp in cands:
+        new = in_schema_spelling(sql, scorer.names(pair))
+        if new != sql:
+            counts["respelled"] += 1
+            was, now = scorer.db(pair).run(sql), scorer.db(pair).run(new)
+            counts["rows_moved"] += (was.ok, was.rows) != (now.ok, now.rows)
+        out.append((new, lp))
+    return out
 
 
 def _compare(right: dict[str, list[bool]], votes: list[str], keep: list[bool], tag: str) -> dict:
