@@ -80,9 +80,9 @@ def main() -> None:
 def _respelled(scorer: _Scorer, pair, cands: list, counts: dict[str, int]) -> list:
     """`cands` in the schema's spelling, counting those it changed and those whose rows
     (or error) it changed."""
-    out = []
+    out, names = [], scorer.names(pair)
     for sql, lp in cands:
-        new = in_schema_spelling(sql, scorer.names(pair))
+        new = in_schema_spelling(sql, names)
         if new != sql:
             counts["respelled"] += 1
             was, now = scorer.db(pair).run(sql), scorer.db(pair).run(new)

@@ -1,7 +1,7 @@
 """A held query's names as the schema spells them (moe/sql/spelling.py): the case of the
 schema's tables and columns, nothing else of the text; on Chinook (a real outside database)
-the rewritten queries return what the model's own did; and sql_accuracy's held answers come
-out so spelled."""
+the rewritten queries return what the model's own did; and the answer held decoding returns
+is so spelled."""
 
 from __future__ import annotations
 
@@ -11,19 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from moe.sql.constrain import Names
-from moe.sql.sandbox import inspect_database
 from moe.sql.spelling import in_schema_spelling, spellings
-from tests import chinook
-from tests.test_sql import tok  # noqa: F401 (a fixture: a real BPE trained on SQL)
-
-
-def _names(path: Path) -> Names:
-    con = sqlite3.connect(path)
-    try:
-        return Names.of(inspect_database(con))
-    finally:
-        con.close()
+from tests.test_constrain import _names
+from tests.test_sql import chinook_db, tok  # noqa: F401 (fixtures: Chinook, a real BPE)
 
 
 @pytest.fixture
@@ -64,13 +54,8 @@ def test_names_take_the_schemas_case_and_nothing_else_moves(airports: Path) -> N
     )
 
 
-@pytest.fixture(scope="module")
-def chinook_db(tmp_path_factory) -> Path:
-    return chinook.build(tmp_path_factory.mktemp("chinook") / "chinook.sqlite")
-
-
 def test_on_chinook_the_spelled_queries_return_what_the_written_ones_did(
-    chinook_db: Path,
+    chinook_db: Path,  # noqa: F811
 ) -> None:
     names = _names(chinook_db)
     written = [
